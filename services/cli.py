@@ -1,0 +1,55 @@
+"""The ``warmserve`` command line.
+
+Each package contributes its subcommands through a ``register(subparsers)`` function in its own
+``cli`` module (listed in :data:`COMMAND_MODULES`), so this file stays a dispatcher. Those modules
+import heavy dependencies (torch, the engine) inside their handlers, never at import time, so
+``warmserve cache ls`` starts in a fraction of a second.
+
+Exit codes: 0 success; 2 bad usage or input (argparse, :class:`services.errors.InvalidArgument`);
+1 a failed operation (any other :class:`services.errors.WarmserveError`); 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from services.errors import WarmserveError
+
+COMMAND_MODULES = (
+    "kernel_cache_service.cli",
+    "weight_service.cli",
+    "runner_service.cli",
+    "services.router.cli",
+    "services.stack_cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; every subcommand sets ``func(args) -> int``."""
+    parser = argparse.ArgumentParser(
+        prog="warmserve",
+        description="warmserve: LLM serving with warm launches and host-cheap decode.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except WarmserveError as e:
+        print(f"warmserve: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Errors shared by every core object, each tied to the gRPC status code a servicer returns.
+
+Core objects (stores, engines, packers) raise these; servicers translate them with
+:func:`abort_with` and the CLI maps them to exit codes with :attr:`WarmserveError.exit_code`
+(2 for bad input, 1 for a failed operation). The message is one human sentence.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class WarmserveError(Exception):
+    """Base class. ``code`` is the gRPC status, ``exit_code`` the CLI exit status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    exit_code: int = 1
+
+
+class InvalidArgument(WarmserveError, ValueError):
+    """Bad input from the caller (gRPC ``INVALID_ARGUMENT``, CLI exit 2)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    exit_code = 2
+
+
+class NotFound(WarmserveError, LookupError):
+    """The named thing does not exist (gRPC ``NOT_FOUND``)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(WarmserveError):
+    """Over a budget that retrying will not fix now (gRPC ``RESOURCE_EXHAUSTED``)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(WarmserveError):
+    """A dependency or peer is not ready (gRPC ``UNAVAILABLE``)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(WarmserveError):
+    """The system is not in a state that allows the operation (gRPC ``FAILED_PRECONDITION``)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(WarmserveError):
+    """A required bearer token is missing or wrong (gRPC ``UNAUTHENTICATED``)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def abort_with(context: grpc.ServicerContext, err: WarmserveError) -> None:
+    """Abort the RPC with ``err``'s status code and message. Never returns (raises)."""
+    context.abort(err.code, str(err))
+
+
+def from_rpc_error(err: grpc.RpcError) -> WarmserveError:
+    """Turn a client-side ``grpc.RpcError`` back into the matching :class:`WarmserveError`."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    detail = err.details() if hasattr(err, "details") else str(err)
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated):
+        if cls.code == code:
+            return cls(detail)
+    e = WarmserveError(f"{code.name}: {detail}")
+    return e

@@ -1,0 +1,186 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoutingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTING_POLICY_UNSPECIFIED: _ClassVar[RoutingPolicy]
+    LEAST_OUTSTANDING: _ClassVar[RoutingPolicy]
+    ROUND_ROBIN: _ClassVar[RoutingPolicy]
+    PREFIX_AFFINITY: _ClassVar[RoutingPolicy]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    STOP: _ClassVar[FinishReason]
+    LENGTH: _ClassVar[FinishReason]
+    CANCELLED: _ClassVar[FinishReason]
+    ABORTED: _ClassVar[FinishReason]
+ROUTING_POLICY_UNSPECIFIED: RoutingPolicy
+LEAST_OUTSTANDING: RoutingPolicy
+ROUND_ROBIN: RoutingPolicy
+PREFIX_AFFINITY: RoutingPolicy
+FINISH_REASON_UNSPECIFIED: FinishReason
+STOP: FinishReason
+LENGTH: FinishReason
+CANCELLED: FinishReason
+ABORTED: FinishReason
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatPrompt(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: int
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "routing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    chat: ChatPrompt
+    token_ids: TokenIds
+    sampling: SamplingParams
+    routing: RoutingPolicy
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing: _Optional[_Union[RoutingPolicy, str]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "runner_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: FinishReason
+    usage: Usage
+    runner_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., runner_id: _Optional[str] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartupPhase(_message.Message):
+    __slots__ = ("name", "seconds", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StartupReport(_message.Message):
+    __slots__ = ("phases", "total_seconds")
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
+    total_seconds: float
+    def __init__(self, phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup")
+    RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
+    runner_id: str
+    model: str
+    family: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    compile_mode: str
+    sidecar_fingerprint: str
+    startup: StartupReport
+    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,168 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProgramKey(_message.Message):
+    __slots__ = ("name", "fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class EntryInfo(_message.Message):
+    __slots__ = ("key", "size_bytes", "sha256", "created_unix_s", "last_access_unix_s", "producer", "format")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    size_bytes: int
+    sha256: str
+    created_unix_s: float
+    last_access_unix_s: float
+    producer: str
+    format: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., last_access_unix_s: _Optional[float] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("status", "entry")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[LookupResponse.Status]
+        HIT: _ClassVar[LookupResponse.Status]
+        MISS: _ClassVar[LookupResponse.Status]
+    STATUS_UNSPECIFIED: LookupResponse.Status
+    HIT: LookupResponse.Status
+    MISS: LookupResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    status: LookupResponse.Status
+    entry: EntryInfo
+    def __init__(self, status: _Optional[_Union[LookupResponse.Status, str]] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("key", "chunk_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    chunk_bytes: int
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("entry", "data")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    entry: EntryInfo
+    data: bytes
+    def __init__(self, entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PublishHeader(_message.Message):
+    __slots__ = ("key", "size_bytes", "sha256", "producer", "format")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    size_bytes: int
+    sha256: str
+    producer: str
+    format: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PublishHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("status", "reason", "entry")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[PublishResponse.Status]
+        PUBLISHED: _ClassVar[PublishResponse.Status]
+        ALREADY_PRESENT: _ClassVar[PublishResponse.Status]
+        REJECTED: _ClassVar[PublishResponse.Status]
+    STATUS_UNSPECIFIED: PublishResponse.Status
+    PUBLISHED: PublishResponse.Status
+    ALREADY_PRESENT: PublishResponse.Status
+    REJECTED: PublishResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    status: PublishResponse.Status
+    reason: str
+    entry: EntryInfo
+    def __init__(self, status: _Optional[_Union[PublishResponse.Status, str]] = ..., reason: _Optional[str] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("name_prefix",)
+    NAME_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    name_prefix: str
+    def __init__(self, name_prefix: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[EntryInfo]
+    def __init__(self, entries: _Optional[_Iterable[_Union[EntryInfo, _Mapping]]] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("root", "entries", "total_bytes", "max_bytes", "hits", "misses", "publishes", "evictions", "quarantined")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    entries: int
+    total_bytes: int
+    max_bytes: int
+    hits: int
+    misses: int
+    publishes: int
+    evictions: int
+    quarantined: int
+    def __init__(self, root: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., publishes: _Optional[int] = ..., evictions: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("key", "all")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    all: bool
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "freed_bytes")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    freed_bytes: int
+    def __init__(self, evicted: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,353 @@
+"""The one server bootstrap every warmserve daemon uses.
+
+:class:`ServiceServer` wraps a ``grpc.Server`` with what every service needs:
+
+- bind address (default ``127.0.0.1``; port 0 picks a free port, see :attr:`ServiceServer.port`);
+- ``grpc.health.v1.Health`` (overall ``""`` plus each registered service name);
+- server reflection, so ``grpcurl -plaintext 127.0.0.1:PORT list`` works;
+- an optional bearer-token check (``authorization: Bearer <token>`` metadata) on all or on a
+  chosen set of methods, answering ``UNAUTHENTICATED``;
+- per-method Prometheus metrics (``warmserve_rpc_total``, ``warmserve_rpc_seconds``) in a
+  per-server registry, exported on ``--metrics-port`` when one is given;
+- graceful drain on SIGTERM/SIGINT: health goes ``NOT_SERVING``, new RPCs are refused, in-flight
+  RPCs get ``drain_grace_s`` seconds to finish, then :meth:`ServiceServer.wait` returns.
+
+Servicers stay thin: they validate, call a core object, and translate
+:class:`services.errors.WarmserveError` with :func:`services.errors.abort_with`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from services.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+#: Methods that never need a token: health checks and reflection.
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings shared by every daemon; validated at construction (raises ``InvalidArgument``).
+
+    ``protected_methods`` lists full method names (``/warmserve.v1.KernelCache/Publish``) that
+    need the token; ``None`` protects every method except health and reflection. The token is
+    ignored when ``token`` is ``None``. Sizes are bytes, times seconds.
+    """
+
+    service: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None
+    token: str | None = None
+    protected_methods: frozenset[str] | None = None
+    max_workers: int = 64
+    drain_grace_s: float = 30.0
+    max_message_bytes: int = 16 * MiB
+    options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        if self.max_workers < 1:
+            raise InvalidArgument(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.drain_grace_s < 0:
+            raise InvalidArgument(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
+        if self.token is not None and not self.token:
+            raise InvalidArgument("the bearer token is empty")
+
+
+def read_token_file(path: str | Path) -> str:
+    """Read a bearer token (first line, stripped). Raises ``InvalidArgument`` if absent or empty."""
+    try:
+        token = Path(path).read_text().strip().splitlines()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read token file {path}: {e.strerror}") from e
+    if not token or not token[0].strip():
+        raise InvalidArgument(f"token file {path} is empty")
+    return token[0].strip()
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Client-side call metadata carrying ``token`` (empty when ``token`` is ``None``)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Rejects protected methods whose ``authorization`` metadata lacks the bearer token."""
+
+    def __init__(self, token: str, protected: frozenset[str] | None) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._protected = protected
+
+    def _needs_token(self, method: str) -> bool:
+        if method.startswith(_OPEN_PREFIXES):
+            return False
+        return self._protected is None or method in self._protected
+
+    def intercept_service(self, continuation, handler_call_details):
+        if not self._needs_token(handler_call_details.method):
+            return continuation(handler_call_details)
+        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        msg = f"{handler_call_details.method} needs a valid bearer token"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        def deny_stream(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny_stream)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class _MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every RPC by method and final status code, and times it (seconds)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.total = Counter("warmserve_rpc", "RPCs handled", ["method", "code"], registry=registry)
+        self.seconds = Histogram(
+            "warmserve_rpc_seconds", "RPC wall time in seconds", ["method"], registry=registry
+        )
+
+    def _observe(self, method: str, start: float, code: str) -> None:
+        self.total.labels(method, code).inc()
+        self.seconds.labels(method).observe(time.perf_counter() - start)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def code_of(context, exc: BaseException | None) -> str:
+            code = context.code() if hasattr(context, "code") else None
+            if code is None:
+                code = grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+            return code.name if hasattr(code, "name") else str(code)
+
+        def wrap_unary(fn):
+            def inner(request, context):
+                start, exc = time.perf_counter(), None
+                try:
+                    return fn(request, context)
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    self._observe(method, start, code_of(context, exc))
+
+            return inner
+
+        def wrap_stream(fn):
+            def inner(request, context):
+                start, exc = time.perf_counter(), None
+                try:
+                    yield from fn(request, context)
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    self._observe(method, start, code_of(context, exc))
+
+            return inner
+
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+
+
+#: ``add_XServicer_to_server``-style function, the servicer, and the service's full name.
+Registration = tuple[Callable[[object, grpc.Server], None], object, str]
+
+
+class ServiceServer:
+    """A started-on-demand gRPC server with health, reflection, auth, metrics and drain.
+
+    Usage::
+
+        srv = ServiceServer(cfg, [(pb2_grpc.add_KernelCacheServicer_to_server, servicer,
+                                   "warmserve.v1.KernelCache")])
+        srv.start()          # binds; srv.port is the bound port
+        srv.serve_forever()  # until SIGTERM/SIGINT, then drains
+
+    ``registry`` is this server's Prometheus registry; services add their own gauges to it.
+    ``on_drain`` callbacks run when a drain starts (before in-flight RPCs are awaited).
+    """
+
+    def __init__(self, config: ServerConfig, registrations: Iterable[Registration]) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._registrations = list(registrations)
+        self._server: grpc.Server | None = None
+        self._stopped = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._draining = False
+        self.on_drain: list[Callable[[], None]] = []
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_httpd = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients should dial (valid after :meth:`start`)."""
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def service_names(self) -> list[str]:
+        return [name for _, _, name in self._registrations]
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
+        cfg = self.config
+        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry)]
+        if cfg.token is not None:
+            interceptors.insert(0, _AuthInterceptor(cfg.token, cfg.protected_methods))
+        options = [
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            *cfg.options,
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix=cfg.service),
+            interceptors=interceptors,
+            options=options,
+        )
+        for add, servicer, _name in self._registrations:
+            add(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        server.start()
+        self._server, self.port = server, port
+        if cfg.metrics_port is not None:
+            self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
+            self.metrics_port = self._metrics_httpd.server_port
+        self.set_serving(True)
+        log.info("serving", extra={"address": self.address, "services": self.service_names,
+                                   "metrics_port": self.metrics_port, "auth": cfg.token is not None})
+        return port
+
+    def set_serving(self, serving: bool) -> None:
+        """Set health of the overall server and of every registered service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Go NOT_SERVING, refuse new RPCs, let in-flight ones finish (``grace_s`` seconds at most).
+
+        Safe to call more than once and from a signal handler's thread; returns after the stop.
+        """
+        with self._drain_lock:
+            if self._draining:
+                self._stopped.wait()
+                return
+            self._draining = True
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        log.info("draining", extra={"grace_s": grace})
+        self.set_serving(False)
+        for cb in self.on_drain:
+            try:
+                cb()
+            except Exception:
+                log.exception("drain callback failed")
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        log.info("stopped")
+        self._stopped.set()
+
+    def stop(self) -> None:
+        """Stop at once (no grace): for tests and fatal errors."""
+        self.drain(0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped; ``False`` on timeout."""
+        return self._stopped.wait(timeout)
+
+    def install_signal_handlers(self) -> None:
+        """Drain on SIGTERM and SIGINT (main thread only)."""
+
+        def handler(signum, _frame):
+            log.info("signal", extra={"signal": signal.Signals(signum).name})
+            threading.Thread(target=self.drain, name="drain", daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def serve_forever(self) -> None:
+        """Start if needed, install signal handlers, and block until drained."""
+        if self._server is None:
+            self.start()
+        self.install_signal_handlers()
+        while not self._stopped.wait(0.5):
+            pass
+
+
+def add_server_args(parser, *, default_port: int) -> None:
+    """Add the bootstrap's common daemon flags to an ``argparse`` parser."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (default {default_port})")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
+    parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
+    parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args, service: str, protected_methods: frozenset[str] | None = None) -> ServerConfig:
+    """Build a :class:`ServerConfig` from :func:`add_server_args` flags."""
+    token = read_token_file(args.token_file) if args.token_file else None
+    return ServerConfig(
+        service=service,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        token=token,
+        protected_methods=protected_methods,
+        drain_grace_s=args.drain_grace,
+    )
