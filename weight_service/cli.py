@@ -1,0 +1,67 @@
+"""``warmserve weights serve`` and ``warmserve prepack``.
+
+Heavy modules (torch, gguf, the packer) are imported inside the handlers so the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_PORT = 50052
+
+
+def register(subparsers) -> None:
+    """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
+    from services.server import add_server_args
+
+    weights = subparsers.add_parser("weights", help="the weight-sidecar service")
+    wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)
+    serve = wsub.add_parser("serve", help="run the Weights gRPC daemon")
+    serve.add_argument("--root", default=None, help="sidecar directory (default $WARMSERVE_HOME/sidecars)")
+    add_server_args(serve, default_port=DEFAULT_PORT)
+    serve.set_defaults(func=_serve)
+
+    prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")
+    prepack.add_argument("source", metavar="SOURCE",
+                         help="a safetensors directory, a .gguf file, or smollm2-135m-instruct")
+    prepack.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="packed dtype (default f32)")
+    prepack.add_argument("--out", default=None, help="sidecar root directory (default $WARMSERVE_HOME/sidecars)")
+    prepack.add_argument("--force", action="store_true", help="repack even when a valid sidecar exists")
+    prepack.add_argument("--cold-policy", choices=("accept", "reject"), default="accept",
+                         help="what to do with a valid sidecar that is not in the page cache")
+    prepack.set_defaults(func=_prepack)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.log import configure_logging
+    from services.paths import default_sidecar_root
+    from services.server import ServiceServer, config_from_args
+    from weight_service.server import build_server
+
+    configure_logging("weights")
+    root = Path(args.root).expanduser() if args.root else default_sidecar_root()
+    server: ServiceServer = build_server(config_from_args(args, "weights"), root)
+    server.serve_forever()
+    return 0
+
+
+def _prepack(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from weight_service.prepare import prepare
+    from weight_service.progress_bar import ProgressBar
+
+    root = Path(args.out).expanduser() if args.out else None
+    bar = ProgressBar(sys.stderr)
+    try:
+        handle = prepare(args.source, dtype=args.dtype, root=root, force=args.force,
+                         cold_policy=args.cold_policy, progress=bar.update)
+    finally:
+        bar.finish()
+    residency = "unknown" if handle.residency is None else f"{handle.residency:.2f}"
+    print(f"{handle.state} {handle.path} fingerprint={handle.fingerprint[:16]} "
+          f"bytes={handle.size_bytes} residency={residency} seconds={handle.seconds:.2f}")
+    return 0
