@@ -1,0 +1,79 @@
+"""``warmserve router ...``: the router daemon and its control commands.
+
+``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
+[--health-interval S] [--eject-after K]`` runs the router; ``warmserve router drain RUNNER_ID``
+stops routing new requests to one runner. Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 50050
+POLICIES = ("least-outstanding", "round-robin", "prefix-affinity")
+
+
+def register(subparsers) -> None:
+    """Add ``router`` and its subcommands to the ``warmserve`` parser."""
+    router = subparsers.add_parser("router", help="the request router (one endpoint for many runners)")
+    sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
+
+    serve = sub.add_parser("serve", help="run the router daemon")
+    from services.server import add_server_args
+
+    add_server_args(serve, default_port=DEFAULT_PORT)
+    serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
+                       help="a static runner host:port (repeatable); runners may also register themselves")
+    serve.add_argument("--policy", choices=POLICIES, default="least-outstanding",
+                       help="default routing policy (default least-outstanding)")
+    serve.add_argument("--lease-seconds", type=float, default=10.0,
+                       help="lease granted to registering runners when they ask for none (default 10)")
+    serve.add_argument("--health-interval", type=float, default=1.0,
+                       help="seconds between health checks of each runner (default 1)")
+    serve.add_argument("--eject-after", type=int, default=3,
+                       help="consecutive failed health checks before a runner is ejected (default 3)")
+    serve.set_defaults(func=_serve)
+
+    drain = sub.add_parser("drain", help="stop routing new requests to a runner")
+    drain.add_argument("runner_id")
+    drain.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="router address")
+    drain.set_defaults(func=_drain)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.log import configure_logging
+    from services.router.config import RouterConfig
+    from services.router.server import RouterServer
+    from services.server import config_from_args
+
+    configure_logging("router", args.log_level)
+    config = RouterConfig(
+        static_runners=tuple(args.runner),
+        policy=args.policy,
+        default_lease_s=args.lease_seconds,
+        health_interval_s=args.health_interval,
+        eject_after=args.eject_after,
+    )
+    server = RouterServer(config, config_from_args(args, "router"))
+    server.start()
+    server.serve_forever()
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.channel import open_channel
+    from services.errors import NotFound, from_rpc_error
+    from services.proto import router_pb2, router_pb2_grpc
+
+    with open_channel(args.addr, ready_timeout_s=5.0) as channel:
+        try:
+            resp = router_pb2_grpc.RouterControlStub(channel).Drain(
+                router_pb2.DrainRequest(runner_id=args.runner_id), timeout=5.0)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+    if not resp.found:
+        raise NotFound(f"the router at {args.addr} knows no runner {args.runner_id!r}")
+    print(f"draining {args.runner_id}")
+    return 0

@@ -1,0 +1,134 @@
+"""``warmserve up | generate | chat | status | demo``: the local stack and its clients.
+
+``up`` starts kernel-cache, weights, N runners and the router as child processes (see
+:class:`services.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
+(the router by default); ``status`` shows the router's runners and the health of each service;
+``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_ROUTER = "127.0.0.1:50050"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_stack_args(p: argparse.ArgumentParser, *, runners: int) -> None:
+    p.add_argument("--runners", type=int, default=runners, help=f"number of runners (default {runners})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model source (default {DEFAULT_MODEL}, bundled)")
+    p.add_argument("--base-port", type=int, default=50050,
+                   help="router port; kernel-cache +1, weights +2, runner i at +11+i (default 50050)")
+    p.add_argument("--home", default=None, help="state directory (default $WARMSERVE_HOME)")
+    p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=None,
+                   help="runner compile mode (default: the runner's own default)")
+    p.add_argument("--dtype", choices=("f32", "bf16"), default=None, help="runner dtype (default: runner's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="runner batch size (default: runner's)")
+    p.add_argument("--policy", choices=("least-outstanding", "round-robin", "prefix-affinity"),
+                   default="least-outstanding", help="router policy")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=DEFAULT_ROUTER, help=f"Generation endpoint (default {DEFAULT_ROUTER})")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+
+
+def register(subparsers) -> None:
+    """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
+    up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
+    _add_stack_args(up, runners=2)
+    up.set_defaults(func=_up)
+
+    gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send plain text, without the chat template")
+    gen.add_argument("--system", default=None, help="system message (chat mode)")
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_generate)
+
+    chat = subparsers.add_parser("chat", help="interactive chat (reads stdin, keeps history)")
+    chat.add_argument("--system", default=None, help="system message")
+    _add_sampling_args(chat)
+    chat.set_defaults(func=_chat)
+
+    status = subparsers.add_parser("status", help="runners, leases, load and service health")
+    status.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
+    status.add_argument("--service", action="append", default=[], metavar="NAME=ADDR",
+                        help="another service to health-check (repeatable), e.g. weights=127.0.0.1:50052")
+    status.set_defaults(func=_status)
+
+    demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
+    _add_stack_args(demo, runners=1)
+    demo.set_defaults(func=_demo)
+
+
+def _stack_config(args: argparse.Namespace):
+    from services.stack import StackConfig
+
+    return StackConfig.from_args(args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.stack import run_up
+
+    return run_up(_stack_config(args))
+
+
+def _sampling(args: argparse.Namespace):
+    from services.client import sampling_params
+
+    return sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import sys
+
+    from services.client import GenerationClient, chat_request, text_request
+
+    if args.raw:
+        request = text_request(args.prompt, _sampling(args))
+    else:
+        messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        request = chat_request(messages, _sampling(args))
+    with GenerationClient(args.addr) as client:
+        result = client.stream_to(request, sys.stdout, timeout_s=args.timeout)
+    print()
+    print(result.summary(), file=sys.stderr)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import sys
+
+    from services.client import GenerationClient, interactive_chat
+
+    with GenerationClient(args.addr) as client:
+        return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
+                                stdin=sys.stdin, stdout=sys.stdout)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import sys
+
+    from services.stack import print_status
+
+    services = {}
+    for item in args.service:
+        name, sep, addr = item.partition("=")
+        if not sep or not name or not addr:
+            from services.errors import InvalidArgument
+
+            raise InvalidArgument(f"--service wants NAME=ADDR, got {item!r}")
+        services[name] = addr
+    return print_status(args.addr, services, out=sys.stdout)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return run_demo(_stack_config(args))
