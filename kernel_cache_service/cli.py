@@ -1,0 +1,179 @@
+"""``warmserve cache ...``: run the kernel-cache daemon and use a store from the shell.
+
+Commands::
+
+    warmserve cache serve --root DIR [--port 50051] [--max-bytes N] [--token-file F]
+    warmserve cache put NAME FINGERPRINT PATH   (--addr HOST:PORT | --root DIR) [--token-file F]
+    warmserve cache get NAME FINGERPRINT OUT    (--addr HOST:PORT | --root DIR)
+    warmserve cache ls [PREFIX]                 (--addr HOST:PORT | --root DIR)
+    warmserve cache stat                        (--addr HOST:PORT | --root DIR)
+    warmserve cache evict [NAME [FINGERPRINT]] [--all]  (--addr | --root) [--token-file F]
+
+``--root`` uses an embedded store in that directory (no daemon); ``--addr`` talks to a daemon.
+Neither given: the daemon at ``$WARMSERVE_KERNEL_CACHE_ADDR`` if set, else the embedded store at
+the default root (``$WARMSERVE_HOME/kernel-cache``). Exit codes: 0 success, 2 bad usage or input
+(a bad key, a missing PATH), 1 a failed operation (a MISS on ``get``, a REJECTED ``put``, an
+unreachable daemon). Heavy modules are imported inside the handlers so the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.server import add_server_args, read_token_file
+
+DEFAULT_PORT = 50051
+ADDR_ENV = "WARMSERVE_KERNEL_CACHE_ADDR"
+
+
+def register(subparsers) -> None:
+    """Add the ``cache`` command group to the top-level ``warmserve`` parser."""
+    cache = subparsers.add_parser("cache", help="kernel cache: compiled-program store and daemon")
+    sub = cache.add_subparsers(dest="cache_command", metavar="CACHE_COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the KernelCache gRPC daemon")
+    serve.add_argument("--root", required=True, help="store directory (created if absent)")
+    serve.add_argument("--max-bytes", type=_non_negative_int, default=0,
+                       help="byte budget; least recently used entries are evicted (0 = unlimited)")
+    add_server_args(serve, default_port=DEFAULT_PORT)
+    serve.set_defaults(func=_cmd_serve)
+
+    put = sub.add_parser("put", help="publish a file or a directory under NAME FINGERPRINT")
+    put.add_argument("name")
+    put.add_argument("fingerprint")
+    put.add_argument("path", help="file or directory to publish")
+    put.add_argument("--producer", default="", help="free text stored with the entry")
+    _target_args(put, token=True)
+    put.set_defaults(func=_cmd_put)
+
+    get = sub.add_parser("get", help="fetch an entry to OUT (a file, or a directory for dir entries)")
+    get.add_argument("name")
+    get.add_argument("fingerprint")
+    get.add_argument("out")
+    _target_args(get)
+    get.set_defaults(func=_cmd_get)
+
+    ls = sub.add_parser("ls", help="list entries whose name starts with PREFIX")
+    ls.add_argument("prefix", nargs="?", default="")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    _target_args(ls)
+    ls.set_defaults(func=_cmd_ls)
+
+    stat = sub.add_parser("stat", help="store totals and counters (JSON)")
+    _target_args(stat)
+    stat.set_defaults(func=_cmd_stat)
+
+    evict = sub.add_parser("evict", help="remove one entry, every fingerprint of NAME, or --all")
+    evict.add_argument("name", nargs="?", default=None)
+    evict.add_argument("fingerprint", nargs="?", default=None)
+    evict.add_argument("--all", action="store_true", help="evict every entry")
+    _target_args(evict, token=True)
+    evict.set_defaults(func=_cmd_evict)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a value >= 0, got {value}")
+    return value
+
+
+def _target_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--addr", default=None, help="daemon address HOST:PORT")
+    group.add_argument("--root", default=None, help="embedded store directory (no daemon)")
+    if token:
+        parser.add_argument("--token-file", default=None, help="file holding the daemon's bearer token")
+
+
+def _client(args):
+    from kernel_cache_service.client import KernelCacheClient
+    from services.paths import default_kernel_cache_root
+
+    token = read_token_file(args.token_file) if getattr(args, "token_file", None) else None
+    address = args.addr or (None if args.root else os.environ.get(ADDR_ENV) or None)
+    if address is not None:
+        return KernelCacheClient(address, token=token)
+    return KernelCacheClient(root=args.root or default_kernel_cache_root())
+
+
+def _cmd_serve(args) -> int:
+    from kernel_cache_service.server import serve_from_args
+
+    serve_from_args(args)
+    return 0
+
+
+def _cmd_put(args) -> int:
+    client = _client(args)
+    try:
+        result = client.publish_result(args.name, args.fingerprint, args.path, producer=args.producer)
+    finally:
+        client.close()
+    if result.status == "REJECTED":
+        raise FailedPrecondition(f"publish of {args.name}/{args.fingerprint} rejected: {result.reason}")
+    print(f"{result.status} {args.name}/{args.fingerprint} {result.entry.size_bytes if result.entry else 0} bytes")
+    return 0
+
+
+def _cmd_get(args) -> int:
+    client = _client(args)
+    try:
+        info = client.fetch(args.name, args.fingerprint, args.out)
+    finally:
+        client.close()
+    if info is None:
+        raise NotFound(f"no entry {args.name}/{args.fingerprint} (MISS)")
+    print(f"{args.out} {info.size_bytes} bytes sha256={info.sha256} format={info.format}")
+    return 0
+
+
+def _cmd_ls(args) -> int:
+    client = _client(args)
+    try:
+        entries = client.list(args.prefix)
+    finally:
+        client.close()
+    if args.json:
+        for e in entries:
+            print(json.dumps(e.to_dict()))
+        return 0
+    rows = [("NAME", "FINGERPRINT", "BYTES", "FORMAT", "LAST_ACCESS", "PRODUCER")]
+    for e in entries:
+        last = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.last_access))
+        rows.append((e.name, e.fingerprint[:16], str(e.size_bytes), e.format, last, e.producer))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def _cmd_stat(args) -> int:
+    client = _client(args)
+    try:
+        stats = client.stat()
+    finally:
+        client.close()
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_evict(args) -> int:
+    if args.all and (args.name or args.fingerprint):
+        raise InvalidArgument("--all takes no NAME or FINGERPRINT")
+    if not args.all and not args.name:
+        raise InvalidArgument("give NAME [FINGERPRINT], or --all")
+    client = _client(args)
+    try:
+        count, freed = client.evict(args.name, args.fingerprint, all=args.all)
+    finally:
+        client.close()
+    print(f"evicted {count} entries, freed {freed} bytes")
+    return 0
