@@ -44,3 +44,14 @@ def hf_model(smollm2_gguf: Path):
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
+    """Directory of a float32 weight sidecar packed from the bundled SmolLM2 GGUF (~6 s, once per
+    session): ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ``config.json``.
+    Load it with ``weight_service.loader.load_sidecar``."""
+    from weight_service.prepare import prepare
+
+    root = tmp_path_factory.mktemp("sidecars")
+    return prepare(str(smollm2_gguf), dtype="f32", root=root).path

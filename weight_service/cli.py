@@ -52,7 +52,7 @@ def _prepack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from weight_service.prepare import prepare
-    from weight_service.progress_bar import ProgressBar
+    from weight_service.progress import ProgressBar
 
     root = Path(args.out).expanduser() if args.out else None
     bar = ProgressBar(sys.stderr)

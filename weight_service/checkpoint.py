@@ -1,0 +1,58 @@
+"""What a pack spec reads from: a checkpoint seen through Hugging Face tensor names.
+
+Both readers (:mod:`weight_service.safetensors_reader`, :mod:`weight_service.gguf_reader`)
+present the checkpoint the same way: a :class:`~weight_service.model_config.ModelConfig`, tensors
+under HF names (``model.layers.3.self_attn.q_proj.weight``) in HF layout (``[out, in]`` as
+``F.linear`` expects, q/k in HF rotary order), and the tokenizer files to place next to the
+sidecar. A pack spec never sees a file format.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from weight_service.model_config import ModelConfig
+from weight_service.sources import ResolvedSource
+
+
+class Checkpoint(Protocol):
+    """A readable checkpoint. ``tensor`` returns a float32 or bfloat16/float16 CPU tensor in HF
+    layout and raises ``InvalidArgument`` for a name the checkpoint lacks."""
+
+    config: ModelConfig
+
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """File name (``tokenizer.json``, ``tokenizer_config.json``) to bytes; may be empty."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_checkpoint(source: ResolvedSource) -> Checkpoint:
+    """Open ``source`` with the reader for its kind (raises ``InvalidArgument`` when unreadable)."""
+    if source.kind == "gguf":
+        from weight_service.gguf_reader import GGUFCheckpoint
+
+        return GGUFCheckpoint(source.path)
+    from weight_service.safetensors_reader import SafetensorsCheckpoint
+
+    return SafetensorsCheckpoint(source.path)
+
+
+def source_architecture(source: ResolvedSource) -> str:
+    """The HF architecture name (``LlamaForCausalLM``) without reading weights: ``config.json``'s
+    ``architectures[0]``, or the GGUF ``general.architecture`` key (read from the file's first
+    metadata entries). Raises ``InvalidArgument`` when it cannot be found."""
+    if source.kind == "gguf":
+        from weight_service.gguf_reader import gguf_architecture, hf_architecture
+
+        return hf_architecture(gguf_architecture(source.path))
+    from weight_service.safetensors_reader import read_hf_config
+
+    return read_hf_config(source.path)["_architecture"]

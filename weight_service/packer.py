@@ -1,0 +1,129 @@
+"""Pack a checkpoint into a sidecar directory: stream every tensor into a temp file, check the
+checkpoint did not change meanwhile, then publish atomically.
+
+The header (names, shapes, offsets, fingerprints) depends only on the config, so it is written
+first; tensor data then goes straight to its offset with ``pwrite`` (global tensors, then layer
+by layer into each stacked tensor's ``[layer]`` slice), so memory holds one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.errors import FailedPrecondition, InvalidArgument
+from weight_service.checkpoint import open_checkpoint
+from weight_service.pack_spec import PackSpec
+from weight_service.progress import ProgressEvent
+from weight_service.sidecar import (
+    CONFIG_FILE,
+    DTYPES,
+    FORMAT_VERSION,
+    WEIGHTS_FILE,
+    build_header,
+    finish_temp_file,
+    names_fingerprint,
+    new_temp_file,
+    publish,
+    sidecar_fingerprint,
+    write_temp_file,
+)
+from weight_service.sources import ResolvedSource, source_fingerprint
+
+Progress = Callable[[ProgressEvent], None]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> memoryview:
+    if tuple(t.shape) != tuple(shape):
+        raise FailedPrecondition(f"checkpoint tensor for {name} has shape {list(t.shape)}, "
+                                 f"the pack spec expects {list(shape)}")
+    t = t.to(dtype).contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _current_fingerprint(source: ResolvedSource) -> str | None:
+    try:
+        return source_fingerprint(source)
+    except InvalidArgument:  # a file vanished: changed
+        return None
+
+
+def pack_sidecar(source: ResolvedSource, spec: PackSpec, dtype: str, directory: Path,
+                 progress: Progress | None = None) -> None:
+    """Pack ``source`` with ``spec`` in ``dtype`` (``"f32"``/``"bf16"``) into ``directory``.
+
+    Publishes ``config.json``, the tokenizer files and ``model.safetensors`` (last) with
+    mkstemp + fsync + chmod + ``os.replace``. Raises ``FailedPrecondition`` when the checkpoint's
+    fingerprint changed between the start and the end of packing (nothing is published then),
+    ``InvalidArgument`` for an unreadable or unsupported checkpoint. Callers hold the sidecar lock.
+    """
+    emit = progress or (lambda _e: None)
+    torch_dtype = DTYPES[dtype][0]
+    source_fp = source_fingerprint(source)
+    emit(ProgressEvent("read", message=f"reading {source.path.name}"))
+    ckpt = open_checkpoint(source)
+    temps: dict[str, Path] = {}
+    try:
+        config = ckpt.config
+        layers = config.num_hidden_layers
+        shapes = spec.tensor_shapes(config)
+        names_fp = names_fingerprint(shapes)
+        metadata = {
+            "warmserve.format_version": FORMAT_VERSION,
+            "warmserve.family": spec.name,
+            "warmserve.dtype": dtype,
+            "warmserve.config": config.to_json(),
+            "warmserve.fingerprint": sidecar_fingerprint(spec.name, spec.version, dtype, source_fp, names_fp),
+            "warmserve.source_fingerprint": source_fp,
+            "warmserve.names_fingerprint": names_fp,
+            "warmserve.source": str(source.path),
+        }
+        prefix, entries, total = build_header(shapes, dtype, metadata)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, data in ckpt.tokenizer_files().items():
+            temps[name] = write_temp_file(directory, name, data)
+        temps[CONFIG_FILE] = write_temp_file(
+            directory, CONFIG_FILE, json.dumps(config.to_dict(), indent=2).encode())
+
+        fd, tmp = new_temp_file(directory, WEIGHTS_FILE)
+        temps[WEIGHTS_FILE] = tmp
+        try:
+            os.ftruncate(fd, total)
+            _pwrite_all(fd, memoryview(prefix), 0)
+            base, written = len(prefix), 0
+            for name, t in spec.global_tensors(ckpt).items():
+                data = _tensor_bytes(t, torch_dtype, shapes[name], name)
+                _pwrite_all(fd, data, base + entries[name].begin)
+                written += len(data)
+            emit(ProgressEvent("pack", 0, layers, written, "global tensors"))
+            for layer in range(layers):
+                for name, t in spec.layer_tensors(ckpt, layer).items():
+                    data = _tensor_bytes(t, torch_dtype, shapes[name][1:], f"{name}[{layer}]")
+                    _pwrite_all(fd, data, base + entries[name].begin + layer * len(data))
+                    written += len(data)
+                emit(ProgressEvent("pack", layer + 1, layers, written))
+        except BaseException:
+            os.close(fd)
+            raise
+        emit(ProgressEvent("write", layers, layers, written, "fsync"))
+        finish_temp_file(fd, tmp)
+
+        if _current_fingerprint(source) != source_fp:
+            raise FailedPrecondition(f"checkpoint {source.path} changed while it was packed; "
+                                     "nothing was published, try again")
+        publish(directory, temps)
+        temps.clear()
+    finally:
+        ckpt.close()
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)

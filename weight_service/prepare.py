@@ -1,0 +1,141 @@
+"""``prepare()``: make sure a valid sidecar exists for (source, dtype) and say how warm it is.
+
+Under the sidecar's file lock (one pack per sidecar across processes; a second caller waits and
+then finds the published result):
+
+1. remove crash garbage (``.tmp-*``) in the sidecar directory;
+2. unless ``force``, validate the existing sidecar against the checkpoint's current fingerprint
+   (:func:`weight_service.sidecar.validate_sidecar`); valid ones are probed for page-cache
+   residency: ``>= 0.95`` is HOT; otherwise the cold policy decides: ``accept`` (readahead advice,
+   state COLD) or ``reject`` (repack);
+3. pack (:func:`weight_service.packer.pack_sidecar`): BUILT when no sidecar existed, REBUILT when
+   one was stale, invalid, forced or rejected as cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from services.errors import InvalidArgument
+from services.paths import default_sidecar_root
+from weight_service.checkpoint import source_architecture
+from weight_service.pack_spec import spec_for_architecture
+from weight_service.packer import pack_sidecar
+from weight_service.progress import ProgressEvent
+from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
+from weight_service.sidecar import (
+    WEIGHTS_FILE,
+    InvalidSidecar,
+    SidecarInfo,
+    check_dtype,
+    remove_temp_files,
+    sidecar_dir_name,
+    validate_sidecar,
+)
+from weight_service.sources import resolve_source, source_fingerprint
+
+log = logging.getLogger(__name__)
+
+COLD_POLICIES = ("accept", "reject")
+LOCK_DIR = ".locks"
+
+
+@dataclass(frozen=True)
+class SidecarHandle:
+    """A valid, published sidecar.
+
+    ``path`` is the sidecar directory; ``size_bytes`` the size of ``model.safetensors`` in bytes;
+    ``residency`` the resident fraction in ``[0, 1]`` or ``None`` when unknown; ``state`` one of
+    ``"HOT"``, ``"COLD"``, ``"BUILT"``, ``"REBUILT"``; ``family`` the pack spec (``"llama"``);
+    ``dtype`` ``"f32"``/``"bf16"``; ``source`` the checkpoint path; ``seconds`` the time the call took.
+    """
+
+    path: Path
+    fingerprint: str
+    size_bytes: int
+    residency: float | None
+    state: str
+    family: str
+    dtype: str
+    source: str
+    seconds: float
+
+    @classmethod
+    def from_info(cls, info: SidecarInfo, *, residency: float | None, state: str, seconds: float) -> SidecarHandle:
+        """The handle of a validated sidecar."""
+        return cls(path=info.path, fingerprint=info.fingerprint, size_bytes=info.size_bytes,
+                   residency=residency, state=state, family=info.family, dtype=info.dtype,
+                   source=info.source, seconds=seconds)
+
+
+def residency_state(residency: float | None) -> str:
+    """``"HOT"`` when ``residency >= 0.95``, else ``"COLD"`` (also when unknown)."""
+    return "HOT" if residency is not None and residency >= HOT_THRESHOLD else "COLD"
+
+
+def sidecar_lock(root: Path, name: str) -> FileLock:
+    """The cross-process lock of sidecar ``name`` (``<root>/.locks/<name>.lock``)."""
+    locks = Path(root) / LOCK_DIR
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{name}.lock"))
+
+
+def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
+            cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None
+            ) -> SidecarHandle:
+    """Return a valid sidecar for ``source`` in ``dtype``, packing it when needed.
+
+    ``source``: safetensors directory, ``.gguf`` file or ``"smollm2-135m-instruct"``.
+    ``root``: the sidecar root (default ``services.paths.default_sidecar_root()``).
+    ``force``: repack even when valid. ``cold_policy``: ``"accept"`` or ``"reject"``.
+    ``progress``: called with :class:`ProgressEvent` s (at least one "validate" event).
+
+    Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint;
+    ``FailedPrecondition`` when the checkpoint changed during packing (nothing published).
+    """
+    start = time.perf_counter()
+    check_dtype(dtype)
+    if cold_policy not in COLD_POLICIES:
+        raise InvalidArgument(f"cold policy must be one of {', '.join(COLD_POLICIES)}, got {cold_policy!r}")
+    emit = progress or (lambda _e: None)
+    src = resolve_source(source)
+    spec = spec_for_architecture(source_architecture(src))
+    root = Path(root) if root is not None else default_sidecar_root()
+    root.mkdir(parents=True, exist_ok=True)
+    name = sidecar_dir_name(src.slug, src.path_hash, spec.name, dtype)
+    directory = root / name
+
+    with sidecar_lock(root, name):
+        garbage = remove_temp_files(directory)
+        if garbage:
+            log.info("removed temp files", extra={"sidecar": str(directory), "count": garbage})
+        existed = (directory / WEIGHTS_FILE).exists()
+        if existed and not force:
+            emit(ProgressEvent("validate", message="checking the existing sidecar"))
+            try:
+                info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
+            except InvalidSidecar as e:
+                log.info("repacking", extra={"sidecar": str(directory), "reason": str(e)})
+                emit(ProgressEvent("validate", message=f"repacking: {e}"))
+            else:
+                residency = probe_residency(directory / WEIGHTS_FILE)
+                state = residency_state(residency)
+                if state == "HOT" or cold_policy == "accept":
+                    if state == "COLD":
+                        advise_willneed(directory / WEIGHTS_FILE)
+                    return SidecarHandle.from_info(info, residency=residency, state=state,
+                                                   seconds=time.perf_counter() - start)
+                emit(ProgressEvent("validate", message=f"repacking: cold (residency {residency})"))
+
+        pack_sidecar(src, spec, dtype, directory, emit)
+        emit(ProgressEvent("validate", message="validating the new sidecar"))
+        info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
+        residency = probe_residency(directory / WEIGHTS_FILE)
+        return SidecarHandle.from_info(info, residency=residency, state="REBUILT" if existed else "BUILT",
+                                       seconds=time.perf_counter() - start)

@@ -1,0 +1,49 @@
+"""Progress of a Prepare: the event record and a plain-text bar for the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One step of a Prepare. ``phase`` is ``"read"``, ``"pack"``, ``"write"`` or ``"validate"``;
+    ``layers_done``/``layers_total`` count packed layers; ``bytes_written`` counts bytes of
+    tensor data written so far; ``message`` is a short human line."""
+
+    phase: str
+    layers_done: int = 0
+    layers_total: int = 0
+    bytes_written: int = 0
+    message: str = ""
+
+
+class ProgressBar:
+    """Draws ``[#####.....] 12/30 layers  45.1 MiB  pack`` on one line (``\\r``-rewritten) of
+    ``stream``. :meth:`update` is a ``progress`` callback for :func:`weight_service.prepare.prepare`."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._drawn = False
+
+    def update(self, event: ProgressEvent) -> None:
+        """Redraw for ``event``."""
+        frac = event.layers_done / event.layers_total if event.layers_total else 0.0
+        filled = int(round(frac * self._width))
+        bar = "#" * filled + "." * (self._width - filled)
+        mib = event.bytes_written / (1 << 20)
+        line = f"\r[{bar}] {event.layers_done}/{event.layers_total} layers {mib:8.1f} MiB  {event.phase}"
+        if event.message:
+            line += f": {event.message}"
+        self._stream.write(line[:160].ljust(100))
+        self._stream.flush()
+        self._drawn = True
+
+    def finish(self) -> None:
+        """End the bar's line (only if something was drawn)."""
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False

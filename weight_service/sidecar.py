@@ -1,0 +1,319 @@
+"""The sidecar format: file names, header, fingerprints, validation and atomic publish.
+
+A sidecar is a directory ``<root>/<source-slug>-<sha256(abs source path)[:12]>-<family>-<dtype>/``
+(keyed by source, family and dtype, not by fingerprint, so a stale one is found and replaced)
+holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_config.json``, ``config.json``.
+
+``model.safetensors`` is a standard safetensors file (8-byte little-endian header length, JSON
+header padded with spaces to a multiple of 8, then the tensor bytes, contiguous, in header order)
+whose ``__metadata__`` holds (all strings): ``warmserve.format_version``, ``warmserve.family``,
+``warmserve.dtype``, ``warmserve.config`` (the :class:`ModelConfig` JSON),
+``warmserve.fingerprint``, ``warmserve.source_fingerprint``, ``warmserve.names_fingerprint`` and
+``warmserve.source``.
+
+Fingerprints (sha256 hex):
+
+- ``names_fingerprint`` = sha256 of the sorted packed tensor names, one per line;
+- ``fingerprint`` = sha256 over format version, family, pack-spec version, dtype,
+  ``source_fingerprint`` (:func:`weight_service.sources.source_fingerprint`) and
+  ``names_fingerprint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.errors import FailedPrecondition, InvalidArgument
+from weight_service.model_config import ModelConfig
+from weight_service.pack_spec import get_spec
+
+FORMAT_VERSION = "1"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CONFIG_FILE = "config.json"
+#: Every file a sidecar may hold, in the order Fetch streams them (weights last).
+SIDECAR_FILES = (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, WEIGHTS_FILE)
+TEMP_PREFIX = ".tmp-"
+
+#: dtype name -> (torch dtype, safetensors dtype string, bytes per element).
+DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
+    "f32": (torch.float32, "F32", 4),
+    "bf16": (torch.bfloat16, "BF16", 2),
+}
+_MAX_HEADER_BYTES = 100 << 20
+_REQUIRED_KEYS = ("format_version", "family", "dtype", "config", "fingerprint",
+                  "source_fingerprint", "names_fingerprint", "source")
+
+
+class InvalidSidecar(FailedPrecondition):
+    """A sidecar failed validation; the message is the reason (one sentence)."""
+
+
+def check_dtype(dtype: str) -> str:
+    """Return ``dtype`` if it is ``"f32"`` or ``"bf16"``; else ``InvalidArgument``."""
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def sidecar_dir_name(slug: str, path_hash: str, family: str, dtype: str) -> str:
+    """``<slug>-<path_hash>-<family>-<dtype>``: the directory of one (source, family, dtype)."""
+    return f"{slug}-{path_hash}-{family}-{dtype}"
+
+
+def names_fingerprint(names) -> str:
+    """sha256 hex of the sorted tensor names, newline-separated."""
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
+
+
+def sidecar_fingerprint(family: str, spec_version: str, dtype: str, source_fp: str, names_fp: str) -> str:
+    """sha256 hex over format version, family, spec version, dtype, source and names fingerprints."""
+    text = "\n".join([f"format={FORMAT_VERSION}", f"family={family}", f"spec={spec_version}",
+                      f"dtype={dtype}", f"source={source_fp}", f"names={names_fp}"])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in the file: safetensors dtype string, shape, byte offsets relative to the data
+    start (``begin`` inclusive, ``end`` exclusive)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def build_header(shapes: dict[str, tuple[int, ...]], dtype: str, metadata: dict[str, str]
+                 ) -> tuple[bytes, dict[str, TensorEntry], int]:
+    """The file prefix (length + JSON header, padded to 8 bytes), the tensor entries (laid out
+    contiguously in sorted name order) and the total file size in bytes."""
+    _, st_dtype, size = DTYPES[dtype]
+    entries: dict[str, TensorEntry] = {}
+    offset = 0
+    for name in sorted(shapes):
+        nbytes = size
+        for d in shapes[name]:
+            nbytes *= d
+        entries[name] = TensorEntry(st_dtype, tuple(shapes[name]), offset, offset + nbytes)
+        offset += nbytes
+    header = {"__metadata__": dict(metadata)}
+    header.update({n: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+                   for n, e in entries.items()})
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, entries, len(prefix) + offset
+
+
+@dataclass(frozen=True)
+class SidecarInfo:
+    """A validated sidecar: its directory, metadata, config, tensor entries, the byte offset where
+    tensor data starts, and the weights file size in bytes."""
+
+    path: Path
+    metadata: dict[str, str]
+    config: ModelConfig
+    tensors: dict[str, TensorEntry]
+    data_start: int
+    size_bytes: int
+
+    @property
+    def fingerprint(self) -> str:
+        return self.metadata["warmserve.fingerprint"]
+
+    @property
+    def family(self) -> str:
+        return self.metadata["warmserve.family"]
+
+    @property
+    def dtype(self) -> str:
+        return self.metadata["warmserve.dtype"]
+
+    @property
+    def source(self) -> str:
+        return self.metadata["warmserve.source"]
+
+
+def read_header(weights: Path) -> tuple[dict, int, int]:
+    """``(header dict, data start offset, file size)`` of a safetensors file; ``InvalidSidecar``
+    when the file is missing, shorter than its header, or the header is not a JSON object."""
+    try:
+        with open(weights, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise InvalidSidecar(f"{weights} is truncated: {size} bytes, too short for a header")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise InvalidSidecar(f"{weights} has a garbled header: it claims {n} header bytes "
+                                     f"in a {size}-byte file")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise InvalidSidecar(f"{weights} does not exist") from None
+    except OSError as e:
+        raise InvalidSidecar(f"cannot read {weights}: {e.strerror}") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidSidecar(f"{weights} has a garbled header: not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise InvalidSidecar(f"{weights} has a garbled header: not a JSON object")
+    return header, 8 + n, size
+
+
+def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
+                     fingerprint: str | None = None) -> SidecarInfo:
+    """Validate ``directory/model.safetensors`` and return its :class:`SidecarInfo`.
+
+    Checks, in order: header (readable, JSON, the ``warmserve.*`` metadata, format version,
+    family, dtype, config); the packed name set (the spec's names for this config, against
+    ``names_fingerprint`` and against the header's tensors); the fingerprint (recomputed from the
+    metadata; equal to ``fingerprint`` when given); staleness (``source_fingerprint``, the
+    checkpoint's current one, when given); every tensor's dtype and shape; contiguous offsets and
+    the exact file size. Raises :class:`InvalidSidecar` with the first failing reason.
+    """
+    weights = Path(directory) / WEIGHTS_FILE
+    header, data_start, size = read_header(weights)
+    raw_meta = header.pop("__metadata__", None)
+    if not isinstance(raw_meta, dict):
+        raise InvalidSidecar(f"{weights} has no __metadata__, so it is not a warmserve sidecar")
+    missing = [k for k in _REQUIRED_KEYS if not isinstance(raw_meta.get(f"warmserve.{k}"), str)]
+    if missing:
+        raise InvalidSidecar(f"{weights} lacks metadata {', '.join('warmserve.' + k for k in missing)}")
+    meta = {k: v for k, v in raw_meta.items() if isinstance(v, str)}
+    if meta["warmserve.format_version"] != FORMAT_VERSION:
+        raise InvalidSidecar(f"{weights} has format version {meta['warmserve.format_version']}, "
+                             f"this build reads {FORMAT_VERSION}")
+    dtype = meta["warmserve.dtype"]
+    if dtype not in DTYPES:
+        raise InvalidSidecar(f"{weights} has unknown dtype {dtype!r}")
+    try:
+        spec = get_spec(meta["warmserve.family"])
+        config = ModelConfig.from_dict(json.loads(meta["warmserve.config"]))
+    except (InvalidArgument, ValueError, TypeError) as e:
+        raise InvalidSidecar(f"{weights} has an invalid family or config: {e}") from e
+
+    shapes = spec.tensor_shapes(config)
+    names_fp = names_fingerprint(shapes)
+    if names_fp != meta["warmserve.names_fingerprint"]:
+        raise InvalidSidecar(f"{weights} is stale: its packed tensor-name set differs from the "
+                             f"{spec.name} pack spec's")
+    if set(header) != set(shapes):
+        extra, lacking = sorted(set(header) - set(shapes)), sorted(set(shapes) - set(header))
+        raise InvalidSidecar(f"{weights} tensor names do not match its metadata "
+                             f"(unexpected {extra}, missing {lacking})")
+    expected_fp = sidecar_fingerprint(spec.name, spec.version, dtype,
+                                      meta["warmserve.source_fingerprint"], names_fp)
+    if expected_fp != meta["warmserve.fingerprint"]:
+        raise InvalidSidecar(f"{weights} fingerprint does not match its metadata "
+                             "(packed by another pack-spec version, or edited)")
+    if fingerprint is not None and fingerprint != expected_fp:
+        raise InvalidSidecar(f"{weights} has fingerprint {expected_fp[:16]}..., expected {fingerprint[:16]}...")
+    if source_fingerprint is not None and source_fingerprint != meta["warmserve.source_fingerprint"]:
+        raise InvalidSidecar(f"{weights} is stale: the checkpoint changed since it was packed "
+                             "(a file's size, mtime or config differs)")
+
+    _, st_dtype, elem = DTYPES[dtype]
+    entries: dict[str, TensorEntry] = {}
+    for name, shape in shapes.items():
+        info = header[name]
+        if not isinstance(info, dict):
+            raise InvalidSidecar(f"{weights} has a garbled header entry for {name}")
+        if info.get("dtype") != st_dtype:
+            raise InvalidSidecar(f"{weights} tensor {name} has dtype {info.get('dtype')}, expected {st_dtype}")
+        if list(info.get("shape", [])) != list(shape):
+            raise InvalidSidecar(f"{weights} tensor {name} has shape {info.get('shape')}, expected {list(shape)}")
+        offsets = info.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise InvalidSidecar(f"{weights} tensor {name} has garbled data_offsets")
+        entries[name] = TensorEntry(st_dtype, tuple(shape), offsets[0], offsets[1])
+    position = 0
+    for name, e in sorted(entries.items(), key=lambda kv: kv[1].begin):
+        nbytes = elem
+        for d in e.shape:
+            nbytes *= d
+        if e.begin != position or e.end - e.begin != nbytes:
+            raise InvalidSidecar(f"{weights} tensor {name} has offsets {e.begin}..{e.end}, "
+                                 f"expected {position}..{position + nbytes}")
+        position = e.end
+    if size != data_start + position:
+        raise InvalidSidecar(f"{weights} is truncated or padded: {size} bytes, the header needs "
+                             f"{data_start + position}")
+    return SidecarInfo(Path(directory), meta, config, entries, data_start, size)
+
+
+def current_umask() -> int:
+    """The process umask, read from ``/proc/self/status`` (no mutation) or, failing that, with
+    the set-and-restore ``os.umask`` idiom."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_temp_file(directory: Path, name: str) -> tuple[int, Path]:
+    """``mkstemp`` in ``directory`` (same filesystem as the final file, so ``os.replace`` is atomic).
+    Returns ``(fd, path)``; the name starts with :data:`TEMP_PREFIX` so crash garbage is found."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}-", dir=directory)
+    return fd, Path(tmp)
+
+
+def finish_temp_file(fd: int, tmp: Path) -> None:
+    """fsync and close ``fd``, then chmod ``tmp`` to ``0o666 & ~umask`` (mkstemp makes it 0o600)."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o666 & ~current_umask())
+
+
+def write_temp_file(directory: Path, name: str, data: bytes) -> Path:
+    """Write ``data`` to a finished (fsynced, chmodded) temp file in ``directory``; returns its path."""
+    fd, tmp = new_temp_file(directory, name)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    finish_temp_file(fd, tmp)
+    return tmp
+
+
+def publish(directory: Path, temps: dict[str, Path]) -> None:
+    """``os.replace`` each temp file onto its final name in ``directory`` (``model.safetensors``
+    last: it is the commit point, validated by fingerprint), then fsync the directory."""
+    for name in sorted(temps, key=lambda n: n == WEIGHTS_FILE):
+        os.replace(temps[name], directory / name)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temp_files(directory: Path) -> int:
+    """Delete crash garbage (``.tmp-*`` files) in ``directory``; returns how many. Call with the
+    sidecar's lock held."""
+    count = 0
+    if directory.is_dir():
+        for p in directory.glob(f"{TEMP_PREFIX}*"):
+            p.unlink(missing_ok=True)
+            count += 1
+    return count

@@ -1,0 +1,1 @@
+"""Per-family pack specs (see :mod:`weight_service.pack_spec`)."""
