@@ -1,0 +1,62 @@
+"""Router settings, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.errors import InvalidArgument
+
+POLICY_NAMES = ("least-outstanding", "round-robin", "prefix-affinity")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router core needs; times in seconds. Raises ``InvalidArgument`` when invalid.
+
+    - ``static_runners``: ``host:port`` addresses given by ``--runner``; admitted after their first
+      successful health check, never expire.
+    - ``policy``: the default when a request says ``ROUTING_POLICY_UNSPECIFIED``.
+    - ``default_lease_s``: lease granted to a runner that asks for 0; requests are clamped to
+      ``[min_lease_s, max_lease_s]``. Runners are told to heartbeat every lease / 3.
+    - ``health_interval_s`` / ``health_timeout_s``: period and per-check deadline of the
+      grpc.health.v1 checks; ``eject_after`` consecutive failures mark a runner UNHEALTHY and
+      ``readmit_after`` consecutive successes make it READY again.
+    - ``max_attempts``: runners tried per request (a retry happens only before the first token).
+    - ``prefix_block_tokens`` / ``prefix_block_bytes``: how much of the prompt keys prefix affinity
+      (token ids, or UTF-8 bytes of text / rendered chat); ``ring_replicas``: virtual nodes per
+      runner on the consistent-hash ring.
+    """
+
+    static_runners: tuple[str, ...] = ()
+    policy: str = "least-outstanding"
+    default_lease_s: float = 10.0
+    min_lease_s: float = 0.5
+    max_lease_s: float = 300.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    eject_after: int = 3
+    readmit_after: int = 1
+    max_attempts: int = 3
+    prefix_block_tokens: int = 16
+    prefix_block_bytes: int = 64
+    ring_replicas: int = 64
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise InvalidArgument(f"unknown routing policy {self.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
+        for addr in self.static_runners:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InvalidArgument(f"runner address must be host:port, got {addr!r}")
+        if len(set(self.static_runners)) != len(self.static_runners):
+            raise InvalidArgument("a static runner address is given twice")
+        if not 0 < self.min_lease_s <= self.default_lease_s <= self.max_lease_s:
+            raise InvalidArgument(
+                f"leases must satisfy 0 < min ({self.min_lease_s}) <= default ({self.default_lease_s}) "
+                f"<= max ({self.max_lease_s}) seconds")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise InvalidArgument("health interval and timeout must be > 0 seconds")
+        for name in ("eject_after", "readmit_after", "max_attempts", "prefix_block_tokens",
+                     "prefix_block_bytes", "ring_replicas"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

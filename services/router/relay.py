@@ -1,0 +1,187 @@
+"""One request's trip through the router: pick a runner, relay its token stream, retry or fail.
+
+:class:`RelayStream` is an iterator of ``GenerateResponse`` messages:
+
+- it picks a runner with the request's policy (counting it busy until the call ends), and calls
+  the runner's ``Generate`` with the *remaining* deadline;
+- it reads the runner's stream only as fast as it is consumed (each ``next()`` pulls one message
+  from the runner), so a slow client slows the runner's stream down through gRPC flow control
+  instead of buffering in the router (backpressure);
+- while no token has reached the consumer, an ``UNAVAILABLE`` runner is ejected and the request
+  goes to another runner (``max_attempts`` runners at most); once a token has been relayed, a
+  failing runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
+  see duplicated text);
+- :meth:`RelayStream.cancel` (wired to the client's cancellation) cancels the runner's call, which
+  makes the runner free the sequence's KV blocks.
+
+Errors raised while iterating are :class:`services.errors.WarmserveError` with the gRPC code to
+return: ``UNAVAILABLE`` (no runner ready / runner died), ``DEADLINE_EXCEEDED``, ``CANCELLED``, or
+the runner's own status (e.g. ``INVALID_ARGUMENT``) passed through with its message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from services.errors import Unavailable, WarmserveError, from_rpc_error
+from services.proto import generation_pb2, generation_pb2_grpc
+from services.router.channels import ChannelPool
+from services.router.registry import Chooser, Runner, RunnerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class DeadlineExceeded(WarmserveError):
+    """The request's deadline passed (gRPC ``DEADLINE_EXCEEDED``)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(WarmserveError):
+    """The client cancelled the request (gRPC ``CANCELLED``)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+def upstream_error(err: grpc.RpcError, runner: Runner) -> WarmserveError:
+    """A runner's error status as a :class:`WarmserveError` with the same code and message."""
+    out = from_rpc_error(err)
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    if out.code != code:
+        out = WarmserveError(err.details() if hasattr(err, "details") else str(err))
+        out.code = code
+    log.debug("runner error", extra={"runner_id": runner.runner_id, "code": code.name})
+    return out
+
+
+def _carries_output(resp: generation_pb2.GenerateResponse) -> bool:
+    return bool(resp.token_ids or resp.text or resp.finish_reason)
+
+
+class RelayStream:
+    """Iterate to relay one ``Generate`` call (see the module docstring); iterate only once.
+
+    ``deadline`` is an absolute ``time.monotonic()`` value, or ``None`` for no deadline.
+    """
+
+    def __init__(self, request: generation_pb2.GenerateRequest, chooser: Chooser, *,
+                 registry: RunnerRegistry, channels: ChannelPool, max_attempts: int,
+                 deadline: float | None) -> None:
+        self._request = request
+        self._chooser = chooser
+        self._registry = registry
+        self._channels = channels
+        self._max_attempts = max_attempts
+        self._deadline = deadline
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self._cancelled = False
+        self.attempts: list[tuple[str, str]] = []  # (runner_id, why it failed) per failed attempt
+        self.runner_id = ""                         # the runner that served (or last tried)
+        self.tokens_relayed = 0                     # tokens handed to the consumer
+        self.messages_relayed = 0                   # messages handed to the consumer
+
+    def cancel(self) -> None:
+        """Cancel the request (idempotent, any thread): the runner's call is cancelled now."""
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[generation_pb2.GenerateResponse]:
+        return self._run()
+
+    def _remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(self._with_attempts("the request's deadline passed before a runner answered"))
+        return left
+
+    def _with_attempts(self, message: str) -> str:
+        if not self.attempts:
+            return message
+        return message + "; tried " + "; ".join(f"{rid}: {why}" for rid, why in self.attempts)
+
+    def _run(self) -> Iterator[generation_pb2.GenerateResponse]:
+        tried: set[str] = set()
+        while True:
+            if self._cancelled:
+                raise Cancelled("the client cancelled the request")
+            timeout = self._remaining()
+            runner = self._registry.acquire(self._chooser, exclude=frozenset(tried))
+            if runner is None:
+                if not self.attempts:
+                    raise Unavailable(f"no runner is ready ({self._registry.describe()})")
+                raise Unavailable(self._with_attempts("no runner could serve the request"))
+            tried.add(runner.runner_id)
+            self.runner_id = runner.runner_id
+            try:
+                retry = yield from self._relay_from(runner, timeout)
+            finally:
+                self._registry.release(runner.runner_id)
+            if not retry:
+                return
+            if len(tried) >= self._max_attempts:
+                raise Unavailable(self._with_attempts(f"no runner could serve the request in {len(tried)} attempts"))
+
+    def _relay_from(self, runner: Runner, timeout: float | None):
+        """Relay ``runner``'s stream; returns ``True`` when the request should go to another runner."""
+        held: list[generation_pb2.GenerateResponse] = []
+        try:
+            stub = generation_pb2_grpc.GenerationStub(self._channels.get(runner.address))
+            call = stub.Generate(self._request, timeout=timeout)
+            with self._lock:
+                self._call = call
+                cancelled = self._cancelled
+            if cancelled:
+                call.cancel()
+            for resp in call:
+                if not resp.runner_id:
+                    resp.runner_id = runner.runner_id
+                if not _carries_output(resp) and self.messages_relayed == 0:
+                    held.append(resp)  # nothing the client could act on yet: a retry may drop it
+                    continue
+                yield from held
+                held.clear()
+                self.tokens_relayed += len(resp.token_ids)
+                self.messages_relayed += 1
+                yield resp
+            return False
+        except grpc.RpcError as e:
+            return self._on_error(e, runner)
+        except GeneratorExit:
+            self.cancel()  # the consumer stopped reading: stop the runner too
+            raise
+        finally:
+            with self._lock:
+                self._call = None
+
+    def _on_error(self, e: grpc.RpcError, runner: Runner) -> bool:
+        code = e.code()
+        details = e.details() or code.name
+        if self._cancelled:
+            raise Cancelled("the client cancelled the request") from e
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise DeadlineExceeded(
+                f"the request's deadline passed while runner {runner.runner_id} ({runner.address}) "
+                f"was generating ({self.tokens_relayed} tokens relayed)") from e
+        # A closed channel (runner dropped meanwhile) reads as CANCELLED without a client cancel.
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            raise upstream_error(e, runner) from e
+        self._registry.eject(runner.runner_id, f"{code.name}: {details}")
+        why = f"{runner.address} {code.name}: {details}"
+        if self.messages_relayed:
+            raise Unavailable(
+                f"runner {runner.runner_id} ({runner.address}) failed after {self.tokens_relayed} tokens "
+                f"were streamed ({code.name}: {details}); the request was not retried") from e
+        self.attempts.append((runner.runner_id, why))
+        log.info("retrying on another runner", extra={"runner_id": runner.runner_id, "error": why})
+        return True

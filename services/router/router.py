@@ -1,0 +1,99 @@
+"""The router core: runner table + policies + health checks + relay, without any server.
+
+``Router(config).start()`` begins health checking (and lease expiry); :meth:`Router.generate`
+returns a :class:`services.router.relay.RelayStream` for one request; :meth:`Router.model_info`
+asks a READY runner; :attr:`Router.registry` takes registrations, heartbeats and drains.
+``stop()`` ends health checks and closes every runner channel (cancelling calls in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from services.errors import Unavailable
+from services.proto import generation_pb2, generation_pb2_grpc
+from services.router.channels import ChannelPool
+from services.router.config import RouterConfig
+from services.router.health_checker import HealthChecker
+from services.router.policy import PolicySet
+from services.router.registry import Runner, RunnerRegistry, RunnerState
+from services.router.relay import RelayStream, upstream_error
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Routes ``Generate`` calls to runners (see the package modules for each part)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = RunnerRegistry(config)
+        self.channels = ChannelPool()
+        self.policies = PolicySet(config)
+        self.health = HealthChecker(config, self.registry, self.channels)
+        self.registry.on_removed(self._on_runner_removed)
+
+    def start(self) -> None:
+        """Start health checks and lease expiry (the first round runs at once)."""
+        self.health.start()
+
+    def stop(self) -> None:
+        """Stop health checks and close all runner channels."""
+        self.health.stop()
+        self.channels.close_all()
+
+    def _on_runner_removed(self, runner: Runner) -> None:
+        log.info("runner removed", extra={"runner_id": runner.runner_id, "address": runner.address,
+                                          "reason": "lease expired"})
+        if all(r.address != runner.address for r in self.registry.snapshot()):
+            self.channels.close(runner.address)
+
+    def generate(self, request: generation_pb2.GenerateRequest, *, timeout_s: float | None) -> RelayStream:
+        """A relay for ``request`` with ``timeout_s`` seconds left (``None``: no deadline).
+
+        Raises ``InvalidArgument`` at once for an unknown ``routing`` value; the stream itself
+        raises the errors listed in :mod:`services.router.relay`.
+        """
+        chooser = self.policies.for_request(request)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return RelayStream(request, chooser, registry=self.registry, channels=self.channels,
+                           max_attempts=self.config.max_attempts, deadline=deadline)
+
+    def model_info(self, *, timeout_s: float = 5.0) -> generation_pb2.ModelInfoResponse:
+        """``ModelInfo`` of a READY runner (the default policy picks it; an unreachable runner is
+        ejected and the next one asked). Raises ``Unavailable`` naming the runners when none answers."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        chooser = self.policies.default_chooser()
+        while True:
+            runner = self.registry.acquire(chooser, exclude=frozenset(tried))
+            if runner is None:
+                detail = "; ".join(failures) if failures else self.registry.describe()
+                raise Unavailable(f"no runner is ready ({detail})")
+            tried.add(runner.runner_id)
+            try:
+                stub = generation_pb2_grpc.GenerationStub(self.channels.get(runner.address))
+                return stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout_s)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise upstream_error(e, runner) from e
+                self.registry.eject(runner.runner_id, f"UNAVAILABLE: {e.details()}")
+                failures.append(f"{runner.runner_id} ({runner.address}): {e.details()}")
+            finally:
+                self.registry.release(runner.runner_id)
+
+    def ready_count(self) -> int:
+        """How many runners are READY now."""
+        return sum(r.state is RunnerState.READY for r in self.registry.snapshot())
+
+    def wait_ready(self, count: int, timeout_s: float) -> bool:
+        """Block until at least ``count`` runners are READY; ``False`` after ``timeout_s`` seconds."""
+        end = time.monotonic() + timeout_s
+        while self.ready_count() < count:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.02)
+        return True

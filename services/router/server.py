@@ -1,0 +1,179 @@
+"""gRPC adapters over :class:`services.router.router.Router`, and the router daemon object.
+
+The servicers only translate: protobuf in, core call, protobuf out, and
+:class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
+behind the shared :class:`services.server.ServiceServer` bootstrap (health, reflection, metrics,
+drain) and exports per-runner gauges.
+"""
+
+from __future__ import annotations
+
+import grpc
+from prometheus_client.core import GaugeMetricFamily
+
+from services.errors import InvalidArgument, WarmserveError, abort_with
+from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.registry import RunnerLoad, RunnerState
+from services.router.router import Router
+from services.server import ServerConfig, ServiceServer
+
+#: A client without a deadline shows up as a remaining time of about the epoch's age.
+_NO_DEADLINE_S = 1e8
+
+_STATE_TO_PB = {
+    RunnerState.READY: router_pb2.RunnerStatus.READY,
+    RunnerState.UNHEALTHY: router_pb2.RunnerStatus.UNHEALTHY,
+    RunnerState.DRAINING: router_pb2.RunnerStatus.DRAINING,
+}
+
+
+def time_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds until the caller's deadline, or ``None`` when it set none."""
+    left = context.time_remaining()
+    return None if left is None or left > _NO_DEADLINE_S else left
+
+
+def advertised_address(address: str, peer: str) -> str:
+    """The address to dial a registering runner at: ``address`` as given, except that an empty or
+    wildcard host (``:50061``, ``0.0.0.0:50061``, ``[::]:50061``) is replaced by the host the
+    registration came from (gRPC ``peer`` such as ``ipv4:10.0.0.7:41234`` or ``ipv6:[::1]:5``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in ("", "0.0.0.0", "[::]", "::"):
+        return address
+    kind, _, rest = peer.partition(":")
+    peer_host = rest.rpartition(":")[0]
+    if kind not in ("ipv4", "ipv6") or not peer_host:
+        raise InvalidArgument(f"runner address {address!r} has no host and the caller's ({peer}) is unknown")
+    return f"{peer_host}:{port}"
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """``Generate`` relays to a runner; ``ModelInfo`` forwards to a READY runner."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def Generate(self, request, context):
+        try:
+            stream = self._router.generate(request, timeout_s=time_left(context))
+        except WarmserveError as e:
+            abort_with(context, e)
+        context.add_callback(stream.cancel)  # client cancel / deadline -> cancel the runner's call
+        try:
+            yield from stream
+        except WarmserveError as e:
+            abort_with(context, e)
+
+    def ModelInfo(self, request, context):
+        try:
+            left = time_left(context)
+            return self._router.model_info(timeout_s=5.0 if left is None else left)
+        except WarmserveError as e:
+            abort_with(context, e)
+
+
+class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
+    """Registration, heartbeats, listing and draining of runners."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def RegisterRunner(self, request, context):
+        try:
+            address = advertised_address(request.address, context.peer())
+            lease = self._router.registry.register(
+                request.runner_id, address, model=request.model,
+                max_num_seqs=request.max_num_seqs, lease_s=request.lease_seconds)
+        except WarmserveError as e:
+            abort_with(context, e)
+        return router_pb2.RegisterRunnerResponse(lease_id=lease.lease_id, lease_seconds=lease.lease_s,
+                                                 heartbeat_interval_seconds=lease.heartbeat_interval_s)
+
+    def Heartbeat(self, request, context):
+        load = None
+        if request.HasField("load"):
+            pl = request.load
+            load = RunnerLoad(pl.running, pl.waiting, pl.kv_blocks_used, pl.kv_blocks_total)
+        granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load)
+        if granted is None:
+            return router_pb2.HeartbeatResponse(known=False)
+        return router_pb2.HeartbeatResponse(known=True, lease_seconds=granted)
+
+    def ListRunners(self, request, context):
+        registry = self._router.registry
+        out = router_pb2.ListRunnersResponse()
+        for r in registry.snapshot():
+            out.runners.add(
+                runner_id=r.runner_id, address=r.address, model=r.model, state=_STATE_TO_PB[r.state],
+                outstanding=r.outstanding, lease_expires_in_s=registry.lease_remaining_s(r),
+                static=r.static, consecutive_failures=r.consecutive_failures,
+                load=router_pb2.RunnerLoad(running=r.load.running, waiting=r.load.waiting,
+                                           kv_blocks_used=r.load.kv_blocks_used,
+                                           kv_blocks_total=r.load.kv_blocks_total),
+            )
+        return out
+
+    def Drain(self, request, context):
+        return router_pb2.DrainResponse(found=self._router.registry.drain(request.runner_id))
+
+
+class _RunnerGauges:
+    """Prometheus collector: per-runner outstanding requests and READY flag, read at scrape time."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self):
+        outstanding = GaugeMetricFamily("warmserve_router_outstanding", "requests in flight per runner",
+                                        labels=["runner_id"])
+        ready = GaugeMetricFamily("warmserve_router_runner_ready", "1 when the runner is READY",
+                                  labels=["runner_id"])
+        for r in self._router.registry.snapshot():
+            outstanding.add_metric([r.runner_id], r.outstanding)
+            ready.add_metric([r.runner_id], 1.0 if r.state is RunnerState.READY else 0.0)
+        yield outstanding
+        yield ready
+
+
+class RouterServer:
+    """The router daemon: a :class:`Router` served by a :class:`ServiceServer`.
+
+    ``start()`` returns the bound port; ``serve_forever()`` blocks until SIGTERM/SIGINT drained
+    the server, then stops the router; ``stop()`` stops both at once (tests).
+    """
+
+    def __init__(self, config: RouterConfig, server_config: ServerConfig) -> None:
+        self.router = Router(config)
+        self.server = ServiceServer(server_config, [
+            (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router),
+             "warmserve.v1.Generation"),
+            (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
+             "warmserve.v1.RouterControl"),
+        ])
+        self.server.registry.register(_RunnerGauges(self.router))
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self) -> int:
+        """Start health checks and the gRPC server; returns the bound port."""
+        self.router.start()
+        try:
+            return self.server.start()
+        except BaseException:
+            self.router.stop()
+            raise
+
+    def serve_forever(self) -> None:
+        """Serve until a signal drains the server, then stop the router."""
+        try:
+            self.server.serve_forever()
+        finally:
+            self.router.stop()
+
+    def stop(self) -> None:
+        """Stop serving and the router at once."""
+        self.server.stop()
+        self.router.stop()
