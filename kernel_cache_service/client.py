@@ -1,0 +1,229 @@
+"""The kernel-cache client: one API over a daemon (gRPC) or an embedded store (a local directory).
+
+``KernelCacheClient("127.0.0.1:50051")`` talks to a daemon; ``KernelCacheClient(root=DIR)``
+opens a :class:`~kernel_cache_service.store.KernelStore` in-process, no daemon needed. Both give
+the same answers: a MISS is ``None``; publish returns ``"PUBLISHED"``, ``"ALREADY_PRESENT"`` or
+``"REJECTED"``; bad keys raise :class:`services.errors.InvalidArgument` before anything is sent;
+daemon errors come back as the matching :class:`services.errors.WarmserveError` (an unreachable
+daemon is :class:`services.errors.Unavailable`).
+
+Memory stays bounded for any artifact size: publishing a file hashes it in one pass and streams
+it in a second; a directory is packed into a temporary tar while being hashed, then streamed;
+fetch writes chunks to a temp file (or unpacks the tar as it arrives) next to ``dest`` and
+renames it into place only after the sha256 matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from kernel_cache_service.artifact import (
+    CHUNK_BYTES,
+    CorruptArtifact,
+    HashingWriter,
+    hash_file,
+    install_stream,
+    iter_file,
+    pack_directory,
+)
+from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, PublishResult
+from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.keys import validate_key, validate_prefix
+from kernel_cache_service.server import entry_from_proto
+from kernel_cache_service.store import KernelStore
+from services.channel import open_channel
+from services.errors import InvalidArgument, WarmserveError, from_rpc_error
+from services.proto import kernel_cache_pb2 as pb
+from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.server import bearer_metadata
+
+__all__ = ["EntryInfo", "KernelCacheClient"]
+
+
+class KernelCacheClient:
+    """Kernel-cache operations against the daemon at ``address`` or, without one, an embedded
+    store at ``root`` (``max_bytes``: its byte budget, 0 = unlimited).
+
+    ``token`` is sent as a bearer token (needed for publish/evict when the daemon has one).
+    ``timeout_s`` bounds each unary call (seconds); streams (fetch, publish) have no deadline.
+    Raises ``InvalidArgument`` when both or neither of ``address`` and ``root`` are given.
+    """
+
+    def __init__(self, address: str | None = None, *, root: str | Path | None = None,
+                 token: str | None = None, max_bytes: int = 0, timeout_s: float = 30.0) -> None:
+        if (address is None) == (root is None):
+            raise InvalidArgument("give exactly one of a daemon address or an embedded store root")
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = bearer_metadata(token)
+        self._store: KernelStore | None = None
+        self._channel: grpc.Channel | None = None
+        if address is None:
+            self._store = KernelStore(root, max_bytes=max_bytes)
+        else:
+            self._channel = open_channel(address)
+            self._stub = pb_grpc.KernelCacheStub(self._channel)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _error(self, err: grpc.RpcError) -> WarmserveError:
+        e = from_rpc_error(err)
+        return type(e)(f"kernel cache at {self.address}: {e}")
+
+    def _unary(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+
+    # ---------------------------------------------------------------- reads
+
+    def lookup(self, name: str, fingerprint: str) -> EntryInfo | None:
+        """The entry's info on a HIT, ``None`` on a MISS (``UNKNOWN`` is always a MISS)."""
+        validate_key(name, fingerprint)
+        if self._store is not None:
+            return self._store.lookup(name, fingerprint)
+        resp = self._unary(self._stub.Lookup, pb.LookupRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint)))
+        return entry_from_proto(resp.entry) if resp.status == pb.LookupResponse.HIT else None
+
+    def fetch(self, name: str, fingerprint: str, dest: str | Path, *, chunk_bytes: int = 0) -> EntryInfo | None:
+        """Write the entry at ``dest`` atomically: the file, or the directory restored from its tar
+        (an existing ``dest`` directory is swapped out). ``None`` on a MISS, including an entry
+        found corrupt (the store quarantines it) or bytes that fail the sha256 check in transit.
+        ``chunk_bytes``: stream chunk size asked of the daemon (0 = its default, 1 MiB).
+        """
+        validate_key(name, fingerprint)
+        if self._store is not None:
+            return self._store.fetch(name, fingerprint, dest)
+        request = pb.FetchRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint), chunk_bytes=chunk_bytes)
+        responses = self._stub.Fetch(request, metadata=self._metadata)
+        try:
+            try:
+                first = next(responses)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                raise self._error(err) from None
+            info = entry_from_proto(first.entry)
+            try:
+                install_stream(self._verified(info, first.data, responses), info.format, dest)
+            except CorruptArtifact:
+                return None
+            return info
+        finally:
+            responses.cancel()
+
+    def _verified(self, info: EntryInfo, first: bytes, responses) -> Iterator[bytes]:
+        sha, size = hashlib.sha256(first), len(first)
+        yield first
+        try:
+            for msg in responses:
+                sha.update(msg.data)
+                size += len(msg.data)
+                yield msg.data
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:  # found corrupt by the daemon at the end
+                raise CorruptArtifact(err.details()) from None
+            raise self._error(err) from None
+        if size != info.size_bytes or sha.hexdigest() != info.sha256:
+            raise CorruptArtifact(f"{info.name}/{info.fingerprint}: bytes received do not match the entry")
+
+    def list(self, prefix: str = "") -> list[EntryInfo]:
+        """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
+        validate_prefix(prefix)
+        if self._store is not None:
+            return self._store.list(prefix)
+        resp = self._unary(self._stub.List, pb.ListRequest(name_prefix=prefix))
+        return [entry_from_proto(e) for e in resp.entries]
+
+    def stat(self) -> dict:
+        """``root``, ``entries``, ``total_bytes``, ``max_bytes``, ``hits``, ``misses``,
+        ``publishes``, ``evictions``, ``quarantined`` (counters since the store/daemon started)."""
+        if self._store is not None:
+            return self._store.stat()
+        resp = self._unary(self._stub.Stat, pb.StatRequest())
+        return {f.name: getattr(resp, f.name) for f in pb.StatResponse.DESCRIPTOR.fields}
+
+    # ---------------------------------------------------------------- writes
+
+    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> str:
+        """Publish the file or directory at ``path``: ``"PUBLISHED"``, ``"ALREADY_PRESENT"`` or
+        ``"REJECTED"`` (see :meth:`publish_result` for the reason)."""
+        return self.publish_result(name, fingerprint, path, producer=producer).status
+
+    def publish_result(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
+        """Like :meth:`publish` but returns the whole :class:`PublishResult` (status, reason, entry).
+
+        Raises ``InvalidArgument`` for a bad key or a ``path`` that is neither file nor directory.
+        """
+        path = Path(path)
+        validate_key(name, fingerprint)
+        if not (path.is_file() or path.is_dir()):
+            raise InvalidArgument(f"{path} is not a file or a directory")
+        if self._store is not None:
+            return self._store.publish(name, fingerprint, path, producer=producer or _default_producer())
+        if fingerprint == UNKNOWN:
+            return PublishResult(REJECTED, "the fingerprint is UNKNOWN; unknown keys are never stored")
+        present = self.lookup(name, fingerprint)
+        if present is not None:
+            return PublishResult(ALREADY_PRESENT, "", present)
+        if path.is_file():
+            size, sha = hash_file(path)
+            return self._stream_publish(name, fingerprint, path, size, sha, "file", producer)
+        with tempfile.TemporaryDirectory(prefix="warmserve-publish-") as tmp:
+            tar_path = Path(tmp) / "artifact.tar"
+            with open(tar_path, "wb") as f:
+                sink = HashingWriter(f)
+                pack_directory(path, sink)
+            return self._stream_publish(name, fingerprint, tar_path, sink.size, sink.sha256, "dir", producer)
+
+    def _stream_publish(self, name: str, fingerprint: str, blob: Path, size: int, sha: str,
+                        fmt: str, producer: str) -> PublishResult:
+        header = pb.PublishHeader(key=pb.ProgramKey(name=name, fingerprint=fingerprint), size_bytes=size,
+                                  sha256=sha, producer=producer or _default_producer(), format=fmt)
+
+        def requests():
+            yield pb.PublishRequest(header=header)
+            for block in iter_file(blob, CHUNK_BYTES):
+                yield pb.PublishRequest(chunk=block)
+
+        try:
+            resp = self._stub.Publish(requests(), metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from None
+        return PublishResult(
+            status=pb.PublishResponse.Status.Name(resp.status),
+            reason=resp.reason,
+            entry=entry_from_proto(resp.entry) if resp.HasField("entry") else None,
+        )
+
+    def evict(self, name: str | None = None, fingerprint: str | None = None, *, all: bool = False) -> tuple[int, int]:
+        """Evict one entry, every fingerprint of ``name``, or everything with ``all``; entries being
+        read are skipped. Returns ``(entries evicted, bytes freed)``."""
+        if self._store is not None:
+            return self._store.evict(name, fingerprint, all=all)
+        request = pb.EvictRequest(key=pb.ProgramKey(name=name or "", fingerprint=fingerprint or ""), all=all)
+        resp = self._unary(self._stub.Evict, request)
+        return resp.evicted, resp.freed_bytes
+
+    def close(self) -> None:
+        """Close the channel (no-op for an embedded store)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> KernelCacheClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _default_producer() -> str:
+    return f"{os.uname().nodename}:{os.getpid()}"

@@ -1,0 +1,74 @@
+"""What the store knows about an entry (its manifest) and the outcome of a publish.
+
+An entry is an artifact blob (a file, or a directory stored as one uncompressed tar) plus a
+manifest, ``manifest.json``, holding the fields of :class:`EntryInfo` except ``last_access``,
+which is the manifest's mtime (touched on every read, so LRU order needs no rewrite).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+#: Artifact formats: a single file, or a directory packed as one uncompressed tar.
+FORMATS = ("file", "dir")
+
+PUBLISHED = "PUBLISHED"
+ALREADY_PRESENT = "ALREADY_PRESENT"
+REJECTED = "REJECTED"
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One stored entry. Sizes in bytes, times in unix seconds; ``sha256`` is the blob's hex digest;
+    ``format`` is ``"file"`` or ``"dir"``; ``producer`` is free text (host, pid, tool)."""
+
+    name: str
+    fingerprint: str
+    size_bytes: int
+    sha256: str
+    created: float
+    producer: str
+    format: str
+    last_access: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def manifest_bytes(self) -> bytes:
+        """The manifest file's content (``last_access`` lives in the file's mtime instead)."""
+        doc = {"version": MANIFEST_VERSION, **self.to_dict()}
+        doc.pop("last_access")
+        return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_manifest(cls, data: bytes, last_access: float) -> EntryInfo:
+        """Parse a manifest; raises ``ValueError`` (or ``KeyError``/``TypeError``) when malformed."""
+        doc = json.loads(data)
+        if doc.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"unknown manifest version {doc.get('version')!r}")
+        info = cls(
+            name=str(doc["name"]),
+            fingerprint=str(doc["fingerprint"]),
+            size_bytes=int(doc["size_bytes"]),
+            sha256=str(doc["sha256"]),
+            created=float(doc["created"]),
+            producer=str(doc["producer"]),
+            format=str(doc["format"]),
+            last_access=last_access,
+        )
+        if info.format not in FORMATS or info.size_bytes < 0 or len(info.sha256) != 64:
+            raise ValueError("malformed manifest")
+        return info
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """Outcome of a publish: ``status`` is PUBLISHED, ALREADY_PRESENT or REJECTED; ``reason`` says
+    why for REJECTED; ``entry`` is the stored entry (absent when rejected)."""
+
+    status: str
+    reason: str = ""
+    entry: EntryInfo | None = None

@@ -1,0 +1,194 @@
+"""The KernelCache gRPC daemon: a thin adapter from ``warmserve.v1.KernelCache`` to a
+:class:`kernel_cache_service.store.KernelStore`.
+
+The servicer validates and translates only: store errors become gRPC statuses
+(:func:`services.errors.abort_with`), :class:`EntryInfo` becomes the proto message. Fetch streams
+the blob from disk in chunks (``chunk_bytes`` from the request, default 1 MiB, at most 4 MiB),
+the first message carrying the entry info; Publish writes the incoming chunks straight into the
+store's temp file. Neither ever holds a whole artifact in memory.
+
+When the daemon has a token, Publish and Evict need it (:data:`PROTECTED_METHODS`); Lookup,
+Fetch, List and Stat stay open.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kernel_cache_service.artifact import CorruptArtifact
+from kernel_cache_service.entry import EntryInfo, PublishResult
+from kernel_cache_service.store import COUNTERS, KernelStore
+from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
+from services.proto import kernel_cache_pb2 as pb
+from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.server import ServerConfig, ServiceServer, config_from_args
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "warmserve.v1.KernelCache"
+PROTECTED_METHODS = frozenset({f"/{SERVICE_NAME}/Publish", f"/{SERVICE_NAME}/Evict"})
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+
+
+def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
+    """:class:`EntryInfo` as the ``warmserve.v1.EntryInfo`` message."""
+    return pb.EntryInfo(
+        key=pb.ProgramKey(name=info.name, fingerprint=info.fingerprint),
+        size_bytes=info.size_bytes,
+        sha256=info.sha256,
+        created_unix_s=info.created,
+        last_access_unix_s=info.last_access,
+        producer=info.producer,
+        format=info.format,
+    )
+
+
+def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
+    """The inverse of :func:`entry_to_proto`."""
+    return EntryInfo(
+        name=msg.key.name,
+        fingerprint=msg.key.fingerprint,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+        created=msg.created_unix_s,
+        producer=msg.producer,
+        format=msg.format,
+        last_access=msg.last_access_unix_s,
+    )
+
+
+def _publish_to_proto(result: PublishResult) -> pb.PublishResponse:
+    return pb.PublishResponse(
+        status=pb.PublishResponse.Status.Value(result.status),
+        reason=result.reason,
+        entry=entry_to_proto(result.entry) if result.entry else None,
+    )
+
+
+class KernelCacheServicer(pb_grpc.KernelCacheServicer):
+    """``warmserve.v1.KernelCache`` over ``store``."""
+
+    def __init__(self, store: KernelStore) -> None:
+        self.store = store
+
+    def Lookup(self, request, context):
+        try:
+            info = self.store.lookup(request.key.name, request.key.fingerprint)
+        except WarmserveError as e:
+            abort_with(context, e)
+        if info is None:
+            return pb.LookupResponse(status=pb.LookupResponse.MISS)
+        return pb.LookupResponse(status=pb.LookupResponse.HIT, entry=entry_to_proto(info))
+
+    def Fetch(self, request, context):
+        chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        key = request.key
+        try:
+            reader = self.store.open(key.name, key.fingerprint)
+        except WarmserveError as e:
+            abort_with(context, e)
+        if reader is None:
+            abort_with(context, NotFound(f"no entry {key.name}/{key.fingerprint}"))
+        with reader:
+            entry = entry_to_proto(reader.info)
+            sent_first = False
+            try:
+                for block in reader.chunks(chunk_bytes):
+                    if sent_first:
+                        yield pb.FetchChunk(data=block)
+                    else:
+                        yield pb.FetchChunk(entry=entry, data=block)
+                        sent_first = True
+            except CorruptArtifact as e:
+                abort_with(context, e)
+            if not sent_first:  # an empty artifact still announces itself
+                yield pb.FetchChunk(entry=entry)
+
+    def Publish(self, request_iterator, context):
+        try:
+            return _publish_to_proto(self._publish(request_iterator))
+        except WarmserveError as e:
+            abort_with(context, e)
+
+    def _publish(self, request_iterator) -> PublishResult:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("the first Publish message must be a PublishHeader")
+        h = first.header
+        if not h.sha256:
+            raise InvalidArgument("the PublishHeader must carry the sha256 of the artifact")
+        early = self.store.precheck(h.key.name, h.key.fingerprint, h.size_bytes)
+        if early is not None:
+            return early
+        with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=h.format or "file",
+                                      producer=h.producer, size=h.size_bytes,
+                                      sha256=h.sha256.lower()) as pending:
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "chunk":
+                    raise InvalidArgument("only chunks may follow the PublishHeader")
+                pending.write(msg.chunk)
+                if pending.overflowed:
+                    break
+            return pending.commit()
+
+    def List(self, request, context):
+        try:
+            entries = self.store.list(request.name_prefix)
+        except WarmserveError as e:
+            abort_with(context, e)
+        return pb.ListResponse(entries=[entry_to_proto(e) for e in entries])
+
+    def Stat(self, request, context):
+        s = self.store.stat()
+        return pb.StatResponse(**s)
+
+    def Evict(self, request, context):
+        try:
+            count, freed = self.store.evict(request.key.name or None, request.key.fingerprint or None,
+                                            all=request.all)
+        except WarmserveError as e:
+            abort_with(context, e)
+        return pb.EvictResponse(evicted=count, freed_bytes=freed)
+
+
+class StoreCollector:
+    """Prometheus collector: the store's counters and its size, read at scrape time."""
+
+    def __init__(self, store: KernelStore) -> None:
+        self.store = store
+
+    def collect(self):
+        s = self.store.stat()
+        for name in COUNTERS:
+            c = CounterMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name} since start")
+            c.add_metric([], s[name])
+            yield c
+        for name, unit in (("entries", ""), ("total_bytes", " in bytes"), ("max_bytes", " in bytes (0 = none)")):
+            g = GaugeMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name}{unit}")
+            g.add_metric([], s[name])
+            yield g
+
+
+def build_server(store: KernelStore, config: ServerConfig) -> ServiceServer:
+    """A not-yet-started :class:`ServiceServer` serving ``store`` (with its metrics registered)."""
+    servicer = KernelCacheServicer(store)
+    server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])
+    server.registry.register(StoreCollector(store))
+    return server
+
+
+def serve_from_args(args) -> None:
+    """Entry point of ``warmserve cache serve``: run until SIGTERM/SIGINT, then drain."""
+    from services.log import configure_logging
+
+    configure_logging("kernel-cache", args.log_level)
+    store = KernelStore(args.root, max_bytes=args.max_bytes)
+    config = config_from_args(args, "kernel-cache", PROTECTED_METHODS)
+    server = build_server(store, config)
+    server.start()
+    log.info("kernel cache ready", extra={"root": str(store.root), "max_bytes": store.max_bytes,
+                                          "address": server.address, "swept": store.swept})
+    server.serve_forever()
