@@ -1,0 +1,103 @@
+"""The bundled SmolLM2 GGUF packed to float32 equals transformers' own GGUF-loaded model, tensor
+by tensor, and the exported tokenizer encodes like transformers' GGUF tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from weight_service.loader import load_sidecar
+
+pytestmark = pytest.mark.slow
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def test_sidecar_tensors_equal_transformers_gguf_model(smollm2_sidecar, hf_model):
+    hf = hf_model.config
+    nh, nkv = hf.num_attention_heads, hf.num_key_value_heads
+    hd = hf.hidden_size // nh
+    with load_sidecar(smollm2_sidecar) as sc:
+        t = sc.tensors
+        assert sc.config["num_hidden_layers"] == hf.num_hidden_layers == 30
+        assert sc.config["tie_word_embeddings"] is True and "lm_head" not in t
+        assert sc.metadata["warmserve.dtype"] == "f32" and t["embed_tokens"].dtype == torch.float32
+        assert _max_diff(t["embed_tokens"], hf_model.model.embed_tokens.weight) <= 1e-6
+        assert _max_diff(t["embed_tokens"], hf_model.lm_head.weight) <= 1e-6  # tied
+        assert _max_diff(t["final_norm"], hf_model.model.norm.weight) <= 1e-6
+        worst = 0.0
+        for i, layer in enumerate(hf_model.model.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = t["layers.qkv_proj"][i]
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd])
+            gate, up = t["layers.gate_up_proj"][i].chunk(2)
+            pairs = [
+                (q, att.q_proj.weight), (k, att.k_proj.weight), (v, att.v_proj.weight),
+                (t["layers.o_proj"][i], att.o_proj.weight),
+                (gate, mlp.gate_proj.weight), (up, mlp.up_proj.weight),
+                (t["layers.down_proj"][i], mlp.down_proj.weight),
+                (t["layers.input_norm"][i], layer.input_layernorm.weight),
+                (t["layers.post_attn_norm"][i], layer.post_attention_layernorm.weight),
+            ]
+            for ours, ref in pairs:
+                worst = max(worst, _max_diff(ours, ref.detach()))
+        assert worst <= 1e-6
+        # The weights are not trivially equal (e.g. all zero): q differs from k where both exist.
+        assert t["layers.qkv_proj"][0].abs().sum() > 0
+
+
+def test_sidecar_config_matches_transformers(smollm2_sidecar, hf_model):
+    cfg = json.loads((smollm2_sidecar / "config.json").read_text())
+    hf = hf_model.config
+    assert cfg["vocab_size"] == hf.vocab_size == 49152
+    assert cfg["hidden_size"] == hf.hidden_size and cfg["intermediate_size"] == hf.intermediate_size
+    assert cfg["num_attention_heads"] == hf.num_attention_heads
+    assert cfg["num_key_value_heads"] == hf.num_key_value_heads
+    assert cfg["head_dim"] == hf.hidden_size // hf.num_attention_heads
+    assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+    assert cfg["rope_theta"] == pytest.approx(hf.rope_parameters["rope_theta"])
+    assert cfg["rope_scaling"] is None
+    assert cfg["max_position_embeddings"] == hf.max_position_embeddings
+    assert cfg["bos_token_id"] == hf.bos_token_id and cfg["eos_token_id"] == hf.eos_token_id
+    assert cfg["architecture"] == "LlamaForCausalLM" and cfg["attention_bias"] is False
+
+
+PROMPTS = [
+    "Hello!",
+    "Héllo wörld — naïve café, 日本語のテキスト, emoji 🤖🎉",
+    "digits 1234567890 3.14159 and 1,000,000; year 2025",
+    "whitespace   runs\t\ttabs\n\n\nnewlines    end  ",
+    "special tokens inline <|im_start|>user\nnested<|im_end|> <|endoftext|>",
+    "code: def f(x):\n    return x**2  # square",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_exported_tokenizer_matches_transformers(smollm2_sidecar, hf_tokenizer, prompt):
+    ours = Tokenizer.from_file(str(smollm2_sidecar / "tokenizer.json"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = hf_tokenizer(text)["input_ids"]
+    assert ours.encode(text).ids == expected
+    assert ours.decode(expected, skip_special_tokens=False) == text
+
+
+def test_exported_tokenizer_config_renders_the_same_chat_prompt(smollm2_sidecar, hf_tokenizer):
+    import jinja2
+
+    cfg = json.loads((smollm2_sidecar / "tokenizer_config.json").read_text())
+    assert cfg["bos_token"] == hf_tokenizer.bos_token == "<|im_start|>"
+    assert cfg["eos_token"] == hf_tokenizer.eos_token == "<|im_end|>"
+    assert cfg["add_bos_token"] is False
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ours = jinja2.Environment().from_string(cfg["chat_template"]).render(
+        messages=messages, add_generation_prompt=True, bos_token=cfg["bos_token"], eos_token=cfg["eos_token"])
+    assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ours_tok = Tokenizer.from_file(str(smollm2_sidecar / "tokenizer.json"))
+    assert ours_tok.token_to_id("<|im_start|>") == 1 and ours_tok.token_to_id("<|im_end|>") == 2
