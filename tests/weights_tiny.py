@@ -1,0 +1,86 @@
+"""Tiny random Llama-family checkpoints written with ``safetensors`` directly (test helper).
+
+The returned state dict is the reference: the sidecar must hold exactly these values in the
+documented layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+
+def tiny_state_dict(*, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=96,
+                    tied=True, bias=False, seed=0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Random weights under HF Llama names (``[out, in]`` matrices)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    sd = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": rnd(hidden)}
+    if not tied:
+        sd["lm_head.weight"] = rnd(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = rnd(hidden)
+        sd[p + "post_attention_layernorm.weight"] = rnd(hidden)
+        sd[p + "self_attn.q_proj.weight"] = rnd(heads * head_dim, hidden)
+        sd[p + "self_attn.k_proj.weight"] = rnd(kv_heads * head_dim, hidden)
+        sd[p + "self_attn.v_proj.weight"] = rnd(kv_heads * head_dim, hidden)
+        if bias:
+            sd[p + "self_attn.q_proj.bias"] = rnd(heads * head_dim)
+            sd[p + "self_attn.k_proj.bias"] = rnd(kv_heads * head_dim)
+            sd[p + "self_attn.v_proj.bias"] = rnd(kv_heads * head_dim)
+        sd[p + "self_attn.o_proj.weight"] = rnd(hidden, heads * head_dim)
+        sd[p + "mlp.gate_proj.weight"] = rnd(intermediate, hidden)
+        sd[p + "mlp.up_proj.weight"] = rnd(intermediate, hidden)
+        sd[p + "mlp.down_proj.weight"] = rnd(hidden, intermediate)
+    return sd
+
+
+def write_tiny_checkpoint(directory: Path, *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                          intermediate=48, vocab=96, tied=True, bias=False, shards=1, seed=0,
+                          architecture="LlamaForCausalLM", tokenizer=False, extra_config=None,
+                          dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Write ``config.json`` and ``model.safetensors`` (or ``shards`` files plus
+    ``model.safetensors.index.json``) into ``directory``; returns the state dict written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    sd = tiny_state_dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         intermediate=intermediate, vocab=vocab, tied=tied, bias=bias, seed=seed, dtype=dtype)
+    config = {
+        "architectures": [architecture], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"},
+        "max_position_embeddings": 256, "tie_word_embeddings": tied, "bos_token_id": 1, "eos_token_id": [2, 3],
+        **(extra_config or {}),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    names = sorted(sd)
+    if shards == 1:
+        save_file(sd, str(directory / "model.safetensors"))
+    else:
+        weight_map = {}
+        for s in range(shards):
+            part = names[s::shards]
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: sd[n] for n in part}, str(directory / fname))
+            weight_map.update({n: fname for n in part})
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if tokenizer:
+        vocab_map = {f"w{i}": i for i in range(vocab)}
+        vocab_map["[UNK]"] = vocab
+        tok = Tokenizer(models.WordLevel(vocab_map, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": {"content": "w1"}, "eos_token": "w2", "add_bos_token": True,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        }))
+    return sd
