@@ -14,11 +14,12 @@ DEFAULT_ROUTER = "127.0.0.1:50050"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_stack_args(p: argparse.ArgumentParser, *, runners: int) -> None:
+def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int) -> None:
     p.add_argument("--runners", type=int, default=runners, help=f"number of runners (default {runners})")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model source (default {DEFAULT_MODEL}, bundled)")
-    p.add_argument("--base-port", type=int, default=50050,
-                   help="router port; kernel-cache +1, weights +2, runner i at +11+i (default 50050)")
+    p.add_argument("--base-port", type=int, default=base_port,
+                   help=f"router port; kernel-cache +1, weights +2, runner i at +11+i; 0 = free ports "
+                        f"(default {base_port})")
     p.add_argument("--home", default=None, help="state directory (default $WARMSERVE_HOME)")
     p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=None,
                    help="runner compile mode (default: the runner's own default)")
@@ -40,7 +41,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
-    _add_stack_args(up, runners=2)
+    _add_stack_args(up, runners=2, base_port=50050)
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
@@ -62,7 +63,8 @@ def register(subparsers) -> None:
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
-    _add_stack_args(demo, runners=1)
+    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
+    _add_stack_args(demo, runners=1, base_port=0)
     demo.set_defaults(func=_demo)
 
 
@@ -131,4 +133,4 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from services.demo import run_demo
 
-    return run_demo(_stack_config(args))
+    return run_demo(_stack_config(args), max_tokens=args.max_tokens)

@@ -1,0 +1,175 @@
+"""A small client for the ``Generation`` service (a runner or the router: same contract).
+
+Request builders (:func:`text_request`, :func:`chat_request`, :func:`sampling_params`), and
+:class:`GenerationClient`, which streams responses, collects them into a
+:class:`GenerationResult`, or writes the text as it arrives. RPC errors come out as
+:class:`services.errors.WarmserveError` subclasses carrying the server's message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import grpc
+
+from services.channel import open_channel
+from services.errors import InvalidArgument, WarmserveError, from_rpc_error
+from services.proto import generation_pb2, generation_pb2_grpc
+
+
+def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.0,
+                    top_k: int = 0, seed: int | None = None) -> generation_pb2.SamplingParams:
+    """``SamplingParams`` (temperature 0 = greedy). Raises ``InvalidArgument`` for values the
+    runner would refuse anyway, so the CLI can say so before dialing."""
+    if max_tokens <= 0:
+        raise InvalidArgument(f"--max-tokens must be > 0, got {max_tokens}")
+    if temperature < 0:
+        raise InvalidArgument(f"--temperature must be >= 0, got {temperature}")
+    if not 0 <= top_p <= 1:
+        raise InvalidArgument(f"--top-p must be in [0, 1], got {top_p}")
+    params = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                           top_k=top_k)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def text_request(text: str, sampling: generation_pb2.SamplingParams | None = None, *,
+                 routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
+    """A raw-text request (no chat template)."""
+    return generation_pb2.GenerateRequest(text=text, sampling=sampling, routing=routing)
+
+
+def chat_request(messages: Sequence[tuple[str, str]], sampling: generation_pb2.SamplingParams | None = None, *,
+                 routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
+    """A chat request from ``(role, content)`` pairs; the runner applies the model's template."""
+    chat = generation_pb2.ChatPrompt(messages=[generation_pb2.ChatMessage(role=r, content=c) for r, c in messages])
+    return generation_pb2.GenerateRequest(chat=chat, sampling=sampling, routing=routing)
+
+
+@dataclass
+class GenerationResult:
+    """One finished request: text, token ids, finish reason name, usage, who served it, and
+    timings in seconds (``first_token_s`` from the call to the first token)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    runner_id: str = ""
+    seconds: float = 0.0
+    first_token_s: float | None = None
+
+    def add(self, resp: generation_pb2.GenerateResponse) -> None:
+        """Fold one streamed message in."""
+        self.text += resp.text
+        self.token_ids.extend(resp.token_ids)
+        if resp.runner_id:
+            self.runner_id = resp.runner_id
+        if resp.finish_reason:
+            self.finish_reason = generation_pb2.FinishReason.Name(resp.finish_reason)
+            self.prompt_tokens = resp.usage.prompt_tokens
+            self.completion_tokens = resp.usage.completion_tokens
+
+    def summary(self) -> str:
+        """``[runner-0] 42 tokens in 1.23 s (34.1 tok/s), finish LENGTH``."""
+        rate = self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"[{self.runner_id or '?'}] {self.completion_tokens} tokens in {self.seconds:.2f} s "
+                f"({rate:.1f} tok/s), prompt {self.prompt_tokens} tokens, finish {self.finish_reason or '?'}")
+
+
+class GenerationClient:
+    """Client of one ``Generation`` endpoint (``host:port``); use as a context manager.
+
+    ``ready_timeout_s``: seconds to wait for the connection (``Unavailable`` after that)."""
+
+    def __init__(self, address: str, *, ready_timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._channel = open_channel(address, ready_timeout_s=ready_timeout_s)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, request: generation_pb2.GenerateRequest, *,
+               timeout_s: float | None = 120.0) -> Iterator[generation_pb2.GenerateResponse]:
+        """The response stream; closing the iterator early cancels the call."""
+        call = self._stub.Generate(request, timeout=timeout_s)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        finally:
+            call.cancel()
+
+    def complete(self, request: generation_pb2.GenerateRequest, *,
+                 timeout_s: float | None = 120.0) -> GenerationResult:
+        """Run ``request`` to the end and return everything it produced."""
+        return self.stream_to(request, None, timeout_s=timeout_s)
+
+    def stream_to(self, request: generation_pb2.GenerateRequest, out: TextIO | None, *,
+                  timeout_s: float | None = 120.0) -> GenerationResult:
+        """Write each text delta to ``out`` (flushed) as it arrives; returns the result."""
+        result = GenerationResult()
+        start = time.perf_counter()
+        for resp in self.stream(request, timeout_s=timeout_s):
+            if result.first_token_s is None and resp.token_ids:
+                result.first_token_s = time.perf_counter() - start
+            result.add(resp)
+            if out is not None and resp.text:
+                out.write(resp.text)
+                out.flush()
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def model_info(self, *, timeout_s: float = 10.0) -> generation_pb2.ModelInfoResponse:
+        """``ModelInfo`` of the endpoint (the router forwards it to a READY runner)."""
+        try:
+            return self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+
+def interactive_chat(client: GenerationClient, sampling: generation_pb2.SamplingParams, *,
+                     system: str | None, timeout_s: float | None, stdin: TextIO, stdout: TextIO) -> int:
+    """Read user lines from ``stdin`` until EOF (or ``/exit``), stream each answer to ``stdout``,
+    and keep the conversation as history for the next turn. ``/reset`` clears the history.
+    A failed turn is reported and dropped from the history; returns 0."""
+    history: list[tuple[str, str]] = [("system", system)] if system else []
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            break
+        if line == "/reset":
+            history = history[:1] if system else []
+            stdout.write("(history cleared)\n")
+            continue
+        history.append(("user", line))
+        try:
+            result = client.stream_to(chat_request(history, sampling), stdout, timeout_s=timeout_s)
+        except WarmserveError as e:
+            history.pop()
+            stdout.write(f"\n(error: {e})\n")
+            continue
+        stdout.write("\n")
+        history.append(("assistant", result.text))
+    return 0

@@ -1,0 +1,117 @@
+"""``warmserve demo`` (``make run``): the main job, end to end on the bundled SmolLM2.
+
+1. start the stack (kernel-cache, weights, router, runner-0) in a fresh temporary
+   ``WARMSERVE_HOME`` unless ``--home`` is given: runner-0 is the *cold* launch (it builds the
+   weight sidecar and any compiled programs);
+2. stream answers to a few chat prompts through the router;
+3. launch one more runner: the *warm* launch finds the sidecar (and programs) ready;
+4. print both start-up reports side by side, send a burst of concurrent requests through the
+   router to show them spread over the runners, print the router's runner table;
+5. stop everything and exit 0.
+
+Progress goes to stderr, results to stdout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import TextIO
+
+from services.client import GenerationClient, chat_request, sampling_params
+from services.stack import LocalStack, StackConfig, format_startup_report, print_status
+
+DEMO_PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Give me three short tips for writing clear code.",
+)
+
+BURST_PROMPTS = (
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "What is the opposite of hot?",
+    "Name a planet in the solar system.",
+    "What do bees make?",
+)
+
+
+def _say(out: TextIO, text: str = "") -> None:
+    out.write(text + "\n")
+    out.flush()
+
+
+def _phase_seconds(info) -> dict[str, float]:
+    return {p.name: p.seconds for p in info.startup.phases}
+
+
+def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64) -> int:
+    """Run the demo (see the module docstring); returns the exit code."""
+    tmp_home = None
+    if config.home is None:
+        tmp_home = Path(tempfile.mkdtemp(prefix="warmserve-demo-"))
+        config = replace(config, home=tmp_home)
+    config = replace(config, runners=max(1, config.runners))
+    sampling = sampling_params(max_tokens=max_tokens, temperature=0.0)
+    try:
+        with LocalStack(config) as stack:
+            first = len(stack.runners) - 1
+            cold = stack.startup_report(0)
+            _say(out)
+            _say(out, format_startup_report(cold, "== cold launch: runner-0 start-up report"))
+
+            _say(out)
+            _say(out, f"== chat through the router at {stack.router_address} (greedy, {max_tokens} tokens max)")
+            with GenerationClient(stack.router_address) as client:
+                for prompt in DEMO_PROMPTS:
+                    _say(out)
+                    _say(out, f"user: {prompt}")
+                    out.write("assistant: ")
+                    result = client.stream_to(chat_request([("user", prompt)], sampling), out, timeout_s=300)
+                    _say(out)
+                    _say(out, f"  ({result.summary()})")
+
+            print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
+            warm_child = stack.add_runner()
+            warm_index = int(warm_child.name.removeprefix("runner-"))
+            warm = stack.startup_report(warm_index)
+            _say(out)
+            _say(out, format_startup_report(warm, f"== warm launch: {warm_child.name} start-up report"))
+            _say(out)
+            ratio = cold.startup.total_seconds / warm.startup.total_seconds if warm.startup.total_seconds else 0
+            _say(out, f"cold launch {cold.startup.total_seconds:.2f} s -> warm launch "
+                      f"{warm.startup.total_seconds:.2f} s ({ratio:.1f}x)")
+            cold_p, warm_p = _phase_seconds(cold), _phase_seconds(warm)
+            for name in cold_p:
+                if name in warm_p:
+                    _say(out, f"  {name:<10} {cold_p[name]:7.2f} s -> {warm_p[name]:7.2f} s")
+
+            _say(out)
+            _say(out, f"== {len(BURST_PROMPTS)} concurrent requests through the router")
+            with GenerationClient(stack.router_address) as client, ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
+                start = time.perf_counter()
+                results = list(pool.map(lambda p: client.complete(
+                    chat_request([("user", p)], sampling_params(max_tokens=24)), timeout_s=300), BURST_PROMPTS))
+                elapsed = time.perf_counter() - start
+            for prompt, r in zip(BURST_PROMPTS, results, strict=True):
+                answer = " ".join(r.text.split())
+                _say(out, f"  [{r.runner_id}] {prompt} -> {answer[:70]}")
+            _say(out, f"  {len(results)} requests in {elapsed:.2f} s, served by "
+                      f"{', '.join(sorted({r.runner_id for r in results}))}")
+
+            _say(out)
+            _say(out, "== router status")
+            print_status(stack.router_address, {}, out=out)
+            print("stopping the stack ...", file=sys.stderr, flush=True)
+        _say(out)
+        _say(out, "demo finished")
+        return 0
+    finally:
+        if tmp_home is not None:
+            shutil.rmtree(tmp_home, ignore_errors=True)

@@ -1,0 +1,45 @@
+"""A gRPC health probe: ``python -m services.healthcheck HOST:PORT [--service NAME] [--timeout S]``.
+
+Exits 0 when ``grpc.health.v1.Health/Check`` answers SERVING, 1 otherwise (NOT_SERVING, an
+error, or no answer within the timeout), printing one line. Used by ``compose.yaml``
+healthchecks (``grpc_health_probe`` is not installable here) and by :mod:`services.stack`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.channel import open_channel
+
+
+def check_health(address: str, *, service: str = "", timeout_s: float = 2.0) -> str:
+    """The serving status name of ``service`` at ``address`` (``SERVING``, ``NOT_SERVING``, ...),
+    or ``UNREACHABLE: <code>`` when the RPC fails within ``timeout_s`` seconds."""
+    channel = open_channel(address)
+    try:
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as e:
+        return f"UNREACHABLE: {e.code().name}"
+    finally:
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("address", help="host:port")
+    parser.add_argument("--service", default="", help="service name (default: the whole server)")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    args = parser.parse_args(argv)
+    status = check_health(args.address, service=args.service, timeout_s=args.timeout)
+    print(f"{args.address} {args.service or '(server)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""The local stack: kernel-cache, weights, N runners and the router as child processes.
+
+:class:`LocalStack` is what ``warmserve up``, ``warmserve demo`` and the end-to-end tests share.
+``start()`` launches ``python -m services.cli ...`` children on loopback, in dependency order:
+
+1. kernel-cache (``base_port + 1``), weights (``base_port + 2``) and the router (``base_port``),
+   waiting until each answers SERVING on ``grpc.health.v1``;
+2. runner 0 (``base_port + 11``) alone: the first launch builds what is missing (sidecar,
+   compiled programs) and publishes it;
+3. runners 1..N-1 together: they find everything warm;
+
+and finally waits until the router lists every runner READY (runners register with ``--router``).
+``base_port = 0`` picks free ports instead. Each child writes its JSON log to
+``HOME/logs/NAME.log``; a child that exits while starting raises ``Unavailable`` quoting the tail
+of its log. ``stop()`` sends SIGTERM to every child (router first), waits ``stop_grace_s``
+seconds, then SIGKILLs stragglers. Children also get SIGTERM if this process dies
+(``PR_SET_PDEATHSIG``; Linux), so a crashed parent leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from services.errors import InvalidArgument, Unavailable
+from services.paths import warmserve_home
+
+ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
+RUNNER_PORT_OFFSET = 11
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
+
+    ``compile``/``dtype``/``max_num_seqs`` of ``None`` leave the runner's defaults. ``home`` of
+    ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
+    """
+
+    runners: int = 2
+    model: str = "smollm2-135m-instruct"
+    base_port: int = 50050
+    home: Path | None = None
+    compile: str | None = None
+    dtype: str | None = None
+    max_num_seqs: int | None = None
+    policy: str = "least-outstanding"
+    host: str = "127.0.0.1"
+    lease_seconds: float = 3.0
+    health_interval_s: float = 0.5
+    startup_timeout_s: float = 900.0
+    stop_grace_s: float = 10.0
+    python: str = sys.executable
+    runner_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.runners < 0:
+            raise InvalidArgument(f"--runners must be >= 0, got {self.runners}")
+        if self.base_port != 0 and not 1024 <= self.base_port <= 65535 - RUNNER_PORT_OFFSET - max(self.runners, 1) - 16:
+            raise InvalidArgument(f"--base-port must be 0 (free ports) or leave room for the stack, got {self.base_port}")
+        if self.compile not in (None, "aoti", "inductor", "off"):
+            raise InvalidArgument(f"unknown compile mode {self.compile!r}")
+        if self.dtype not in (None, "f32", "bf16"):
+            raise InvalidArgument(f"unknown dtype {self.dtype!r}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.lease_seconds <= 0 or self.health_interval_s <= 0 or self.startup_timeout_s <= 0:
+            raise InvalidArgument("lease, health interval and start-up timeout must be > 0 seconds")
+
+    @classmethod
+    def from_args(cls, args) -> StackConfig:
+        """From the ``up``/``demo`` flags of :mod:`services.stack_cli`."""
+        return cls(runners=args.runners, model=args.model, base_port=args.base_port,
+                   home=Path(args.home).expanduser().resolve() if args.home else None,
+                   compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs, policy=args.policy)
+
+
+@dataclass
+class ChildProcess:
+    """One launched service: its name, argv, ``host:port``, log file and process."""
+
+    name: str
+    argv: list[str]
+    address: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    ready_s: float | None = None  # seconds from launch to SERVING
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stderr_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class LocalStack:
+    """Child-process stack (see the module docstring). Use ``with LocalStack(cfg) as s:`` or
+    pair ``start()`` with ``stop()``. ``progress(message)`` receives start-up progress lines
+    (default: stderr). Start it from the main thread (the children's parent-death signal follows
+    the launching thread)."""
+
+    def __init__(self, config: StackConfig, progress: Callable[[str], None] | None = _stderr_progress) -> None:
+        self.config = config
+        self.home = (config.home or warmserve_home()).resolve()
+        self.log_dir = self.home / "logs"
+        self._progress = progress or (lambda _m: None)
+        self._lock = threading.Lock()
+        self.services: dict[str, ChildProcess] = {}
+        self.runners: list[ChildProcess] = []
+        self._ports: dict[str, int] = {}
+
+    # --- addresses ----------------------------------------------------------------------------
+
+    def _port(self, name: str, offset: int) -> int:
+        if name not in self._ports:
+            base = self.config.base_port
+            self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
+        return self._ports[name]
+
+    def address(self, name: str) -> str:
+        """``host:port`` of ``router``, ``kernel-cache``, ``weights`` or ``runner-I``."""
+        if name == ROUTER:
+            return f"{self.config.host}:{self._port(ROUTER, 0)}"
+        if name == KERNEL_CACHE:
+            return f"{self.config.host}:{self._port(KERNEL_CACHE, 1)}"
+        if name == WEIGHTS:
+            return f"{self.config.host}:{self._port(WEIGHTS, 2)}"
+        index = int(name.removeprefix("runner-"))
+        return f"{self.config.host}:{self._port(name, RUNNER_PORT_OFFSET + index)}"
+
+    @property
+    def router_address(self) -> str:
+        return self.address(ROUTER)
+
+    def endpoints(self) -> dict[str, str]:
+        """Every launched service's name -> address."""
+        out = {name: c.address for name, c in self.services.items()}
+        out.update({c.name: c.address for c in self.runners})
+        return out
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def _cli(self, *args: str) -> list[str]:
+        return [self.config.python, "-m", "services.cli", *args]
+
+    def _service_argv(self, name: str) -> list[str]:
+        cfg, port = self.config, self.address(name).rpartition(":")[2]
+        common = ["--host", cfg.host, "--port", port, "--drain-grace", "5"]
+        if name == KERNEL_CACHE:
+            return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
+        if name == WEIGHTS:
+            return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *common)
+        return self._cli("router", "serve", *common, "--policy", cfg.policy,
+                         "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s))
+
+    def runner_argv(self, index: int) -> list[str]:
+        """The command line of runner ``index`` (registers with the router under ``runner-I``)."""
+        cfg, name = self.config, f"runner-{index}"
+        argv = self._cli(
+            "runner", "serve", "--model", cfg.model, "--runner-id", name,
+            "--host", cfg.host, "--port", self.address(name).rpartition(":")[2], "--drain-grace", "5",
+            "--weights", self.address(WEIGHTS), "--kernel-cache", self.address(KERNEL_CACHE),
+            "--router", self.address(ROUTER), "--sidecar-dir", str(self.home / "sidecars"))
+        if cfg.compile is not None:
+            argv += ["--compile", cfg.compile]
+        if cfg.dtype is not None:
+            argv += ["--dtype", cfg.dtype]
+        if cfg.max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
+        return argv + list(cfg.runner_args)
+
+    # --- processes ----------------------------------------------------------------------------
+
+    def _launch(self, child: ChildProcess) -> ChildProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, WARMSERVE_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        with open(child.log_path, "ab") as log:
+            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                          cwd=Path(__file__).resolve().parent.parent,
+                                          preexec_fn=_die_with_parent, start_new_session=True)
+        child.started_at = time.monotonic()
+        child.ready_s = None
+        return child
+
+    def _wait_serving(self, children: list[ChildProcess], what: str) -> None:
+        from services.healthcheck import check_health
+
+        pending = list(children)
+        end = time.monotonic() + self.config.startup_timeout_s
+        next_note = time.monotonic() + 10
+        while pending:
+            for child in list(pending):
+                if not child.running:
+                    code = child.proc.returncode if child.proc else None
+                    raise Unavailable(f"{child.name} exited with status {code} while starting; "
+                                      f"its log ({child.log_path}) ends:\n{child.log_tail()}")
+                if check_health(child.address, timeout_s=0.5) == "SERVING":
+                    child.ready_s = time.monotonic() - child.started_at
+                    self._progress(f"  {child.name} SERVING on {child.address} after {child.ready_s:.1f} s")
+                    pending.remove(child)
+            if not pending:
+                return
+            now = time.monotonic()
+            if now > end:
+                raise Unavailable(f"{', '.join(c.name for c in pending)} not SERVING after "
+                                  f"{self.config.startup_timeout_s:g} s; see {self.log_dir}")
+            if now > next_note:
+                for c in pending:
+                    self._progress(f"  ... {c.name} still starting ({now - c.started_at:.0f} s): {_last_log_msg(c)}")
+                next_note = now + 10
+            time.sleep(0.2)
+
+    def wait_registered(self, names: list[str], timeout_s: float = 30.0) -> None:
+        """Block until the router lists each runner in ``names`` READY (``Unavailable`` after
+        ``timeout_s`` seconds)."""
+        end = time.monotonic() + timeout_s
+        from services.proto import router_pb2
+
+        while True:
+            ready = {r.runner_id for r in list_runners(self.router_address)
+                     if r.state == router_pb2.RunnerStatus.READY}
+            if set(names) <= ready:
+                return
+            if time.monotonic() > end:
+                raise Unavailable(f"the router has not admitted {sorted(set(names) - ready)} after {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def start(self) -> LocalStack:
+        """Launch everything and wait until it is ready (see the module docstring). On failure
+        every child is stopped and the error re-raised."""
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
+            for name in (KERNEL_CACHE, WEIGHTS, ROUTER):
+                self.services[name] = self._launch(ChildProcess(
+                    name, self._service_argv(name), self.address(name), self.log_dir / f"{name}.log"))
+            self._progress("starting kernel-cache, weights and router ...")
+            self._wait_serving(list(self.services.values()), "services")
+            if self.config.runners:
+                self._progress("starting runner-0 (the first launch builds what is missing) ...")
+                self.start_runner(0)
+            if self.config.runners > 1:
+                self._progress(f"starting runner-1..{self.config.runners - 1} (warm) ...")
+                for i in range(1, self.config.runners):
+                    self.start_runner(i, wait=False)
+                self.wait_runners(range(1, self.config.runners))
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_runner(self, index: int, *, wait: bool = True) -> ChildProcess:
+        """Launch runner ``index`` (again, after a kill: same id and port); with ``wait``, block
+        until it is SERVING and the router lists it READY."""
+        name = f"runner-{index}"
+        child = ChildProcess(name, self.runner_argv(index), self.address(name), self.log_dir / f"{name}.log")
+        with self._lock:
+            while len(self.runners) <= index:
+                self.runners.append(None)  # type: ignore[arg-type]
+            old = self.runners[index]
+            if old is not None and old.running:
+                raise InvalidArgument(f"{name} is already running")
+            self.runners[index] = self._launch(child)
+        if wait:
+            self.wait_runners([index])
+        return child
+
+    def add_runner(self) -> ChildProcess:
+        """Launch one more runner (the next index) and wait until it serves."""
+        return self.start_runner(len(self.runners))
+
+    def wait_runners(self, indices) -> None:
+        """Wait until the given runners are SERVING and admitted by the router."""
+        children = [self.runners[i] for i in indices]
+        self._wait_serving(children, "runners")
+        self.wait_registered([c.name for c in children])
+
+    def kill_runner(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to runner ``index`` and reap it."""
+        child = self.runners[index]
+        if child.running:
+            child.proc.send_signal(sig)
+            child.proc.wait(timeout=self.config.stop_grace_s + 5)
+
+    def startup_report(self, index: int):
+        """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
+        from services.client import GenerationClient
+
+        with GenerationClient(self.runners[index].address) as client:
+            return client.model_info()
+
+    def stop(self) -> None:
+        """SIGTERM every child (router first), wait ``stop_grace_s`` s, then SIGKILL stragglers."""
+        order = [self.services.get(ROUTER), *self.runners, self.services.get(WEIGHTS),
+                 self.services.get(KERNEL_CACHE)]
+        children = [c for c in order if c is not None and c.running]
+        for c in children:
+            try:
+                c.proc.terminate()
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + self.config.stop_grace_s
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+                self._progress(f"  {c.name} did not stop within {self.config.stop_grace_s:g} s; killed")
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def exited(self) -> list[ChildProcess]:
+        """Children that were launched and are no longer running."""
+        return [c for c in [*self.services.values(), *self.runners] if c is not None and c.proc and not c.running]
+
+
+def _last_log_msg(child: ChildProcess) -> str:
+    import json
+
+    for line in reversed(child.log_tail(5).splitlines()):
+        try:
+            return str(json.loads(line).get("msg", line))[:120]
+        except ValueError:
+            if line.strip():
+                return line.strip()[:120]
+    return "no log yet"
+
+
+# --- reports and status ---------------------------------------------------------------------------
+
+
+def list_runners(router_address: str, timeout_s: float = 5.0):
+    """The router's ``ListRunners`` runners (``RunnerStatus`` messages)."""
+    import grpc
+
+    from services.channel import open_channel
+    from services.errors import from_rpc_error
+    from services.proto import router_pb2, router_pb2_grpc
+
+    with open_channel(router_address) as channel:
+        try:
+            return list(router_pb2_grpc.RouterControlStub(channel).ListRunners(
+                router_pb2.ListRunnersRequest(), timeout=timeout_s, wait_for_ready=True).runners)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+
+def format_startup_report(info, title: str = "") -> str:
+    """A ``ModelInfoResponse``'s start-up report as an aligned text block (seconds per phase)."""
+    head = title or f"start-up report of {info.runner_id}"
+    lines = [f"{head}: {info.startup.total_seconds:.2f} s total",
+             f"  model {info.model} ({info.family}, {info.dtype}, {info.device}, compile {info.compile_mode}, "
+             f"{info.num_kv_blocks} KV blocks x {info.block_size} tokens)"]
+    width = max((len(p.name) for p in info.startup.phases), default=0)
+    for p in info.startup.phases:
+        lines.append(f"  {p.name:<{width}}  {p.seconds:7.2f} s  {p.detail}")
+    return "\n".join(lines)
+
+
+def print_status(router_address: str, services: dict[str, str], *, out: TextIO) -> int:
+    """Print the router's runners (state, outstanding, lease, load, KV use) and the health of
+    the router and of each ``name -> address`` in ``services``. Returns 0, or 1 when the router
+    cannot be reached."""
+    from services.healthcheck import check_health
+    from services.proto import router_pb2
+
+    rows = [("service", "address", "health")]
+    for name, addr in {"router": router_address, **services}.items():
+        rows.append((name, addr, check_health(addr, timeout_s=2.0)))
+    _table(rows, out)
+    if rows[1][2] != "SERVING":
+        return 1
+    runners = list_runners(router_address)
+    out.write("\n")
+    table = [("runner", "address", "state", "outstanding", "lease", "running/waiting", "KV blocks", "failures")]
+    for r in runners:
+        lease = "static" if r.static else f"{r.lease_expires_in_s:.1f} s"
+        kv = f"{r.load.kv_blocks_used}/{r.load.kv_blocks_total}" if r.load.kv_blocks_total else "-"
+        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), str(r.outstanding),
+                      lease, f"{r.load.running}/{r.load.waiting}", kv, str(r.consecutive_failures)))
+    if len(table) == 1:
+        out.write("no runners\n")
+    else:
+        _table(table, out)
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
+    """``warmserve up``: start the stack, print endpoints and start-up reports, then run until
+    SIGINT/SIGTERM (exit 0) or until a child dies (exit 1); stops every child either way."""
+    stop = threading.Event()
+    started = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+        if not started.is_set():
+            raise KeyboardInterrupt  # abandon start-up; start() stops what it launched
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = LocalStack(config)
+    try:
+        stack.start()
+        started.set()
+        out.write("\nendpoints:\n")
+        for name, addr in stack.endpoints().items():
+            out.write(f"  {name:<13} {addr}\n")
+        for i in range(len(stack.runners)):
+            out.write("\n" + format_startup_report(stack.startup_report(i)) + "\n")
+        out.write(f"\nready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)\n")
+        out.flush()
+        while not stop.wait(1.0):
+            dead = stack.exited()
+            if dead:
+                for c in dead:
+                    print(f"warmserve: {c.name} exited (status {c.proc.returncode}); log: {c.log_path}",
+                          file=sys.stderr)
+                return 1
+        print("stopping ...", file=sys.stderr)
+        return 0
+    finally:
+        stack.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,127 @@
+"""The router daemon as a process (``warmserve router serve``) and the client commands
+(``generate``, ``chat``, ``status``, ``router drain``) against it, with a fake runner."""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_runner import FakeRunner
+
+from services import cli
+from services.client import GenerationClient, sampling_params
+from services.client import interactive_chat as chat_loop
+from services.healthcheck import check_health
+from services.healthcheck import main as probe_main
+from services.stack import _free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def router_process() -> Iterator[tuple[str, FakeRunner, subprocess.Popen]]:
+    runner = FakeRunner("fake-0")
+    port = _free_port("127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "router", "serve", "--port", str(port), "--runner", runner.address,
+         "--health-interval", "0.1", "--drain-grace", "2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    address = f"127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 20
+        while check_health(address, timeout_s=0.5) != "SERVING":
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        yield address, runner, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        runner.stop()
+
+
+def _wait_ready_through(address: str) -> None:
+    end = time.monotonic() + 10
+    with GenerationClient(address) as client:
+        while True:
+            try:
+                client.model_info(timeout_s=1)
+                return
+            except Exception:
+                assert time.monotonic() < end
+                time.sleep(0.1)
+
+
+def test_router_daemon_serves_cli_commands_and_stops_on_sigterm(router_process, capsys) -> None:
+    address, runner, proc = router_process
+    _wait_ready_through(address)
+
+    assert cli.main(["generate", "--addr", address, "--raw", "--max-tokens", "5", "hello world"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "hello\n"
+    assert "[fake-0] 5 tokens" in captured.err and "finish LENGTH" in captured.err
+
+    assert cli.main(["generate", "--addr", address, "--max-tokens", "3", "chat me"]) == 0
+    assert capsys.readouterr().out == "cha\n"  # the fake echoes the chat message's content
+
+    assert cli.main(["status", "--addr", address, "--service", f"fake={runner.address}"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["router", address, "SERVING"] in rows
+    assert ["fake", runner.address, "SERVING"] in rows
+    # runner, address, state, outstanding, lease, running/waiting, KV blocks, failures
+    assert [runner.address, runner.address, "READY", "0", "static", "0/0", "-", "0"] in rows
+
+    assert cli.main(["router", "drain", runner.address, "--addr", address]) == 0
+    assert cli.main(["status", "--addr", address]) == 0
+    assert "DRAINING" in capsys.readouterr().out
+    assert cli.main(["router", "drain", "nobody", "--addr", address]) == 1
+    assert "knows no runner 'nobody'" in capsys.readouterr().err
+
+    assert cli.main(["generate", "--addr", address, "--raw", "x"]) == 1
+    assert "no runner is ready" in capsys.readouterr().err
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_bad_client_input_exits_2(capsys) -> None:
+    assert cli.main(["generate", "--addr", "127.0.0.1:1", "--max-tokens", "0", "x"]) == 2
+    assert "--max-tokens must be > 0" in capsys.readouterr().err
+    assert cli.main(["status", "--service", "nonsense"]) == 2
+
+
+def test_interactive_chat_keeps_history() -> None:
+    runner = FakeRunner("fake-chat")
+    try:
+        out = io.StringIO()
+        with GenerationClient(runner.address) as client:
+            # The fake echoes the concatenated content of all messages, so the second answer
+            # starts with the first turn's text: the history was sent.
+            rc = chat_loop(client, sampling_params(max_tokens=6), system=None, timeout_s=5,
+                           stdin=io.StringIO("abc\n\nxyz\n/exit\nnever\n"), stdout=out)
+        assert rc == 0
+        assert out.getvalue() == "abc\nabcabc\n"  # turn 1: "abc"; turn 2: "abc" + "abc" + "xyz" cut at 6
+        assert runner.stats.requests == 2
+    finally:
+        runner.stop()
+
+
+def test_health_probe_exit_codes(capsys) -> None:
+    runner = FakeRunner("probe")
+    try:
+        assert probe_main([runner.address]) == 0
+        runner.set_serving(False)
+        assert probe_main([runner.address, "--service", "warmserve.v1.Generation"]) == 1
+        assert "NOT_SERVING" in capsys.readouterr().out
+    finally:
+        runner.stop()
+    assert probe_main([runner.address, "--timeout", "0.3"]) == 1
+    assert "UNREACHABLE" in capsys.readouterr().out
