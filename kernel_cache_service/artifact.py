@@ -186,16 +186,17 @@ def install_stream(chunks: Iterable[bytes], fmt: str, dest: str | Path) -> None:
     if fmt != "dir":
         raise InvalidArgument(f"unknown artifact format {fmt!r}")
     tmp_dir = Path(tempfile.mkdtemp(dir=dest.parent, prefix=_temp_sibling(dest, "tmp")))
+    reader = ChunkReader(chunks)
     try:
-        reader = ChunkReader(chunks)
-        with tarfile.open(fileobj=reader, mode="r|") as tar:
-            tar.extractall(tmp_dir, filter="data")
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                tar.extractall(tmp_dir, filter="data")
+        except tarfile.TarError as e:
+            reader.drain()  # a verifying iterator reports damaged bytes here, which explains the error
+            raise CorruptArtifact(f"directory artifact for {dest} is not a valid tar: {e}") from e
         reader.drain()
         os.chmod(tmp_dir, default_dir_mode())
         _install_dir(tmp_dir, dest)
-    except tarfile.TarError as e:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise CorruptArtifact(f"directory artifact for {dest} is not a valid tar: {e}") from e
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

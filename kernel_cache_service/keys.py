@@ -35,9 +35,11 @@ def validate_key(name: object, fingerprint: object) -> tuple[str, str]:
 
 
 def validate_prefix(prefix: object) -> str:
-    """A ``List`` name prefix: empty, or characters a name may hold (no length floor)."""
+    """A ``List`` name prefix: empty, or what could start a valid name."""
     if prefix in ("", None):
         return ""
-    if not isinstance(prefix, str) or len(prefix) > MAX_KEY_CHARS or not _ALLOWED.fullmatch(prefix):
-        raise InvalidArgument(f"name prefix {str(prefix)[:40]!r} may only use letters, digits, '.', '_' and '-'")
+    if (not isinstance(prefix, str) or len(prefix) > MAX_KEY_CHARS or not _ALLOWED.fullmatch(prefix)
+            or ".." in prefix):
+        raise InvalidArgument(f"name prefix {str(prefix)[:40]!r} may only use letters, digits, '.', '_' "
+                              f"and '-', without '..', up to {MAX_KEY_CHARS} characters")
     return prefix

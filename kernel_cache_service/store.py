@@ -328,6 +328,8 @@ class KernelStore:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for fp in fingerprints:
+                if fp == UNKNOWN:  # never stored by us; never listed or matched
+                    continue
                 try:
                     loaded = self._load(name_dir.name, fp)
                 except _Broken:

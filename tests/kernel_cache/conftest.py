@@ -1,0 +1,133 @@
+"""Fixtures for the kernel-cache tests: a store, an in-process gRPC server over it, a daemon
+subprocess started through the real ``warmserve cache serve`` command, and helper processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kernel_cache_service.server import build_server
+from kernel_cache_service.store import KernelStore
+from services.server import ServerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).with_name("kc_workers.py")
+
+
+def child_env() -> dict:
+    """Environment for child processes: the repo and this directory importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(WORKERS.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> KernelStore:
+    return KernelStore(tmp_path / "root")
+
+
+@dataclass
+class InProcessCache:
+    server: object
+    store: KernelStore
+    address: str
+
+
+@pytest.fixture
+def grpc_cache(tmp_path: Path):
+    """Factory: ``grpc_cache(token=None, max_bytes=0)`` starts a KernelCache server on a free
+    loopback port in this process; every server started is stopped at teardown."""
+    started = []
+
+    def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None) -> InProcessCache:
+        store = KernelStore(root or tmp_path / f"grpc-root-{len(started)}", max_bytes=max_bytes)
+        from kernel_cache_service.server import PROTECTED_METHODS
+
+        cfg = ServerConfig(service="kernel-cache-test", token=token, protected_methods=PROTECTED_METHODS)
+        server = build_server(store, cfg)
+        server.start()
+        started.append(server)
+        return InProcessCache(server, store, server.address)
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    address: str
+    root: Path
+    log: Path
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {log.read_text()}")
+        for line in log.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "kernel cache ready":
+                return rec
+        time.sleep(0.05)
+    raise RuntimeError(f"daemon not ready within {timeout_s} s: {log.read_text()}")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    """Factory: ``daemon(*extra_args)`` runs ``warmserve cache serve --root R --port 0 ...`` as a
+    subprocess and waits until it logs its address; killed at teardown if still running."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*extra: str) -> Daemon:
+        n = len(procs)
+        root, log = tmp_path / f"daemon-root-{n}", tmp_path / f"daemon-{n}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
+                stdout=subprocess.DEVNULL, stderr=err, env=child_env(), cwd=REPO,
+            )
+        procs.append(proc)
+        rec = _wait_ready(proc, log)
+        return Daemon(proc, rec["address"], root, log)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def worker():
+    """Factory: ``worker(cmd, target, name, fp)`` runs ``kc_workers.py`` and waits for its first
+    stdout line (``ready``/``miss``); returns ``(proc, line)``. Killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, str(WORKERS), *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=child_env(), text=True)
+        procs.append(proc)
+        line = proc.stdout.readline().strip()
+        return proc, line
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()

@@ -1,0 +1,285 @@
+"""The embedded store: round trips, keys, publish verification, integrity and quarantine, LRU
+eviction under a byte budget with read leases."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from kc_workers import tree_digest
+
+from kernel_cache_service.artifact import current_umask
+from kernel_cache_service.client import KernelCacheClient
+from kernel_cache_service.store import KernelStore
+from services.errors import InvalidArgument
+
+BAD_KEYS = ["../x", "", "a" * 10_000, "a/b", ".", "..", "x..y", "x y", "caf\u00e9", "a\x00b"]
+
+
+def _file(tmp_path: Path, name: str, data: bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _blob(store: KernelStore, name: str, fp: str) -> Path:
+    return store.root / "entries" / name / fp / "blob"
+
+
+def test_file_round_trip(store, tmp_path):
+    data = os.urandom(300_000)
+    src = _file(tmp_path, "prog.so", data)
+    result = store.publish("llama.decode", "f1", src, producer="unit-test")
+    assert result.status == "PUBLISHED"
+    info = store.lookup("llama.decode", "f1")
+    assert info is not None
+    assert (info.name, info.fingerprint, info.size_bytes, info.sha256, info.format, info.producer) == (
+        "llama.decode", "f1", len(data), hashlib.sha256(data).hexdigest(), "file", "unit-test")
+    assert abs(info.created - time.time()) < 60 and info.last_access >= info.created
+    out = tmp_path / "out.so"
+    fetched = store.fetch("llama.decode", "f1", out)
+    assert fetched is not None and fetched.sha256 == info.sha256
+    assert out.read_bytes() == data
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~current_umask()
+    assert [p.name for p in tmp_path.iterdir() if "warmserve" in p.name] == []  # no temp siblings
+
+
+def test_directory_round_trip(store, tmp_path):
+    src = tmp_path / "inductor-cache"
+    (src / "fx" / "ab").mkdir(parents=True)
+    (src / "fx" / "ab" / "kernel.so").write_bytes(os.urandom(50_000))
+    (src / "fx" / "ab" / "kernel.cpp").write_text("// generated\n")
+    (src / "empty").mkdir()
+    (src / "latest").symlink_to("fx/ab/kernel.so")
+    assert store.publish("llama.decode", "dir1", src).status == "PUBLISHED"
+    info = store.lookup("llama.decode", "dir1")
+    assert info.format == "dir"
+    out = tmp_path / "restored"
+    assert store.fetch("llama.decode", "dir1", out) is not None
+    assert tree_digest(out) == tree_digest(src)
+    assert (out / "empty").is_dir()
+    assert os.readlink(out / "latest") == "fx/ab/kernel.so"
+    # Fetching again over an existing directory swaps it whole (no stale files survive).
+    (out / "stale.txt").write_text("old")
+    assert store.fetch("llama.decode", "dir1", out) is not None
+    assert not (out / "stale.txt").exists() and tree_digest(out) == tree_digest(src)
+
+
+def test_several_fingerprints_per_name_and_prefix_listing(store, tmp_path):
+    for i, name in enumerate(["llama.decode", "llama.decode", "llama.prefill", "qwen.decode"]):
+        assert store.publish(name, f"fp{i}", _file(tmp_path, f"a{i}", bytes([i]) * (i + 1))).status == "PUBLISHED"
+    assert [(e.name, e.fingerprint) for e in store.list("llama.")] == [
+        ("llama.decode", "fp0"), ("llama.decode", "fp1"), ("llama.prefill", "fp2")]
+    assert [e.size_bytes for e in store.list()] == [1, 2, 3, 4]
+    s = store.stat()
+    assert (s["entries"], s["total_bytes"], s["publishes"]) == (4, 10, 4)
+
+
+def test_first_publisher_wins(store, tmp_path):
+    assert store.publish("p", "f", _file(tmp_path, "a", b"first")).status == "PUBLISHED"
+    again = store.publish("p", "f", _file(tmp_path, "b", b"second"))
+    assert again.status == "ALREADY_PRESENT" and again.entry.sha256 == hashlib.sha256(b"first").hexdigest()
+    store.fetch("p", "f", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == b"first"
+
+
+@pytest.mark.parametrize("size,sha,data,why", [
+    (5, hashlib.sha256(b"hello").hexdigest(), b"hell", "received 4 bytes"),
+    (5, hashlib.sha256(b"hello").hexdigest(), b"hello!", "more bytes"),
+    (5, hashlib.sha256(b"hellO").hexdigest(), b"hello", "sha256"),
+])
+def test_announced_size_and_sha_are_verified(store, size, sha, data, why):
+    with store.begin_publish("p", "f", size=size, sha256=sha) as pending:
+        pending.write(data[:3])
+        pending.write(data[3:])
+        result = pending.commit()
+    assert result.status == "REJECTED" and why in result.reason
+    assert store.lookup("p", "f") is None
+    assert list((store.root / "tmp").iterdir()) == []
+
+
+def test_abandoned_publish_leaves_nothing(store):
+    with pytest.raises(RuntimeError):
+        with store.begin_publish("p", "f") as pending:
+            pending.write(b"partial")
+            raise RuntimeError("writer failed")
+    assert store.lookup("p", "f") is None
+    assert list((store.root / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS, ids=[repr(k[:12]) for k in BAD_KEYS])
+def test_bad_keys_are_invalid_argument(store, tmp_path, bad):
+    src = _file(tmp_path, "a", b"x")
+    for call in (lambda: store.lookup(bad, "f"), lambda: store.lookup("n", bad),
+                 lambda: store.publish(bad, "f", src), lambda: store.publish("n", bad, src),
+                 lambda: store.fetch(bad, "f", tmp_path / "o"), lambda: store.evict(bad),
+                 lambda: store.begin_publish("n", bad)):
+        with pytest.raises(InvalidArgument):
+            call()
+    assert not any((store.root / "entries").iterdir())
+
+
+def test_publish_of_a_missing_path_is_invalid_argument(store, tmp_path):
+    with pytest.raises(InvalidArgument, match="not a file or a directory"):
+        store.publish("p", "f", tmp_path / "nope")
+
+
+def test_flipped_byte_is_quarantined_and_reported_as_miss(store, tmp_path):
+    data = os.urandom(200_000)
+    store.publish("p", "f", _file(tmp_path, "a", data))
+    _flip_byte(_blob(store, "p", "f"), 123_456)
+    out = tmp_path / "out"
+    assert store.fetch("p", "f", out) is None
+    assert not out.exists()
+    assert store.lookup("p", "f") is None
+    assert store.list() == []
+    quarantined = list((store.root / "quarantine").iterdir())
+    assert len(quarantined) == 1
+    assert "p/f" in (quarantined[0] / "reason.txt").read_text()
+    s = store.stat()
+    assert (s["quarantined"], s["entries"], s["hits"]) == (1, 0, 0)
+    # The key can be published again, cleanly.
+    assert store.publish("p", "f", _file(tmp_path, "b", data)).status == "PUBLISHED"
+    assert store.fetch("p", "f", out) is not None and out.read_bytes() == data
+
+
+@pytest.mark.parametrize("where", ["tar-header", "file-data"])
+def test_flipped_byte_in_a_directory_artifact_is_caught(store, tmp_path, where):
+    src = tmp_path / "d"
+    src.mkdir()
+    data = os.urandom(30_000)
+    (src / "k.so").write_bytes(data)
+    store.publish("p", "d", src)
+    blob = _blob(store, "p", "d")
+    start = blob.read_bytes().find(data[:64])
+    assert start > 0
+    _flip_byte(blob, 100 if where == "tar-header" else start + 15_000)
+    assert store.fetch("p", "d", tmp_path / "out") is None
+    assert not (tmp_path / "out").exists()
+    assert store.stat()["quarantined"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "manifest"])
+def test_truncated_blob_or_bad_manifest_is_quarantined_on_lookup(store, tmp_path, damage):
+    store.publish("p", "f", _file(tmp_path, "a", b"0123456789"))
+    if damage == "truncate":
+        os.truncate(_blob(store, "p", "f"), 4)
+    else:
+        (store.root / "entries/p/f/manifest.json").write_text("{not json")
+    assert store.lookup("p", "f") is None
+    assert store.stat()["quarantined"] == 1
+    assert not (store.root / "entries/p/f").exists()
+
+
+def _publish_sized(store, tmp_path, fp, size):
+    return store.publish("p", fp, _file(tmp_path, fp, bytes([len(fp)]) * size))
+
+
+def test_lru_eviction_keeps_the_store_under_budget(tmp_path):
+    store = KernelStore(tmp_path / "root", max_bytes=250_000)
+    for fp in ("a", "b"):
+        assert _publish_sized(store, tmp_path, fp, 100_000).status == "PUBLISHED"
+        time.sleep(0.01)
+    store.lookup("p", "a")  # "a" is now more recently used than "b"
+    time.sleep(0.01)
+    assert _publish_sized(store, tmp_path, "c", 100_000).status == "PUBLISHED"
+    assert [e.fingerprint for e in store.list()] == ["a", "c"]
+    s = store.stat()
+    assert s["total_bytes"] == 200_000 <= s["max_bytes"] and s["evictions"] == 1
+    for fp in ("d", "e", "f"):
+        time.sleep(0.01)
+        _publish_sized(store, tmp_path, fp, 120_000)
+        assert store.stat()["total_bytes"] <= 250_000
+    assert [e.fingerprint for e in store.list()] == ["e", "f"]
+    too_big = _publish_sized(store, tmp_path, "g", 250_001)
+    assert too_big.status == "REJECTED" and "budget" in too_big.reason
+
+
+def test_eviction_never_removes_an_entry_being_read(tmp_path):
+    store = KernelStore(tmp_path / "root", max_bytes=250_000)
+    _publish_sized(store, tmp_path, "a", 100_000)
+    time.sleep(0.01)
+    _publish_sized(store, tmp_path, "b", 100_000)
+    with store.open("p", "a") as reader:  # "a" is the LRU entry, but it is being read
+        time.sleep(0.01)
+        store.lookup("p", "b")
+        assert _publish_sized(store, tmp_path, "c", 100_000).status == "PUBLISHED"
+        assert [e.fingerprint for e in store.list()] == ["a", "c"]  # "b" went instead
+        assert b"".join(reader.chunks(7_000)) == bytes([1]) * 100_000
+        assert store.evict("p", "a") == (0, 0)  # explicit evict skips it too
+        with store.open("p", "c"):
+            full = _publish_sized(store, tmp_path, "d", 100_000)
+            assert full.status == "REJECTED" and "being read" in full.reason
+        assert store.stat()["total_bytes"] <= 250_000
+    assert store.evict("p", "a") == (1, 100_000)
+
+
+def test_eviction_respects_a_read_lease_held_by_another_process(tmp_path, worker):
+    root = tmp_path / "root"
+    store = KernelStore(root, max_bytes=150_000)
+    _publish_sized(store, tmp_path, "a", 100_000)
+    proc, line = worker("hold-read", str(root), "p", "a")
+    assert line == "ready"
+    assert store.evict("p", "a") == (0, 0)
+    rejected = _publish_sized(store, tmp_path, "b", 100_000)
+    assert rejected.status == "REJECTED"
+    assert [e.fingerprint for e in store.list()] == ["a"]
+    proc.stdin.close()  # the reader finishes and drops its lease
+    assert proc.wait(timeout=30) == 0
+    assert _publish_sized(store, tmp_path, "b", 100_000).status == "PUBLISHED"
+    assert [e.fingerprint for e in store.list()] == ["b"]
+
+
+def test_evict_forms(store, tmp_path):
+    for fp in ("a", "b"):
+        _publish_sized(store, tmp_path, fp, 10)
+    store.publish("q", "a", _file(tmp_path, "q", b"12345"))
+    assert store.evict("p", "a") == (1, 10)
+    assert store.evict("p", "zzz") == (0, 0)
+    assert store.evict("p") == (1, 10)
+    assert store.evict(all=True) == (1, 5)
+    assert store.list() == []
+    with pytest.raises(InvalidArgument):
+        store.evict()
+    with pytest.raises(InvalidArgument):
+        store.evict("p", all=True)
+    with pytest.raises(InvalidArgument):
+        store.evict(None, "a")
+
+
+def test_a_live_publish_is_not_swept_by_another_store_starting(tmp_path):
+    root = tmp_path / "root"
+    writer = KernelStore(root)
+    data = b"compiled" * 1000
+    with writer.begin_publish("p", "f", size=len(data), sha256=hashlib.sha256(data).hexdigest()) as pending:
+        pending.write(data[:100])
+        other = KernelStore(root)  # another process starting up on the same root
+        assert other.swept == 0
+        pending.write(data[100:])
+        assert pending.commit().status == "PUBLISHED"
+    assert other.lookup("p", "f").size_bytes == len(data)
+
+
+def test_embedded_client_matches_the_store(tmp_path):
+    client = KernelCacheClient(root=tmp_path / "root", max_bytes=1000)
+    src = _file(tmp_path, "a", b"abc")
+    assert client.publish("p", "f", src) == "PUBLISHED"
+    assert client.publish("p", "f", src) == "ALREADY_PRESENT"
+    assert client.lookup("p", "f").size_bytes == 3
+    assert client.fetch("p", "f", tmp_path / "o").sha256 == hashlib.sha256(b"abc").hexdigest()
+    assert client.stat()["max_bytes"] == 1000
+    assert client.evict("p") == (1, 3)
+    with pytest.raises(InvalidArgument):
+        KernelCacheClient("127.0.0.1:1", root=tmp_path)
