@@ -154,6 +154,7 @@ class RelayStream:
                 self.tokens_relayed += len(resp.token_ids)
                 self.messages_relayed += 1
                 yield resp
+            yield from held  # a stream that ended without output: pass its messages on as they were
             return False
         except grpc.RpcError as e:
             return self._on_error(e, runner)

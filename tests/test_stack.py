@@ -1,0 +1,80 @@
+"""LocalStack process management without a model: config validation, command lines, start-up
+order and health waits, a child that dies while starting, and a clean stop."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from services.errors import InvalidArgument, Unavailable
+from services.healthcheck import check_health
+from services.proto import generation_pb2
+from services.stack import LocalStack, StackConfig, format_startup_report
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(InvalidArgument, match="--runners"):
+        StackConfig(runners=-1)
+    with pytest.raises(InvalidArgument, match="--base-port"):
+        StackConfig(base_port=80)
+    with pytest.raises(InvalidArgument, match="compile"):
+        StackConfig(compile="fast")
+    with pytest.raises(InvalidArgument, match="--max-num-seqs"):
+        StackConfig(max_num_seqs=0)
+
+
+def test_ports_and_runner_command_line(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig(runners=2, base_port=50100, home=tmp_path, compile="off", max_num_seqs=8),
+                       progress=None)
+    assert [stack.address(n) for n in ("router", "kernel-cache", "weights", "runner-0", "runner-1")] == [
+        "127.0.0.1:50100", "127.0.0.1:50101", "127.0.0.1:50102", "127.0.0.1:50111", "127.0.0.1:50112"]
+    argv = stack.runner_argv(1)
+    assert argv[1:5] == ["-m", "services.cli", "runner", "serve"]
+    flags = dict(zip(argv[5::2], argv[6::2], strict=False))
+    assert flags == {
+        "--model": "smollm2-135m-instruct", "--runner-id": "runner-1", "--host": "127.0.0.1", "--port": "50112",
+        "--drain-grace": "5", "--weights": "127.0.0.1:50102", "--kernel-cache": "127.0.0.1:50101",
+        "--router": "127.0.0.1:50100", "--sidecar-dir": str(tmp_path / "sidecars"), "--compile": "off",
+        "--max-num-seqs": "8"}
+
+
+def test_startup_report_formatting() -> None:
+    info = generation_pb2.ModelInfoResponse(
+        runner_id="runner-0", model="smollm2-135m-instruct", family="llama", dtype="f32", device="cpu",
+        compile_mode="off", num_kv_blocks=100, block_size=16,
+        startup=generation_pb2.StartupReport(total_seconds=3.5, phases=[
+            generation_pb2.StartupPhase(name="weights", seconds=1.25, detail="sidecar HOT 100% resident"),
+            generation_pb2.StartupPhase(name="kv_cache", seconds=0.5, detail="100 blocks")]))
+    assert format_startup_report(info).splitlines() == [
+        "start-up report of runner-0: 3.50 s total",
+        "  model smollm2-135m-instruct (llama, f32, cpu, compile off, 100 KV blocks x 16 tokens)",
+        "  weights      1.25 s  sidecar HOT 100% resident",
+        "  kv_cache     0.50 s  100 blocks",
+    ]
+
+
+def test_services_start_in_order_and_stop_cleanly(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path), progress=None)
+    with stack:
+        endpoints = stack.endpoints()
+        assert set(endpoints) == {"kernel-cache", "weights", "router"}
+        for addr in endpoints.values():
+            assert check_health(addr) == "SERVING"
+        assert all(c.ready_s is not None and c.ready_s > 0 for c in stack.services.values())
+        assert (tmp_path / "logs" / "router.log").stat().st_size > 0
+    assert all(c.proc.returncode is not None for c in stack.services.values())
+    for addr in endpoints.values():
+        assert check_health(addr, timeout_s=0.3).startswith("UNREACHABLE")
+
+
+def test_a_child_that_dies_while_starting_is_reported_and_the_rest_stopped(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1]  # the router's port is busy: the router exits
+        stack = LocalStack(StackConfig(runners=0, base_port=base, home=tmp_path), progress=None)
+        with pytest.raises(Unavailable, match=r"router exited with status 1 while starting; its log .* ends:"):
+            stack.start()
+    assert all(not c.running for c in stack.services.values())
