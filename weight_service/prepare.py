@@ -25,7 +25,7 @@ from filelock import FileLock
 from services.errors import InvalidArgument
 from services.paths import default_sidecar_root
 from weight_service.checkpoint import source_architecture
-from weight_service.pack_spec import spec_for_architecture
+from weight_service.pack_spec import PackSpec, spec_for_architecture
 from weight_service.packer import pack_sidecar
 from weight_service.progress import ProgressEvent
 from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
@@ -38,7 +38,7 @@ from weight_service.sidecar import (
     sidecar_dir_name,
     validate_sidecar,
 )
-from weight_service.sources import resolve_source, source_fingerprint
+from weight_service.sources import ResolvedSource, resolve_source, source_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ def sidecar_lock(root: Path, name: str) -> FileLock:
     return FileLock(str(locks / f"{name}.lock"))
 
 
+def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource, PackSpec, Path]:
+    """Resolve ``source`` and pick its pack spec; returns ``(source, spec, sidecar directory)``
+    where the directory is ``root / "<slug>-<path hash>-<family>-<dtype>"`` (it may not exist).
+    Raises ``InvalidArgument`` for a bad source or dtype or an unsupported architecture."""
+    check_dtype(dtype)
+    src = resolve_source(source)
+    spec = spec_for_architecture(source_architecture(src))
+    return src, spec, Path(root) / sidecar_dir_name(src.slug, src.path_hash, spec.name, dtype)
+
+
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
             cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None
             ) -> SidecarHandle:
@@ -104,12 +114,10 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
     if cold_policy not in COLD_POLICIES:
         raise InvalidArgument(f"cold policy must be one of {', '.join(COLD_POLICIES)}, got {cold_policy!r}")
     emit = progress or (lambda _e: None)
-    src = resolve_source(source)
-    spec = spec_for_architecture(source_architecture(src))
     root = Path(root) if root is not None else default_sidecar_root()
+    src, spec, directory = locate_sidecar(source, dtype, root)
     root.mkdir(parents=True, exist_ok=True)
-    name = sidecar_dir_name(src.slug, src.path_hash, spec.name, dtype)
-    directory = root / name
+    name = directory.name
 
     with sidecar_lock(root, name):
         garbage = remove_temp_files(directory)

@@ -27,14 +27,18 @@ class ProgressBar:
         self._stream = stream
         self._width = width
         self._drawn = False
+        self._done = self._total = self._bytes = 0
 
     def update(self, event: ProgressEvent) -> None:
         """Redraw for ``event``."""
-        frac = event.layers_done / event.layers_total if event.layers_total else 0.0
+        if event.layers_total:  # "read"/"validate" events carry no counts: keep the last ones
+            self._done, self._total = event.layers_done, event.layers_total
+            self._bytes = event.bytes_written
+        frac = self._done / self._total if self._total else 0.0
         filled = int(round(frac * self._width))
         bar = "#" * filled + "." * (self._width - filled)
-        mib = event.bytes_written / (1 << 20)
-        line = f"\r[{bar}] {event.layers_done}/{event.layers_total} layers {mib:8.1f} MiB  {event.phase}"
+        mib = self._bytes / (1 << 20)
+        line = f"\r[{bar}] {self._done}/{self._total} layers {mib:8.1f} MiB  {event.phase}"
         if event.message:
             line += f": {event.message}"
         self._stream.write(line[:160].ljust(100))

@@ -1,0 +1,128 @@
+"""The ``Weights`` gRPC servicer (thin: validate, call the core, translate errors) and the daemon.
+
+- ``Prepare`` runs :func:`weight_service.prepare.prepare` in a worker thread and streams its
+  progress events, then the handle (``files`` with names and sizes).
+- ``Fetch`` streams every file of a sidecar (config, tokenizer files, weights last) in chunks; the
+  first chunk carries the handle with each file's size and sha256. Files are opened once up front,
+  so a repack that replaces them mid-stream does not mix versions.
+- ``List`` returns every valid sidecar under the root with its current residency.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+
+from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
+from services.proto import weights_pb2, weights_pb2_grpc
+from services.server import ServerConfig, ServiceServer
+from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
+from weight_service.handle_proto import handle_to_proto, progress_to_proto
+from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state
+from weight_service.residency import probe_residency
+from weight_service.sidecar import WEIGHTS_FILE, InvalidSidecar, SidecarInfo, validate_sidecar
+from weight_service.sources import source_fingerprint
+
+SERVICE_NAME = "warmserve.v1.Weights"
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+_DONE = object()
+
+
+def _current_handle(info: SidecarInfo) -> SidecarHandle:
+    residency = probe_residency(info.path / WEIGHTS_FILE)
+    return SidecarHandle.from_info(info, residency=residency, state=residency_state(residency), seconds=0.0)
+
+
+class WeightsServicer(weights_pb2_grpc.WeightsServicer):
+    """Serves the sidecars under ``root`` (a directory; created on first Prepare)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._sha_cache: dict[tuple, str] = {}
+        self._sha_lock = threading.Lock()
+
+    def Prepare(self, request, context):
+        dtype = request.dtype or "f32"
+        cold_policy = request.cold_policy or "accept"
+        events: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            try:
+                handle = prepare(request.source, dtype=dtype, root=self.root, force=request.force,
+                                 cold_policy=cold_policy, progress=events.put)
+                events.put((_DONE, handle))
+            except WarmserveError as e:
+                events.put((_DONE, e))
+            except Exception as e:  # an unexpected failure still ends the stream with a status
+                events.put((_DONE, WarmserveError(f"prepare failed: {e}")))
+
+        threading.Thread(target=work, name="weights-prepare", daemon=True).start()
+        while True:
+            item = events.get()
+            if isinstance(item, tuple) and item[0] is _DONE:
+                result = item[1]
+                if isinstance(result, WarmserveError):
+                    abort_with(context, result)
+                files = [(n, (result.path / n).stat().st_size, "") for n in sidecar_files(result.path)]
+                yield weights_pb2.PrepareEvent(handle=handle_to_proto(result, files))
+                return
+            if context.is_active():
+                yield weights_pb2.PrepareEvent(progress=progress_to_proto(item))
+
+    def _find(self, request) -> SidecarInfo:
+        if request.fingerprint:
+            return find_sidecar(self.root, request.fingerprint)
+        if not request.source:
+            raise InvalidArgument("Fetch needs a fingerprint, or a source and dtype")
+        _src, _spec, directory = locate_sidecar(request.source, request.dtype or "f32", self.root)
+        try:
+            return validate_sidecar(directory, source_fingerprint=source_fingerprint(_src))
+        except InvalidSidecar as e:
+            raise NotFound(f"no valid sidecar for {request.source} ({e}); call Prepare first") from e
+
+    def _sha256(self, name: str, f) -> str:
+        st = os.fstat(f.fileno())
+        key = (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._sha_lock:
+            cached = self._sha_cache.get(key)
+        if cached is None:
+            cached = sha256_of(f)
+            with self._sha_lock:
+                self._sha_cache[key] = cached
+        return cached
+
+    def Fetch(self, request, context):
+        if request.chunk_bytes > MAX_CHUNK_BYTES:
+            abort_with(context, InvalidArgument(f"chunk_bytes may be at most {MAX_CHUNK_BYTES}"))
+        chunk = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+        try:
+            info = self._find(request)
+            opened = [(name, open(info.path / name, "rb")) for name in sidecar_files(info.path)]
+        except WarmserveError as e:
+            abort_with(context, e)
+        try:
+            files = [(name, os.fstat(f.fileno()).st_size, self._sha256(name, f)) for name, f in opened]
+            yield weights_pb2.SidecarChunk(handle=handle_to_proto(_current_handle(info), files))
+            for name, f in opened:
+                f.seek(0)
+                offset = 0
+                while context.is_active() and (data := f.read(chunk)):
+                    yield weights_pb2.SidecarChunk(file=name, offset=offset, data=data)
+                    offset += len(data)
+        finally:
+            for _, f in opened:
+                f.close()
+
+    def List(self, request, context):
+        return weights_pb2.ListSidecarsResponse(
+            sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
+
+
+def build_server(config: ServerConfig, root: Path) -> ServiceServer:
+    """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root``."""
+    servicer = WeightsServicer(root)
+    return ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)])
+
