@@ -4,7 +4,6 @@ subprocess started through the real ``warmserve cache serve`` command, and helpe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,20 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kc_workers import REPO, child_env
 
 from kernel_cache_service.server import build_server
 from kernel_cache_service.store import KernelStore
 from services.server import ServerConfig
 
-REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("kc_workers.py")
-
-
-def child_env() -> dict:
-    """Environment for child processes: the repo and this directory importable."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(WORKERS.parent), env.get("PYTHONPATH", "")])
-    return env
 
 
 @pytest.fixture

@@ -17,6 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict:
+    """Environment for child processes: the repo and this directory importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    return env
+
 
 def tree_digest(path: Path) -> str:
     """sha256 over a file's bytes, or over a directory's sorted (relative path, bytes) pairs."""
