@@ -1,0 +1,118 @@
+"""The shared server bootstrap (services/server.py), exercised with the KernelCache service:
+health (SERVING, then NOT_SERVING on drain), reflection, Prometheus metrics, bearer auth."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kernel_cache_service.server import PROTECTED_METHODS, SERVICE_NAME, build_server
+from kernel_cache_service.store import KernelStore
+from services.errors import InvalidArgument
+from services.proto import kernel_cache_pb2 as pb
+from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.server import ServerConfig, bearer_metadata
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = build_server(KernelStore(tmp_path / "root"), ServerConfig(service="kc", metrics_port=0))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _check(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_is_serving_then_not_serving_on_drain(server):
+    assert server.config.host == "127.0.0.1" and server.port > 0
+    assert _check(server.address) == SERVING
+    assert _check(server.address, SERVICE_NAME) == SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        _check(server.address, "no.such.Service")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # A Watch opened before the drain sees the transition; a Check made while draining (from an
+    # on_drain callback, i.e. before the listener closes) answers NOT_SERVING.
+    channel = grpc.insecure_channel(server.address)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert next(watch).status == SERVING
+    during: list[int] = []
+    server.on_drain.append(lambda: during.append(_check(server.address)))
+    drainer = threading.Thread(target=server.drain, kwargs={"grace_s": 5})
+    drainer.start()
+    assert next(watch).status == NOT_SERVING
+    watch.cancel()
+    drainer.join(timeout=30)
+    assert during == [NOT_SERVING]
+    assert server.wait(timeout=0)
+    with pytest.raises(grpc.RpcError) as e:
+        _check(server.address)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        responses = list(stub.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+        ])))
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert names == {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert responses[1].file_descriptor_response.file_descriptor_proto  # grpcurl can describe it
+
+
+def test_metrics_endpoint_counts_rpcs(server):
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.KernelCacheStub(ch)
+        for _ in range(3):
+            stub.Lookup(pb.LookupRequest(key=pb.ProgramKey(name="p", fingerprint="f")))
+        with pytest.raises(grpc.RpcError):
+            stub.Lookup(pb.LookupRequest(key=pb.ProgramKey(name="../x", fingerprint="f")))
+    assert server.metrics_port and server.metrics_port > 0
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    lookup = f'method="/{SERVICE_NAME}/Lookup"'
+    lines = body.splitlines()
+    assert f'warmserve_rpc_total{{code="OK",{lookup}}} 3.0' in lines
+    assert f'warmserve_rpc_total{{code="INVALID_ARGUMENT",{lookup}}} 1.0' in lines
+    assert f"warmserve_rpc_seconds_count{{{lookup}}} 4.0" in lines
+    assert "warmserve_kernel_cache_misses_total 3.0" in lines
+    assert "warmserve_kernel_cache_entries 0.0" in lines
+
+
+def test_bearer_token_guards_only_the_protected_methods(tmp_path):
+    cfg = ServerConfig(service="kc", token="tok", protected_methods=PROTECTED_METHODS)
+    srv = build_server(KernelStore(tmp_path / "root"), cfg)
+    srv.start()
+    try:
+        assert _check(srv.address) == SERVING  # health never needs the token
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.KernelCacheStub(ch)
+            assert stub.Stat(pb.StatRequest()).entries == 0
+            for metadata in ((), bearer_metadata("bad")):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Evict(pb.EvictRequest(all=True), metadata=metadata)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.Evict(pb.EvictRequest(all=True), metadata=bearer_metadata("tok")).evicted == 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("kwargs", [{"port": 70000}, {"metrics_port": -1}, {"max_workers": 0},
+                                    {"drain_grace_s": -1.0}, {"token": ""}])
+def test_server_config_is_validated(kwargs):
+    with pytest.raises(InvalidArgument):
+        ServerConfig(service="kc", **kwargs)
