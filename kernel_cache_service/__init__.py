@@ -1,0 +1,14 @@
+"""kernel_cache_service: a shared store of compiled programs keyed by (name, program fingerprint).
+
+Files, one concept each:
+
+- ``fingerprint.py`` — code + params fingerprints (``UNKNOWN`` when incomplete);
+- ``keys.py`` — key validation (``[A-Za-z0-9._-]``, no ``..``, at most 200 characters);
+- ``entry.py`` — :class:`EntryInfo` (the manifest) and :class:`PublishResult`;
+- ``artifact.py`` — hashing, directory <-> tar blob, atomic install of a chunk stream;
+- ``locks.py`` — flock-based entry locks, read leases, owned temp directories;
+- ``store.py`` — :class:`KernelStore`, the on-disk store (embedded or behind the daemon);
+- ``server.py`` — the ``warmserve.v1.KernelCache`` servicer and daemon entry point;
+- ``client.py`` — :class:`KernelCacheClient` (daemon over gRPC, or an embedded store);
+- ``cli.py`` — ``warmserve cache serve|put|get|ls|stat|evict``.
+"""

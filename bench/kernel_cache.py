@@ -1,0 +1,212 @@
+"""Kernel-cache daemon throughput over loopback gRPC.
+
+Starts ``warmserve cache serve`` as a subprocess on 127.0.0.1 (free port, temp root), then
+measures:
+
+- **lookups/s** with N concurrent clients (default 32), each a separate *process* with its own
+  channel (as N runner launches would be), all looking up one existing key for a fixed time;
+  plus the median single-client lookup latency;
+- **publish MB/s** and **fetch MB/s** for one artifact (default 200 MB of random bytes), end to
+  end through :class:`KernelCacheClient` (publish = client-side sha256 pass + stream + daemon-side
+  hash and rename; fetch = stream + daemon- and client-side sha256 + rename), median of
+  ``--repeats`` runs, each with a new fingerprint / destination;
+- peak RSS of the daemon and of this process, to show the artifact is never held in memory.
+
+Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
+MB = 10^6 bytes.
+
+    python bench/kernel_cache.py [--artifact-mb 200] [--clients 32] [--lookup-seconds 3] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kernel_cache_service.client import KernelCacheClient  # noqa: E402
+
+MB = 1_000_000
+KEY = ("bench.lookup", "hit")
+
+
+def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """Run the daemon on a free loopback port; returns (process, address)."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0"],
+            stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: {log.read_text()}")
+        for line in log.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "kernel cache ready":
+                return proc, rec["address"]
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("daemon did not become ready in 60 s")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM (peak resident set) of a live process, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    return float("nan")
+
+
+def _lookup_worker(address: str, ready, go, stop_at_holder, results) -> None:
+    client = KernelCacheClient(address)
+    client.lookup(*KEY)  # connect before the clock starts
+    ready.wait()
+    go.wait()
+    stop_at = stop_at_holder.value
+    n = 0
+    while time.time() < stop_at:
+        if client.lookup(*KEY) is None:
+            raise RuntimeError("expected a HIT")
+        n += 1
+    results.put((n, time.time()))
+    client.close()
+
+
+def bench_lookups(address: str, clients: int, seconds: float) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
+    stop_at = ctx.Value("d", 0.0)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results))
+             for _ in range(clients)]
+    for p in procs:
+        p.start()
+    try:
+        ready.wait(timeout=300)  # every worker is connected and waiting
+        start = time.time()
+        stop_at.value = start + seconds
+        go.wait(timeout=60)
+        rows = [results.get(timeout=seconds + 120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    total = sum(n for n, _ in rows)
+    elapsed = max(t for _, t in rows) - start
+    single = KernelCacheClient(address)
+    latencies = []
+    for _ in range(300):
+        t = time.perf_counter()
+        single.lookup(*KEY)
+        latencies.append(time.perf_counter() - t)
+    single.close()
+    return {"clients": clients, "client_kind": "processes", "seconds": round(elapsed, 3),
+            "lookups": total, "lookups_per_s": round(total / elapsed, 1),
+            "single_client_median_ms": round(statistics.median(latencies) * 1e3, 3)}
+
+
+def write_random(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 1 << 20)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def bench_artifact(address: str, work: Path, size: int, repeats: int) -> dict:
+    src = work / "artifact.bin"
+    write_random(src, size)
+    client = KernelCacheClient(address, timeout_s=600)
+    publish_s, fetch_s = [], []
+    for i in range(repeats):
+        t = time.perf_counter()
+        status = client.publish("bench.artifact", f"r{i}", src)
+        publish_s.append(time.perf_counter() - t)
+        if status != "PUBLISHED":
+            raise RuntimeError(f"publish {i}: {status}")
+        dest = work / f"fetched-{i}.bin"
+        t = time.perf_counter()
+        info = client.fetch("bench.artifact", f"r{i}", dest)
+        fetch_s.append(time.perf_counter() - t)
+        if info is None or dest.stat().st_size != size:
+            raise RuntimeError(f"fetch {i} failed")
+        dest.unlink()
+    client.close()
+    src.unlink()
+    return {
+        "artifact_mb": size / MB,
+        "repeats": repeats,
+        "publish_s": [round(s, 3) for s in publish_s],
+        "fetch_s": [round(s, 3) for s in fetch_s],
+        "publish_mb_per_s": round(size / MB / statistics.median(publish_s), 1),
+        "fetch_mb_per_s": round(size / MB / statistics.median(fetch_s), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--artifact-mb", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--lookup-seconds", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="warmserve-bench-kc-"))
+    proc = None
+    try:
+        proc, address = start_daemon(work / "root", work / "daemon.log")
+        (work / "small.bin").write_bytes(os.urandom(4096))
+        KernelCacheClient(address).publish(*KEY, work / "small.bin")
+        lookups = bench_lookups(address, args.clients, args.lookup_seconds)
+        artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats)
+        memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
+                  "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+    result = {"bench": "kernel_cache", "cpus": os.cpu_count(),
+              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "lookup": lookups, "artifact": artifact,
+              "memory": memory}
+    print(json.dumps(result, indent=2))
+    print()
+    print("| metric | value |")
+    print("|---|---|")
+    print(f"| lookups/s, {lookups['clients']} concurrent client processes | {lookups['lookups_per_s']:.0f} |")
+    print(f"| lookup latency, 1 client (median) | {lookups['single_client_median_ms']:.2f} ms |")
+    print(f"| publish, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
+          f"{artifact['publish_mb_per_s']:.0f} MB/s |")
+    print(f"| fetch, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
+          f"{artifact['fetch_mb_per_s']:.0f} MB/s |")
+    print(f"| daemon peak RSS | {memory['daemon_peak_rss_mb']:.0f} MB |")
+    print(f"| bench process peak RSS | {memory['bench_peak_rss_mb']:.0f} MB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
