@@ -148,7 +148,7 @@ def _cmd_ls(args) -> int:
     rows = [("NAME", "FINGERPRINT", "BYTES", "FORMAT", "LAST_ACCESS", "PRODUCER")]
     for e in entries:
         last = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.last_access))
-        rows.append((e.name, e.fingerprint[:16], str(e.size_bytes), e.format, last, e.producer))
+        rows.append((e.name, e.fingerprint, str(e.size_bytes), e.format, last, e.producer))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kernel_cache_service.artifact import CorruptArtifact
 from kernel_cache_service.entry import EntryInfo, PublishResult
 from kernel_cache_service.store import COUNTERS, KernelStore
-from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
+from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 from services.server import ServerConfig, ServiceServer, config_from_args
@@ -188,7 +188,10 @@ def serve_from_args(args) -> None:
     store = KernelStore(args.root, max_bytes=args.max_bytes)
     config = config_from_args(args, "kernel-cache", PROTECTED_METHODS)
     server = build_server(store, config)
-    server.start()
+    try:
+        server.start()
+    except OSError as e:
+        raise Unavailable(f"cannot serve on {config.host}:{config.port}: {e}") from e
     log.info("kernel cache ready", extra={"root": str(store.root), "max_bytes": store.max_bytes,
                                           "address": server.address, "swept": store.swept})
     server.serve_forever()

@@ -257,7 +257,10 @@ class ServiceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        try:
+            port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError:  # grpcio >= 1.5x raises on a failed bind instead of returning 0
+            port = 0
         if port == 0:
             raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
         server.start()

@@ -116,3 +116,9 @@ def test_bearer_token_guards_only_the_protected_methods(tmp_path):
 def test_server_config_is_validated(kwargs):
     with pytest.raises(InvalidArgument):
         ServerConfig(service="kc", **kwargs)
+
+
+def test_a_busy_port_is_an_os_error(server, tmp_path):
+    other = build_server(KernelStore(tmp_path / "other"), ServerConfig(service="kc", port=server.port))
+    with pytest.raises(OSError, match="cannot bind"):
+        other.start()

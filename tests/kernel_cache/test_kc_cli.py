@@ -126,3 +126,6 @@ def test_real_processes_and_daemon(tmp_path, artifacts, daemon):
     assert miss.returncode == 1 and "MISS" in miss.stderr
     stat = run_process("stat", "--addr", d.address)
     assert stat.returncode == 0 and json.loads(stat.stdout)["max_bytes"] == 1_000_000
+    busy = run_process("serve", "--root", str(tmp_path / "r2"), "--port", d.address.rsplit(":", 1)[1])
+    assert busy.returncode == 1
+    assert busy.stderr.strip().splitlines()[-1].startswith("warmserve: error: cannot serve on 127.0.0.1:")
