@@ -39,6 +39,7 @@ from kernel_cache_service.server import entry_from_proto
 from kernel_cache_service.store import KernelStore
 from services.channel import open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
+from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 from services.server import bearer_metadata
@@ -48,24 +49,25 @@ __all__ = ["EntryInfo", "KernelCacheClient"]
 
 class KernelCacheClient:
     """Kernel-cache operations against the daemon at ``address`` or, without one, an embedded
-    store at ``root`` (``max_bytes``: its byte budget, 0 = unlimited).
+    store at ``root`` (default :func:`services.paths.default_kernel_cache_root`; ``max_bytes``:
+    its byte budget, 0 = unlimited).
 
     ``token`` is sent as a bearer token (needed for publish/evict when the daemon has one).
     ``timeout_s`` bounds each unary call (seconds); streams (fetch, publish) have no deadline.
-    Raises ``InvalidArgument`` when both or neither of ``address`` and ``root`` are given.
+    Raises ``InvalidArgument`` when both ``address`` and ``root`` are given.
     """
 
     def __init__(self, address: str | None = None, *, root: str | Path | None = None,
                  token: str | None = None, max_bytes: int = 0, timeout_s: float = 30.0) -> None:
-        if (address is None) == (root is None):
-            raise InvalidArgument("give exactly one of a daemon address or an embedded store root")
+        if address is not None and root is not None:
+            raise InvalidArgument("give a daemon address or an embedded store root, not both")
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(token)
         self._store: KernelStore | None = None
         self._channel: grpc.Channel | None = None
         if address is None:
-            self._store = KernelStore(root, max_bytes=max_bytes)
+            self._store = KernelStore(root or default_kernel_cache_root(), max_bytes=max_bytes)
         else:
             self._channel = open_channel(address)
             self._stub = pb_grpc.KernelCacheStub(self._channel)

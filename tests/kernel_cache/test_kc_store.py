@@ -283,3 +283,9 @@ def test_embedded_client_matches_the_store(tmp_path):
     assert client.evict("p") == (1, 3)
     with pytest.raises(InvalidArgument):
         KernelCacheClient("127.0.0.1:1", root=tmp_path)
+
+
+def test_client_without_address_or_root_uses_the_default_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARMSERVE_HOME", str(tmp_path / "home"))
+    client = KernelCacheClient()
+    assert client.stat()["root"] == str(tmp_path / "home" / "kernel-cache")
