@@ -88,13 +88,14 @@ class EntryReader:
     """An entry opened for reading, holding a read lease (``LOCK_SH`` on the blob) until closed.
 
     Get one from :meth:`KernelStore.open`; use it as a context manager. ``info`` describes the
-    entry. :meth:`chunks` yields the blob and checks its sha256 at the end.
+    entry, ``inode`` identifies its blob. :meth:`chunks` yields the blob and checks its sha256 at
+    the end (``verified`` is then True).
     """
 
     def __init__(self, store: KernelStore, info: EntryInfo, fd: int, ino: int) -> None:
         self.info = info
         self.verified = False
-        self._store, self._fd, self._ino = store, fd, ino
+        self._store, self._fd, self.inode = store, fd, ino
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The blob in chunks of at most ``chunk_bytes`` bytes (the last may be shorter).
@@ -114,7 +115,7 @@ class EntryReader:
         if size != info.size_bytes or sha.hexdigest() != info.sha256:
             reason = f"read {size} bytes with sha256 {sha.hexdigest()[:16]}..., manifest says " \
                      f"{info.size_bytes} bytes with {info.sha256[:16]}..."
-            self._store._quarantine(info.name, info.fingerprint, self._ino, reason)
+            self._store._quarantine(info.name, info.fingerprint, self.inode, reason)
             self._store._count("misses")
             raise CorruptArtifact(f"entry {info.name}/{info.fingerprint} is corrupt and was quarantined")
         self.verified = True
@@ -191,8 +192,10 @@ class PendingPublish:
                 return PublishResult(REJECTED, reason)
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
                              created=time.time(), producer=self.producer, format=self.fmt)
-            (self._tmp.path / MANIFEST).write_bytes(info.manifest_bytes())
-            os.chmod(self._tmp.path / MANIFEST, default_file_mode())
+            manifest = self._tmp.path / MANIFEST
+            manifest.write_bytes(info.manifest_bytes())
+            os.utime(manifest, (info.created, info.created))  # last access = creation, same clock
+            os.chmod(manifest, default_file_mode())
             os.chmod(self._tmp.path / BLOB, default_file_mode())
             os.chmod(self._tmp.path, default_dir_mode())
             return self._store._install(self._tmp.path, info)
@@ -405,7 +408,7 @@ class KernelStore:
                 install_stream(reader.chunks(), reader.info.format, dest)
             except CorruptArtifact:
                 if reader.verified:  # intact bytes, but a "dir" entry that is not a tar
-                    self._quarantine(name, fingerprint, reader._ino, "directory artifact does not unpack")
+                    self._quarantine(name, fingerprint, reader.inode, "directory artifact does not unpack")
                 return None
         return reader.info
 

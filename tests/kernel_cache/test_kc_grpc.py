@@ -234,7 +234,7 @@ def test_unreachable_daemon_is_unavailable(tmp_path):
 
 def test_sigterm_lets_an_in_flight_fetch_finish(daemon, tmp_path):
     d = daemon("--drain-grace", "30")
-    data = os.urandom(24 << 20)
+    data = os.urandom(40 << 20)  # more than gRPC's flow-control windows can buffer
     (tmp_path / "big").write_bytes(data)
     assert KernelCacheClient(d.address).publish("p", "f", tmp_path / "big") == "PUBLISHED"
     channel = grpc.insecure_channel(d.address)
