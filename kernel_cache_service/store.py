@@ -387,6 +387,10 @@ class KernelStore:
                 loaded = None  # evicted (and maybe republished) between open and lock: a miss
         except _Broken as e:
             self._quarantine(name, fingerprint, None, str(e))
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
         if loaded is None:
             if fd >= 0:
                 os.close(fd)

@@ -138,6 +138,9 @@ def test_publish_protocol_is_verified(grpc_cache):
     with pytest.raises(grpc.RpcError) as e:
         stub.Publish(_publish_requests("p", "f", data, sha=""))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Publish(_publish_requests("p", "f", data, fmt="zip"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "format" in e.value.details()
     short = stub.Publish(_publish_requests("p", "f", data, size=len(data) + 1))
     assert short.status == pb.PublishResponse.REJECTED and "announced" in short.reason
     long = stub.Publish(_publish_requests("p", "f", data, size=len(data) - 1))

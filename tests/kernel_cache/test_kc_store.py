@@ -4,8 +4,10 @@ eviction under a byte budget with read leases."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
+import tarfile
 import time
 from pathlib import Path
 
@@ -289,3 +291,45 @@ def test_client_without_address_or_root_uses_the_default_root(tmp_path, monkeypa
     monkeypatch.setenv("WARMSERVE_HOME", str(tmp_path / "home"))
     client = KernelCacheClient()
     assert client.stat()["root"] == str(tmp_path / "home" / "kernel-cache")
+
+
+def _tar_with(member: str, *, link: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(member)
+        if link is None:
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+        else:
+            info.type, info.linkname = tarfile.SYMTYPE, link
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def _publish_blob(store, fp: str, blob: bytes) -> None:
+    with store.begin_publish("p", fp, fmt="dir", size=len(blob), sha256=hashlib.sha256(blob).hexdigest()) as pending:
+        pending.write(blob)
+        assert pending.commit().status == "PUBLISHED"  # the store does not parse artifacts
+
+
+@pytest.mark.parametrize("blob", [
+    pytest.param(_tar_with("../evil.txt"), id="parent-traversal"),
+    pytest.param(_tar_with("lnk", link="/etc/passwd"), id="absolute-symlink"),
+    pytest.param(_tar_with("lnk", link="../../outside"), id="escaping-symlink"),
+    pytest.param(b"this is not a tar archive at all" * 100, id="not-a-tar"),
+])
+def test_a_hostile_or_broken_directory_artifact_is_refused_and_quarantined(store, tmp_path, blob):
+    _publish_blob(store, "evil", blob)
+    dest = tmp_path / "a" / "b"
+    dest.parent.mkdir()
+    assert store.fetch("p", "evil", dest) is None
+    assert list(dest.parent.iterdir()) == [] and not (tmp_path / "evil.txt").exists()
+    assert store.lookup("p", "evil") is None and store.stat()["quarantined"] == 1
+
+
+def test_absolute_member_names_stay_inside_dest(store, tmp_path):
+    _publish_blob(store, "abs", _tar_with("/tmp/warmserve-evil-abs.txt"))
+    dest = tmp_path / "out"
+    assert store.fetch("p", "abs", dest) is not None
+    assert (dest / "tmp" / "warmserve-evil-abs.txt").read_bytes() == b"evil"
+    assert not Path("/tmp/warmserve-evil-abs.txt").exists()
