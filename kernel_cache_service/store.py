@@ -5,7 +5,9 @@ share one root. Layout under ``root``::
 
     entries/<name>/<fingerprint>/blob            the artifact (a file, or a directory as one tar)
     entries/<name>/<fingerprint>/manifest.json   EntryInfo; its mtime is the last-access time
-    locks/<name>/<fingerprint>.lock              per-entry filelock (publish / evict / quarantine)
+    locks/<name>/<fingerprint>.lock              per-entry filelock (publish / evict / quarantine);
+                                                 empty, never deleted (unlinking a lock file that
+                                                 others wait on would break mutual exclusion)
     budget.lock                                  serialises "make room + place" under a byte budget
     tmp/      private, flock-owned directories of publishes in progress
     trash/    evicted entries being deleted
