@@ -1,0 +1,461 @@
+"""The engine: the runner's core object (no gRPC in here).
+
+``LLMEngine`` turns requests into sequences, runs scheduler steps on the model runner, samples,
+detokenizes, checks stop conditions and streams :class:`RequestOutput` deltas into per-request
+queues. It can be driven by hand (:meth:`LLMEngine.step`, for tests) or by its background loop
+thread (:meth:`LLMEngine.start`), which sleeps when there is no work.
+
+Thread model: any thread may call :meth:`add_request` / :meth:`abort` (they validate, then post
+to an inbox); only the stepping thread touches the scheduler, the sequences and the runner.
+
+Start-up (:meth:`LLMEngine.from_sidecar` and the constructor) is timed phase by phase —
+``weights``, ``kv_cache``, ``programs``, ``warmup`` — in :attr:`LLMEngine.startup_report`,
+logged as one line and returned by ``ModelInfo``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runner_service.block_manager import BlockManager
+from runner_service.config import EngineConfig, ModelArgs
+from runner_service.detokenizer import IncrementalDetokenizer
+from runner_service.device import free_memory_bytes, select_device, synchronize, torch_dtype
+from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
+from runner_service.model import LlamaWeights
+from runner_service.model_runner import ModelRunner
+from runner_service.sampler import Sampler, TokenLogprobs
+from runner_service.sampling_params import SamplingParams
+from runner_service.scheduler import ScheduledBatch, Scheduler
+from runner_service.sequence import FinishReason
+from runner_service.sequence import Sequence as Seq
+from runner_service.tokenizer import Tokenizer
+from services.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartupPhase:
+    """One timed start-up phase (``seconds`` wall time; ``detail`` one human phrase)."""
+
+    name: str
+    seconds: float
+    detail: str = ""
+
+
+@dataclass
+class StartupReport:
+    phases: list[StartupPhase] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def line(self) -> str:
+        """One log line: ``weights 0.41s (sidecar HOT) | kv_cache 0.02s (...) | total 0.9s``."""
+        parts = [f"{p.name} {p.seconds:.3f}s" + (f" ({p.detail})" if p.detail else "") for p in self.phases]
+        return " | ".join([*parts, f"total {self.total_seconds:.3f}s"])
+
+
+@dataclass
+class RequestOutput:
+    """A streamed delta (or, from :meth:`RequestStream.result`, the whole output).
+
+    ``token_ids``/``text``/``logprobs`` are new since the previous delta; ``finish_reason`` is set
+    on the last delta only, with the usage counts (tokens).
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestStream:
+    """The consumer side of one request: iterate its deltas, or :meth:`cancel` it."""
+
+    def __init__(self, engine: LLMEngine, request_id: str, prompt_tokens: int) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.queue: queue.Queue[RequestOutput] = queue.Queue()
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next delta; raises ``queue.Empty`` after ``timeout`` seconds."""
+        out = self.queue.get(timeout=timeout)
+        if out.finish_reason is not None:
+            self.finished = True
+        return out
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+    def cancel(self) -> None:
+        """Abort the request; its blocks are freed and a final CANCELLED delta is sent."""
+        self._engine.abort(self.request_id)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the end and merge all deltas (needs the engine loop running, or steps
+        driven by another thread)."""
+        total = RequestOutput(self.request_id, prompt_tokens=self.prompt_tokens)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.finished:
+            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            total.token_ids += out.token_ids
+            total.text += out.text
+            total.logprobs += out.logprobs
+            total.finish_reason = out.finish_reason
+            total.completion_tokens = out.completion_tokens
+        return total
+
+
+@dataclass
+class _Live:
+    seq: Seq
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Continuous-batching generation over one model (see the module docstring).
+
+    Args:
+        args, weights: the architecture and its tensors (any dtype/device: converted here).
+        config: serving limits.
+        tokenizer: needed for text and chat prompts and for output text; ``None`` = ids only.
+        model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` likewise.
+        startup: phases already spent by the caller (e.g. preparing the sidecar).
+        kernel_cache: kernel-cache service address or directory, for compiled programs.
+    """
+
+    def __init__(self, args: ModelArgs, weights: LlamaWeights, config: EngineConfig,
+                 tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
+                 startup: Sequence[StartupPhase] = (), kernel_cache: str | None = None) -> None:
+        self.args = args
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.sidecar_fingerprint = sidecar_fingerprint
+        self.kernel_cache = kernel_cache
+        self.startup_report = StartupReport(list(startup))
+        self.device = select_device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.max_model_len = config.resolved_max_model_len(args)
+
+        if weights.embed_tokens.dtype != self.dtype or weights.embed_tokens.device != self.device:
+            t0 = time.perf_counter()
+            weights = _convert(weights, self.dtype, self.device)
+            self._phase("weights_to_device", t0, f"{weights.nbytes() / 2**20:.0f} MiB {config.dtype} on {self.device}")
+        self.weights = weights
+
+        t0 = time.perf_counter()
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCache.allocate(args, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.resolved_max_num_batched_tokens(self.max_model_len))
+        self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device)
+        self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
+                                    f"{self.kv.nbytes / 2**20:.1f} MiB")
+
+        t0 = time.perf_counter()
+        self._phase("programs", t0, self._load_programs())
+        t0 = time.perf_counter()
+        if config.warmup:
+            self.warmup()
+        self._phase("warmup", t0, f"decode buckets {self.runner.buckets}" if config.warmup else "skipped")
+        log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
+
+        self.sampler = Sampler()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, object]] = []
+        self._ids: set[str] = set()   # in-flight request ids (guarded by _lock)
+        self._live: dict[str, _Live] = {}  # stepping thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.generated_tokens_total = 0
+        self.finished_requests_total = 0
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_sidecar(cls, path: str | Path, config: EngineConfig, *, model: str = "",
+                     startup: Sequence[StartupPhase] = (), kernel_cache: str | None = None,
+                     detail: str = "") -> LLMEngine:
+        """Load a sidecar directory (``model.safetensors``, ``config.json``, tokenizer files)
+        through :func:`weight_service.loader.load_sidecar` and build the engine; the load is the
+        ``weights`` phase of the report."""
+        from weight_service.loader import load_sidecar
+
+        t0 = time.perf_counter()
+        sidecar = load_sidecar(Path(path))
+        args = ModelArgs.from_config(sidecar.config)
+        device, dtype = select_device(config.device), torch_dtype(config.dtype)
+        weights = LlamaWeights.from_tensors(sidecar.tensors, args, dtype, device)
+        tokenizer = Tokenizer.from_dir(path)
+        fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
+        phases = [*startup, StartupPhase("weights", time.perf_counter() - t0,
+                                         detail or f"sidecar {Path(path).name}, {weights.nbytes() / 2**20:.0f} MiB")]
+        return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
+                   startup=phases, kernel_cache=kernel_cache)
+
+    def _phase(self, name: str, t0: float, detail: str) -> None:
+        self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = bytes_per_block(self.args, cfg.block_size, self.dtype)
+        if cfg.kv_cache_bytes is not None:
+            return num_blocks_for_bytes(self.args, cfg.block_size, self.dtype, cfg.kv_cache_bytes)
+        full = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        budget = int(free_memory_bytes(self.device) * cfg.kv_cache_memory_fraction)
+        return max(2, min(full, budget // per_block))
+
+    def _load_programs(self) -> str:
+        if self.config.compile == "off":
+            return "compile off (eager)"
+        try:
+            from runner_service import programs
+        except ImportError as e:
+            raise FailedPrecondition(f"compile mode {self.config.compile!r} needs runner_service.programs, "
+                                     f"which is not available: {e}") from e
+        result = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache)
+        return str(result) if result is not None else f"compile {self.config.compile}"
+
+    def warmup(self) -> None:
+        """Run every decode bucket once on padding rows (they touch only the scratch block)."""
+        with torch.inference_mode():
+            for b in self.runner.buckets:
+                self.runner.decode_fn(b)(*self.runner.buffers.views(b, self.runner.block_bucket(1)))
+        synchronize(self.device)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tokenize(self, *, text: str | None = None, messages: Sequence[dict] | None = None,
+                 token_ids: Sequence[int] | None = None) -> list[int]:
+        """Prompt token ids from exactly one of ``text``, chat ``messages`` or ``token_ids``.
+        Raises ``InvalidArgument`` for none/several, an empty prompt, ids outside
+        ``[0, vocab_size)``, an unknown chat role, or a prompt that leaves no room to generate."""
+        given = [x is not None for x in (text, messages, token_ids)]
+        if sum(given) != 1:
+            raise InvalidArgument("give exactly one of text, chat messages or token ids as the prompt")
+        if token_ids is not None:
+            ids = [int(t) for t in token_ids]
+            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        else:
+            if self.tokenizer is None:
+                raise InvalidArgument("this engine has no tokenizer; send token ids")
+            if text is not None:
+                ids = self.tokenizer.encode(text) if text else []
+            else:
+                ids = self.tokenizer.encode_chat(messages)
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                                  "(at least one must be left to generate)")
+        return ids
+
+    def add_request(self, params: SamplingParams, *, text: str | None = None,
+                    messages: Sequence[dict] | None = None, token_ids: Sequence[int] | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
+        :meth:`tokenize`, bad stop token ids, a request id already in flight) or
+        ``ResourceExhausted`` (the request can never fit the KV cache)."""
+        ids = self.tokenize(text=text, messages=messages, token_ids=token_ids)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        rid = request_id or uuid.uuid4().hex
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        seq = Seq(rid, ids, params, self.max_model_len, gen)
+        self.scheduler.check_fits(seq)
+        stream = RequestStream(self, rid, len(ids))
+        live = _Live(seq, stream, IncrementalDetokenizer(self.tokenizer, params.stop))
+        with self._lock:
+            if self._stopping:
+                raise FailedPrecondition("the engine is shutting down")
+            if rid in self._ids:
+                raise InvalidArgument(f"request id {rid!r} is already in flight")
+            self._ids.add(rid)
+            self._inbox.append(("add", live))
+            self._wake.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op when unknown or finished): blocks freed, final delta CANCELLED."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                self._live[item.seq.request_id] = item
+                self.scheduler.add(item.seq)
+            else:
+                live = self._live.get(item)
+                if live is not None:
+                    self._finish(live, FinishReason.CANCELLED)
+
+    def step(self) -> int:
+        """Apply queued adds/aborts and run one scheduler step. Returns the sequences stepped."""
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return 0
+        try:
+            self._run(batch)
+        except Exception:
+            log.exception("step failed; aborting its sequences")
+            for seq in list(batch.seqs):
+                live = self._live.get(seq.request_id)
+                if live is not None:
+                    self._finish(live, FinishReason.ABORTED)
+        return len(batch)
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        if batch.is_prefill:
+            logits = self.runner.run_prefill(batch)
+            sampling = self.scheduler.on_step_done(batch)
+            index = {id(s): i for i, s in enumerate(batch.seqs)}
+            rows = [index[id(s)] for s in sampling]
+            logits = logits[rows] if sampling else logits[:0]
+        else:
+            sampling, logits = self.runner.run_decode(batch.seqs)
+            self.scheduler.on_step_done(batch)
+        if not sampling:
+            return
+        tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
+            self._append(self._live[seq.request_id], tok, lp)
+
+    def _append(self, live: _Live, token: int, lp: TokenLogprobs | None) -> None:
+        seq, p = live.seq, live.seq.params
+        seq.token_ids.append(token)
+        self.generated_tokens_total += 1
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.args.eos_token_ids):
+            reason = FinishReason.STOP
+        elif live.detok.push(token):
+            reason = FinishReason.STOP
+        elif seq.num_tokens >= seq.max_total_tokens:
+            reason = FinishReason.LENGTH
+        out = RequestOutput(seq.request_id, [token], live.detok.delta(), [lp] if lp is not None else [],
+                            prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens)
+        if reason is None:
+            live.stream.queue.put(out)
+        else:
+            self._finish(live, reason, out)
+
+    def _finish(self, live: _Live, reason: FinishReason, out: RequestOutput | None = None) -> None:
+        seq = live.seq
+        self.scheduler.finish(seq, reason)
+        if out is None:
+            out = RequestOutput(seq.request_id, prompt_tokens=seq.num_prompt_tokens)
+        out.text += live.detok.flush()
+        out.finish_reason = reason
+        out.completion_tokens = seq.num_completion_tokens
+        self._live.pop(seq.request_id, None)
+        with self._lock:
+            self._ids.discard(seq.request_id)
+        self.finished_requests_total += 1
+        live.stream.queue.put(out)
+
+    def run_until_done(self, max_steps: int | None = None) -> int:
+        """Step (in this thread) until no work is left; returns the steps taken. For tests and
+        benchmarks that do not start the loop thread."""
+        steps = 0
+        while self.has_work() and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+        return steps
+
+    # -- background loop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background stepping thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._inbox and not self.scheduler.has_work():
+                    self._wake.wait(timeout=1.0)
+                if self._stopping:
+                    return
+            self.step()
+
+    def close(self) -> None:
+        """Stop the loop, abort what is in flight (ABORTED), free the buffers."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._drain_inbox()
+        for live in list(self._live.values()):
+            self._finish(live, FinishReason.ABORTED)
+        self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counts for metrics and the router: running, waiting, kv_blocks_used, kv_blocks_total,
+        generated_tokens_total (approximate when read from another thread)."""
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "kv_blocks_total": self.block_manager.num_usable_blocks,
+            "generated_tokens_total": self.generated_tokens_total,
+        }
+
+
+def _convert(w: LlamaWeights, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
+    out = {}
+    for name in w.__dataclass_fields__:
+        t = getattr(w, name)
+        out[name] = None if t is None else t.to(device=device, dtype=dtype)
+    if w.lm_head is w.embed_tokens:
+        out["lm_head"] = out["embed_tokens"]
+    return LlamaWeights(**out)
+

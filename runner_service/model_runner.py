@@ -1,0 +1,160 @@
+"""The model runner: owns the weights, the KV cache and the persistent decode buffers, and runs
+one scheduled step (nano-vllm's ``ModelRunner``).
+
+Decode steps run through :meth:`ModelRunner.decode_step` — the compile contract with
+:mod:`runner_service.programs`::
+
+    decode_step(input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
+        -> logits[B, V] float32
+
+All inputs int64, views of the persistent buffers. ``B`` is a *batch bucket* (1, 2, 4, ...,
+``max_num_seqs``); rows past the active ones are padding. ``nb`` is a *block bucket* (a power
+of two >= the largest active block table, at most ``max_blocks_per_seq``); with
+``full_block_tables=True`` it is always ``max_blocks_per_seq`` (fully static shapes, what an
+AOT-compiled program wants). The KV cache is written in place.
+
+Sequences keep their decode row from step to step (a leaving sequence's row is taken by the
+last active one), so the block-table cache in :class:`DecodeBuffers` rebuilds only rows whose
+sequence changed or grew a block.
+
+Prefill steps build their ``[B, S]`` tensors per step (their cost is amortised over the chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runner_service.config import EngineConfig, ModelArgs
+from runner_service.decode_buffers import DecodeBuffers
+from runner_service.kv_cache import SCRATCH_BLOCK, KVCache
+from runner_service.model import LlamaWeights, forward, rope_cos_sin
+from runner_service.scheduler import ScheduledBatch
+from runner_service.sequence import Sequence
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes compiled/padded to: powers of two below ``max_num_seqs``, then it."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return [*out, max_num_seqs]
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+class ModelRunner:
+    """Runs prefill and decode steps of one model on one device."""
+
+    def __init__(self, args: ModelArgs, weights: LlamaWeights, kv: KVCache, config: EngineConfig,
+                 max_model_len: int, device: torch.device, full_block_tables: bool = False) -> None:
+        self.args = args
+        self.weights = weights
+        self.kv = kv
+        self.config = config
+        self.device = device
+        self.block_size = kv.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // kv.block_size)
+        self.full_block_tables = full_block_tables
+        self.cos, self.sin = rope_cos_sin(args, max_model_len, device)
+        self.buckets = batch_buckets(config.max_num_seqs)
+        self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
+                                     kv.num_blocks, device)
+        self.decode_programs: dict[int, DecodeFn] = {}
+        self._rows: list[Sequence] = []
+
+    # -- the compile contract ----------------------------------------------------------------
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Eager decode over ``B`` rows (see the module docstring); returns logits [B, V] f32."""
+        return forward(self.weights, self.args, self.kv.k, self.kv.v, self.cos, self.sin,
+                       input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
+                       seq_lens, torch.zeros_like(input_ids))
+
+    def decode_fn(self, batch: int) -> DecodeFn:
+        """The callable run for batch bucket ``batch``: a compiled program when one was
+        installed in :attr:`decode_programs`, else :meth:`decode_step`."""
+        return self.decode_programs.get(batch, self.decode_step)
+
+    def block_bucket(self, num_blocks: int) -> int:
+        """Block-table width for a step whose largest table has ``num_blocks`` blocks."""
+        if self.full_block_tables:
+            return self.max_blocks_per_seq
+        nb = 1
+        while nb < num_blocks:
+            nb *= 2
+        return min(nb, self.max_blocks_per_seq)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Keep each sequence in its previous row; fill holes with the last rows (swap-remove)."""
+        wanted = {id(s) for s in seqs}
+        rows = list(self._rows)
+        i = 0
+        while i < len(rows):
+            if id(rows[i]) in wanted:
+                i += 1
+            else:
+                rows[i] = rows[-1]
+                rows.pop()
+        present = {id(s) for s in rows}
+        rows.extend(s for s in seqs if id(s) not in present)
+        self._rows = rows
+        return rows
+
+    @torch.inference_mode()
+    def run_decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """Decode one token for each of ``seqs`` (each has a block for position
+        ``num_tokens - 1``). Returns the sequences in row order and their logits [n, V] f32."""
+        rows = self._assign_rows(seqs)
+        n = self.buffers.fill([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
+                              [s.block_table for s in rows])
+        batch = _bucket(n, self.buckets)
+        nb = self.block_bucket(self.buffers.max_active_blocks())
+        logits = self.decode_fn(batch)(*self.buffers.views(batch, nb))
+        return rows, logits.index_select(0, self.buffers.logits_indices[:n])
+
+    @torch.inference_mode()
+    def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute each sequence's chunk ``[start, start + n)``; returns logits [len(batch), V]
+        f32 at each chunk's last token (meaningful for rows that completed their prefill)."""
+        B, S, bs = len(batch), max(batch.num_tokens), self.block_size
+        ids = torch.zeros((B, S), dtype=torch.int64)
+        pos = torch.zeros((B, S), dtype=torch.int64)
+        slots = torch.full((B, S), SCRATCH_BLOCK * bs, dtype=torch.int64)
+        nb = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.full((B, nb), SCRATCH_BLOCK, dtype=torch.int64)
+        lens = torch.tensor([st + n for st, n in zip(batch.starts, batch.num_tokens, strict=True)])
+        last = torch.tensor([n - 1 for n in batch.num_tokens])
+        for i, (seq, st, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens, strict=True)):
+            ids[i, :n] = torch.tensor(seq.token_ids[st:st + n])
+            p = torch.arange(st, st + n)
+            pos[i, :n] = p
+            bt = torch.tensor(seq.block_table, dtype=torch.int64)
+            tables[i, : len(seq.block_table)] = bt
+            slots[i, :n] = bt[p // bs] * bs + p % bs
+        dev = self.device
+        return forward(self.weights, self.args, self.kv.k, self.kv.v, self.cos, self.sin, ids.to(dev),
+                       pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev), last.to(dev))
+
+    def reset_buffers(self) -> None:
+        """Recreate the decode buffers and their block-table cache together."""
+        self._rows = []
+        self.buffers.reset()
+
+    def close(self) -> None:
+        self._rows = []
+        self.buffers.close()
+        self.decode_programs.clear()

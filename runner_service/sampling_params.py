@@ -1,0 +1,60 @@
+"""Per-request sampling parameters, validated at construction (``InvalidArgument``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.errors import InvalidArgument
+
+#: Most top-n logprobs a request may ask for per token.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    - ``max_tokens``: tokens to generate at most (>= 1; the servicer maps the proto's 0 to the
+      engine default).
+    - ``temperature``: >= 0; 0 means greedy (argmax), otherwise logits are divided by it.
+    - ``top_k``: keep the k most likely tokens (0 = no limit).
+    - ``top_p``: keep the smallest most-likely set whose probability reaches ``top_p``, in (0, 1].
+    - ``seed``: seeds this request's own ``torch.Generator`` so its samples do not depend on
+      what else is in the batch; ``None`` draws a seed from the engine's generator.
+    - ``stop``: strings that end generation; the matched text is not returned.
+    - ``stop_token_ids``: token ids that end generation (the token is returned).
+    - ``logprobs``: top-n log-probabilities to return per generated token (0..20).
+    - ``ignore_eos``: keep generating past the model's EOS tokens.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed must be in [0, 2^64), got {self.seed}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

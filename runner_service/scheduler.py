@@ -1,0 +1,198 @@
+"""Continuous batching (nano-vllm's ``Scheduler`` plus chunked prefill and a progress guarantee).
+
+Each :meth:`Scheduler.schedule` call returns one step's work, either
+
+- a **prefill** batch: waiting sequences in arrival order, each with a chunk of its uncomputed
+  tokens, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` resident sequences; a
+  chunk shorter than the rest (budget or free blocks ran out) ends the batch, so at most the
+  last sequence of a batch is partly prefilled; or
+- a **decode** batch: every running sequence, one token each. When a sequence needs a new block
+  and none is free, the youngest running sequence is *preempted*: its blocks are freed and it
+  goes back to the front of the waiting queue to be recomputed later (free-then-recompute).
+
+No deadlock: a request is admitted only if it fits the cache alone
+(:meth:`Scheduler.check_fits`); when nothing can be scheduled, sequences holding blocks behind
+the head of the waiting queue are preempted until the head fits, so every step makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runner_service.block_manager import BlockManager
+from runner_service.sequence import FinishReason, Sequence, SequenceStatus
+from services.errors import ResourceExhausted
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: ``seqs[i]`` computes ``num_tokens[i]`` tokens starting at ``starts[i]``."""
+
+    is_prefill: bool
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    """Owns the waiting queue and running list; the engine loop is its only caller."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ``ResourceExhausted`` when ``seq`` could never fit the KV cache even alone (its
+        K/V at most: ``max_total_tokens - 1`` tokens, the last sampled token is never fed back)."""
+        need = self.block_manager.blocks_needed(max(1, seq.max_total_tokens - 1))
+        if need > self.block_manager.num_usable_blocks:
+            raise ResourceExhausted(
+                f"the request needs up to {need} KV blocks ({seq.max_total_tokens} tokens) but the cache has "
+                f"{self.block_manager.num_usable_blocks}; shorten the prompt or max_tokens")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (call :meth:`check_fits` first)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark ``seq`` finished, free its blocks and drop it from the queues (idempotent)."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it at the front of the waiting queue for recompute."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or ``None`` when there is nothing to do."""
+        if not self.has_work():
+            return None
+        batch = self._schedule_prefill()
+        if batch:
+            return batch
+        if self.running:
+            batch = self._schedule_decode()
+            if batch:
+                return batch
+        # Nothing runs and the head of the queue cannot get blocks: the blocks are held by
+        # partly prefilled sequences behind it. Release those (youngest first) and retry.
+        head = self.waiting[0]
+        for seq in reversed(list(self.waiting)):
+            if seq is not head and seq.block_table:
+                self.preempt_in_place(seq)
+                batch = self._schedule_prefill()
+                if batch:
+                    return batch
+        raise RuntimeError(f"scheduler made no progress: head {head!r}, {self.block_manager.num_free_blocks} free")
+
+    def preempt_in_place(self, seq: Sequence) -> None:
+        """Free a waiting sequence's blocks without moving it in the queue."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=True)
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        resident = len(self.running) + sum(1 for s in self.waiting if s.block_table)
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            is_new = not seq.block_table
+            if is_new and resident >= self.max_num_seqs:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            fit = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+            n = min(n, fit)
+            if n <= 0:
+                break
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            batch.starts.append(seq.num_computed_tokens)
+            budget -= n
+            resident += is_new
+            if n < seq.num_uncomputed_tokens:
+                break
+        return batch
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=False)
+        bm = self.block_manager
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            preempted_self = False
+            while not bm.can_allocate(seq, seq.num_tokens):
+                victim = queue.pop() if queue else seq
+                self.preempt(victim)
+                if victim is seq:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            bm.allocate(seq, seq.num_tokens)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(1)
+            batch.starts.append(seq.num_tokens - 1)
+        return batch
+
+    def on_step_done(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance ``num_computed_tokens`` after the model ran ``batch``; sequences whose prefill
+        completed move to ``running``. Returns the sequences that now sample a token (all
+        decode rows; prefill rows that computed their last uncomputed token)."""
+        sampling = []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.append(seq)
+        return sampling

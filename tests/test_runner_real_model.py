@@ -1,0 +1,112 @@
+"""Acceptance: the runner on the real SmolLM2 weights (float32 sidecar) against transformers.
+
+One engine for the module (built once from the session's ``smollm2_sidecar``), driven by
+``run_until_done`` in the test thread; transformers' ``hf_model`` / ``hf_tokenizer`` are the
+independent reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner_service.config import EngineConfig
+from runner_service.engine import LLMEngine
+from runner_service.sampling_params import SamplingParams
+from runner_service.scheduler import ScheduledBatch
+from runner_service.sequence import FinishReason, Sequence
+
+pytestmark = pytest.mark.slow
+
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 1, 2, 3, 5, 8,",
+    "Photosynthesis is the process by which",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Write a haiku about the ocean."}],
+    [{"role": "user", "content": "Translate 'good morning' to French."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about cats."}],
+]
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_sidecar):
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=160 << 20, warmup=False)
+    with LLMEngine.from_sidecar(smollm2_sidecar, cfg, model="SmolLM2-135M-Instruct") as eng:
+        yield eng
+
+
+def _hf_chat_ids(hf_tokenizer, messages):
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _prompts(hf_tokenizer):
+    """8 prompts of different lengths: the 5 chats and 3 text prompts (as token ids)."""
+    chats = [_hf_chat_ids(hf_tokenizer, m) for m in CHATS]
+    texts = [hf_tokenizer(t)["input_ids"] for t in TEXT_PROMPTS[:3]]
+    return chats + texts
+
+
+@pytest.fixture(scope="module")
+def alone(engine, hf_tokenizer):
+    """Each of the 8 prompts generated alone (greedy, 32 tokens)."""
+    out = []
+    for ids in _prompts(hf_tokenizer):
+        stream = engine.add_request(GREEDY_32, token_ids=ids)
+        engine.run_until_done()
+        out.append(stream.result(timeout=0))
+    return out
+
+
+def test_prompt_tokenization_matches_transformers(engine, hf_tokenizer):
+    for text in TEXT_PROMPTS:
+        assert engine.tokenizer.encode(text) == hf_tokenizer(text)["input_ids"]
+    for messages in CHATS:
+        assert engine.tokenizer.encode_chat(messages) == _hf_chat_ids(hf_tokenizer, messages)
+
+
+def test_last_position_logits_match_transformers(engine, hf_model, hf_tokenizer):
+    for text in TEXT_PROMPTS:
+        ids = hf_tokenizer(text)["input_ids"]
+        seq = Sequence("logits", ids, GREEDY_32, engine.max_model_len)
+        engine.block_manager.allocate(seq, len(ids))
+        try:
+            mine = engine.runner.run_prefill(ScheduledBatch(True, [seq], [len(ids)], [0]))[0]
+        finally:
+            engine.block_manager.free(seq)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0, -1]
+        assert (mine - ref).abs().max().item() <= 1e-3, text
+
+
+def test_greedy_chat_generation_is_token_identical(alone, hf_model, hf_tokenizer):
+    for messages, result in zip(CHATS, alone[:5], strict=True):
+        ids = _hf_chat_ids(hf_tokenizer, messages)
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        assert result.token_ids == ref, messages
+        assert result.text == hf_tokenizer.decode(ref, skip_special_tokens=True)
+        eos = ref[-1] == 2
+        assert result.finish_reason == (FinishReason.STOP if eos else FinishReason.LENGTH)
+        assert result.completion_tokens == len(ref)
+
+
+def test_concurrent_requests_match_each_alone(engine, alone, hf_tokenizer):
+    prompts = _prompts(hf_tokenizer)
+    assert len({len(p) for p in prompts}) == 8  # all different lengths
+    baseline = engine.block_manager.num_free_blocks
+    streams = [engine.add_request(GREEDY_32, token_ids=ids) for ids in prompts]
+    engine.run_until_done()
+    for stream, single in zip(streams, alone, strict=True):
+        got = stream.result(timeout=0)
+        assert got.token_ids == single.token_ids
+        assert got.text == single.text
+    assert engine.block_manager.num_free_blocks == baseline
