@@ -7,8 +7,9 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   chunk shorter than the rest (budget or free blocks ran out) ends the batch, so at most the
   last sequence of a batch is partly prefilled; or
 - a **decode** batch: every running sequence, one token each. When a sequence needs a new block
-  and none is free, the youngest running sequence is *preempted*: its blocks are freed and it
-  goes back to the front of the waiting queue to be recomputed later (free-then-recompute).
+  and none is free, a partly prefilled waiting sequence gives its blocks back, else the youngest
+  running sequence is *preempted*: its blocks are freed and it goes back to the front of the
+  waiting queue to be recomputed later (free-then-recompute).
 
 No deadlock: a request is admitted only if it fits the cache alone
 (:meth:`Scheduler.check_fits`); when nothing can be scheduled, sequences holding blocks behind
@@ -169,6 +170,10 @@ class Scheduler:
             seq = queue.popleft()
             preempted_self = False
             while not bm.can_allocate(seq, seq.num_tokens):
+                holder = next((s for s in reversed(self.waiting) if s.block_table), None)
+                if holder is not None:  # a partly prefilled sequence gives its blocks back first
+                    self.preempt_in_place(holder)
+                    continue
                 victim = queue.pop() if queue else seq
                 self.preempt(victim)
                 if victim is seq:

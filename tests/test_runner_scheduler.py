@@ -1,0 +1,157 @@
+"""Scheduler: chunked prefill within the token budget, max_num_seqs, preemption by
+free-then-recompute, and no deadlock or leak under a tiny KV cache (simulated model: every
+sampling sequence appends one token)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runner_service.block_manager import BlockManager
+from runner_service.sampling_params import SamplingParams
+from runner_service.scheduler import Scheduler
+from runner_service.sequence import FinishReason, Sequence, SequenceStatus
+from services.errors import ResourceExhausted
+
+
+def _seq(rid, prompt_len, max_tokens, max_model_len=1024):
+    return Sequence(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0), max_model_len)
+
+
+def _step(sched, finished):
+    """One simulated engine step; returns the batch."""
+    batch = sched.schedule()
+    assert batch, "no progress"
+    for seq in sched.on_step_done(batch):
+        seq.token_ids.append(3)
+        if seq.num_tokens >= seq.max_total_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+            finished.append(seq)
+    return batch
+
+
+def _check_invariants(bm, sched):
+    held = [b for s in [*sched.running, *sched.waiting] for b in s.block_table]
+    assert len(held) == len(set(held)) == bm.num_used_blocks
+    assert 0 not in held
+    assert len(sched.running) + sum(1 for s in sched.waiting if s.block_table) <= sched.max_num_seqs
+    for s in sched.running:
+        assert s.num_computed_tokens == s.num_tokens - 1 or s.num_computed_tokens == s.num_tokens
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=4)
+    s = _seq("a", 10, 2)
+    sched.add(s)
+    sizes = []
+    for _ in range(3):
+        batch = sched.schedule()
+        assert batch.is_prefill and batch.seqs == [s]
+        sizes.append(batch.num_tokens[0])
+        sampled = sched.on_step_done(batch)
+        assert sampled == ([s] if s.num_computed_tokens == 10 else [])
+    assert sizes == [4, 4, 2]
+    assert s.status is SequenceStatus.RUNNING and len(s.block_table) == 3
+
+
+def test_prefill_batches_several_prompts_and_respects_max_num_seqs():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [_seq(f"s{i}", 5, 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == seqs[:2] and batch.num_tokens == [5, 5]
+    sched.on_step_done(batch)
+    for s in seqs[:2]:
+        s.token_ids.append(1)
+    batch = sched.schedule()  # the third must wait for a free slot: a decode step runs instead
+    assert not batch.is_prefill and batch.seqs == seqs[:2] and batch.starts == [5, 5]
+
+
+def test_decode_preempts_the_youngest_and_recomputes_it():
+    bm = BlockManager(5, 4)  # 4 usable blocks = 16 tokens
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    old, young = _seq("old", 7, 8), _seq("young", 7, 8)
+    sched.add(old)
+    sched.add(young)
+    finished = []
+    _step(sched, finished)  # prefill both: 2 blocks each, all 4 used
+    assert bm.num_free_blocks == 0
+    batch = _step(sched, finished)  # decode positions 7: still inside block 2 of each
+    assert not batch.is_prefill
+    batch = _step(sched, finished)  # position 8 needs a third block: young is preempted
+    assert batch.seqs == [old]
+    assert young.status is SequenceStatus.WAITING and young.block_table == []
+    assert young.num_computed_tokens == 0 and young.num_preemptions == 1
+    assert sched.waiting[0] is young
+    while sched.has_work():
+        _step(sched, finished)
+        _check_invariants(bm, sched)
+    assert [s.request_id for s in finished] == ["old", "young"]
+    assert young.num_completion_tokens == 8 and old.num_completion_tokens == 8
+    assert bm.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tiny_cache_many_requests_all_complete_without_leaks(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(13, 4)  # 12 usable blocks = 48 tokens
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=rng.choice([5, 16, 64]))
+    seqs = [_seq(f"r{i}", rng.randint(1, 30), rng.randint(1, 17)) for i in range(40)]
+    finished = []
+    steps = 0
+    for s in seqs:
+        sched.check_fits(s)
+        sched.add(s)
+        if rng.random() < 0.3:
+            _step(sched, finished)
+            steps += 1
+    while sched.has_work():
+        _step(sched, finished)
+        _check_invariants(bm, sched)
+        steps += 1
+        assert steps < 20000
+    assert sorted(s.request_id for s in finished) == sorted(s.request_id for s in seqs)
+    assert all(s.num_tokens == s.max_total_tokens for s in seqs)
+    assert bm.num_free_blocks == 12 and bm.num_used_blocks == 0
+    assert sched.num_preemptions > 0
+
+
+def test_partial_prefills_holding_blocks_do_not_deadlock():
+    bm = BlockManager(7, 4)  # 6 usable blocks
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    head, other = _seq("head", 20, 2), _seq("other", 20, 2)
+    sched.add(head)
+    sched.add(other)
+    bm.allocate(other, 16)  # 'other' holds 4 blocks as if partly prefilled; head needs 5 of 6
+    finished = []
+    while sched.has_work():
+        _step(sched, finished)
+    assert {s.request_id for s in finished} == {"head", "other"}
+    assert other.num_preemptions >= 1 and head.num_preemptions == 0
+    assert bm.num_free_blocks == 6
+
+
+def test_request_that_can_never_fit_is_rejected():
+    sched = Scheduler(BlockManager(5, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.check_fits(_seq("ok", 10, 7))  # 16 tokens of K/V at most = 4 blocks
+    with pytest.raises(ResourceExhausted, match="KV blocks"):
+        sched.check_fits(_seq("big", 10, 8))
+
+
+def test_finish_frees_waiting_and_running_sequences():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=4)
+    a, b = _seq("a", 3, 5), _seq("b", 9, 5)
+    sched.add(a)
+    sched.add(b)
+    sched.on_step_done(sched.schedule())  # a prefilled (3), b got 1 token of its prompt
+    assert a.status is SequenceStatus.RUNNING and b.block_table
+    sched.finish(a, FinishReason.CANCELLED)
+    sched.finish(b, FinishReason.CANCELLED)
+    sched.finish(b, FinishReason.CANCELLED)
+    assert not sched.has_work() and bm.num_free_blocks == 15
+    assert a.finish_reason is FinishReason.CANCELLED
