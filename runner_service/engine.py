@@ -258,9 +258,6 @@ class LLMEngine:
             raise InvalidArgument("give exactly one of text, chat messages or token ids as the prompt")
         if token_ids is not None:
             ids = [int(t) for t in token_ids]
-            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
         else:
             if self.tokenizer is None:
                 raise InvalidArgument("this engine has no tokenizer; send token ids")
@@ -270,6 +267,9 @@ class LLMEngine:
                 ids = self.tokenizer.encode_chat(messages)
         if not ids:
             raise InvalidArgument("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                                   "(at least one must be left to generate)")

@@ -1,0 +1,104 @@
+"""``warmserve runner serve``: wire the sidecar, the engine, the gRPC server and the router
+registration together.
+
+Order matters: the sidecar is prepared (or fetched from a weight service), the engine is built
+(weights, KV cache, programs, warm-up), its loop started, and only then is the gRPC server
+started, so health answers ``SERVING`` only when a request can actually be served. On SIGTERM
+the router registration stops first, in-flight streams get the drain grace, then the engine
+closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+
+from runner_service.config import EngineConfig
+from runner_service.engine import LLMEngine, StartupPhase
+from services.paths import default_sidecar_root
+
+log = logging.getLogger(__name__)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """The :class:`EngineConfig` of ``runner serve`` flags (raises ``InvalidArgument``)."""
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        dtype=args.dtype,
+        compile=args.compile,
+        device=args.device,
+        runner_id=args.runner_id or "runner",
+    )
+
+
+def obtain_sidecar(model: str, dtype: str, *, weights: str | None, sidecar_dir: str | None,
+                   token: str | None = None) -> tuple[Path, StartupPhase]:
+    """Prepare the sidecar locally (``weight_service.prepare``) or, with ``weights``, have the
+    weight service prepare it and fetch it into ``sidecar_dir``. Returns its directory and the
+    timed ``sidecar`` phase (state and residency as the detail)."""
+    t0 = time.perf_counter()
+    root = Path(sidecar_dir) if sidecar_dir else default_sidecar_root()
+    if weights:
+        from weight_service.client import WeightsClient
+
+        client = WeightsClient(weights, token=token)
+        handle = client.prepare(model, dtype=dtype)
+        path = client.fetch(handle, root)
+        where = f"from {weights}"
+    else:
+        from weight_service.prepare import prepare
+
+        handle = prepare(model, dtype=dtype, root=root)
+        path = handle.path
+        where = "local"
+    resident = "" if handle.residency is None else f", {handle.residency * 100:.0f}% resident"
+    detail = f"sidecar {handle.state} {where}{resident}, {handle.size_bytes / 2**20:.0f} MiB"
+    return Path(path), StartupPhase("sidecar", time.perf_counter() - t0, detail)
+
+
+def serve_from_args(args) -> int:
+    """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
+    from services.log import configure_logging
+    from services.proto import generation_pb2_grpc
+    from services.server import ServiceServer, config_from_args
+
+    configure_logging("runner", args.log_level)
+    config = engine_config_from_args(args)
+    server_config = config_from_args(args, "runner")
+    path, phase = obtain_sidecar(args.model, args.dtype, weights=args.weights, sidecar_dir=args.sidecar_dir,
+                                 token=server_config.token)
+    kernel_cache = args.kernel_cache or args.kernel_cache_dir
+    engine = LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
+    registration = None
+    try:
+        from runner_service.server import GenerationServicer, RunnerCollector
+
+        engine.start()
+        servicer = GenerationServicer(engine, config.runner_id)
+        server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
+                                                "warmserve.v1.Generation")])
+        server.registry.register(RunnerCollector(engine))
+        port = server.start()
+        servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"
+        log.info("ready", extra={"address": server.address, "runner_id": servicer.runner_id,
+                                 "startup": engine.startup_report.line()})
+        if args.router:
+            from services.router.registration import RunnerRegistration
+
+            registration = RunnerRegistration(
+                args.router, runner_id=servicer.runner_id, address=server.address, model=args.model,
+                max_num_seqs=config.max_num_seqs, load_fn=engine.stats)
+            registration.start()
+            server.on_drain.append(registration.stop)
+        server.serve_forever()
+    finally:
+        if registration is not None:
+            registration.stop()
+        engine.close()
+    return 0

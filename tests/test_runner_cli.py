@@ -1,0 +1,86 @@
+"""``warmserve runner serve`` as a real process on a tiny HF checkpoint: it prepares the sidecar
+itself, reports ready, serves Generate/ModelInfo/health on loopback, drains on SIGTERM (exit 0);
+bad flags exit 2 with a message."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from weights_tiny import write_tiny_checkpoint
+
+from services.proto import generation_pb2 as pb
+from services.proto import generation_pb2_grpc
+
+
+def _serve_cmd(ckpt, sidecars, *extra):
+    return [sys.executable, "-m", "services.cli", "runner", "serve", "--model", str(ckpt), "--sidecar-dir",
+            str(sidecars), "--port", "0", "--max-model-len", "64", "--kv-cache-bytes", "2000000",
+            "--max-num-seqs", "4", "--drain-grace", "2", *extra]
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    write_tiny_checkpoint(tmp_path / "ckpt", tokenizer=True, vocab=96)
+    return tmp_path / "ckpt"
+
+
+def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
+    proc = subprocess.Popen(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--runner-id", "cli-runner"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ready = threading.Event()
+    lines: list[dict] = []
+
+    def read():
+        for line in proc.stderr:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            lines.append(rec)
+            if rec.get("msg") == "ready":
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), lines[-5:]
+        address = next(r["address"] for r in lines if r.get("msg") == "ready")
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            msgs = list(stub.Generate(pb.GenerateRequest(
+                text="w5 w6 w7", sampling=pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))))
+            assert msgs[-1].finish_reason == pb.LENGTH and msgs[-1].usage.completion_tokens == 5
+            assert msgs[-1].usage.prompt_tokens == 3  # 3 words (this tokenizer.json adds no BOS)
+            info = stub.ModelInfo(pb.ModelInfoRequest())
+            assert info.runner_id == "cli-runner" and info.model == str(tiny_ckpt)
+            assert [p.name for p in info.startup.phases] == ["sidecar", "weights", "kv_cache", "programs", "warmup"]
+            assert "BUILT" in info.startup.phases[0].detail
+            assert info.max_model_len == 64 and len(info.sidecar_fingerprint) == 64
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert any("startup" in r for r in lines if r.get("msg") == "ready")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--block-size", "0"], "positive integer"),
+    (["--max-model-len", "100000"], "max_position_embeddings"),
+    (["--compile", "fast"], "invalid choice"),
+])
+def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
+    out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert message in out.stderr

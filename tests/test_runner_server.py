@@ -1,0 +1,195 @@
+"""The runner's Generation service over real gRPC on loopback (a tiny random model behind
+SmolLM2's real tokenizer): streaming, ModelInfo, health, metrics, INVALID_ARGUMENT for bad
+input while the runner keeps serving, RESOURCE_EXHAUSTED, client cancellation and deadlines
+freeing the sequence's KV blocks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from runner_tiny import kv_bytes, tiny_args, tiny_config
+
+from runner_service.engine import LLMEngine
+from runner_service.model import LlamaWeights
+from runner_service.server import GenerationServicer, RunnerCollector
+from runner_service.tokenizer import Tokenizer
+from services.proto import generation_pb2 as pb
+from services.proto import generation_pb2_grpc
+from services.server import ServerConfig, ServiceServer
+
+ARGS = tiny_args(vocab=49152, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16, eos=(2,))
+KV_BLOCKS = 30  # 29 usable blocks of 4 tokens = 116 tokens; the context is 128
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_sidecar):
+    tok = Tokenizer.from_dir(smollm2_sidecar)
+    cfg = tiny_config(max_num_seqs=4, max_model_len=128, kv_cache_bytes=kv_bytes(ARGS, KV_BLOCKS), warmup=True)
+    engine = LLMEngine(ARGS, LlamaWeights.random(ARGS, seed=1), cfg, tok, model="tiny-random")
+    engine.start()
+    server = ServiceServer(ServerConfig(service="runner"), [
+        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, "r-test"),
+         "warmserve.v1.Generation")])
+    server.registry.register(RunnerCollector(engine))
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield generation_pb2_grpc.GenerationStub(channel), engine, server, channel
+    finally:
+        channel.close()
+        server.stop()
+        engine.close()
+
+
+def _greedy(n, **kw):
+    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_generate_streams_token_deltas_then_finish_and_usage(served):
+    stub, engine, _, _ = served
+    msgs = list(stub.Generate(pb.GenerateRequest(text="Hello there", sampling=_greedy(8, logprobs=2))))
+    assert len(msgs) == 8
+    assert all(len(m.token_ids) == 1 and m.runner_id == "r-test" for m in msgs)
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    last = msgs[-1]
+    assert last.finish_reason == pb.LENGTH
+    prompt_ids = engine.tokenizer.encode("Hello there")
+    assert last.usage.prompt_tokens == len(prompt_ids) and last.usage.completion_tokens == 8
+    ids = [m.token_ids[0] for m in msgs]
+    assert "".join(m.text for m in msgs) == engine.tokenizer.decode(ids)
+    assert all(len(m.logprobs) == 1 and m.logprobs[0].token_id == m.token_ids[0] and len(m.logprobs[0].top) == 2
+               for m in msgs)
+    # The same prompt as token ids, chat prompts, and a request id given by the client.
+    again = list(stub.Generate(pb.GenerateRequest(request_id="mine", token_ids=pb.TokenIds(ids=prompt_ids),
+                                                  sampling=_greedy(8))))
+    assert [m.token_ids[0] for m in again] == ids and again[0].request_id == "mine"
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")])
+    out = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=_greedy(3))))
+    assert out[-1].usage.prompt_tokens == len(engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
+
+
+def test_max_tokens_zero_means_the_default(served):
+    stub, engine, _, _ = served
+    msgs = list(stub.Generate(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(ignore_eos=True))))
+    assert msgs[-1].usage.completion_tokens == engine.config.default_max_tokens
+    assert msgs[-1].finish_reason == pb.LENGTH
+
+
+BAD = {
+    "empty text": pb.GenerateRequest(text="", sampling=_greedy(2)),
+    "no prompt": pb.GenerateRequest(sampling=_greedy(2)),
+    "empty token ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]), sampling=_greedy(2)),
+    "token id = vocab": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, ARGS.vocab_size]), sampling=_greedy(2)),
+    "negative token id": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-3]), sampling=_greedy(2)),
+    "prompt longer than the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 200), sampling=_greedy(2)),
+    "max_tokens < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=-1)),
+    "temperature < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-0.5)),
+    "temperature NaN": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
+    "top_p > 1": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)),
+    "top_p < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=-0.1)),
+    "top_k < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-1)),
+    "logprobs > 20": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(logprobs=21)),
+    "unknown chat role": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot", content="x")])),
+    "no chat messages": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[])),
+    "unknown routing value": pb.GenerateRequest(text="hi", routing=99, sampling=_greedy(2)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_invalid_argument_and_the_runner_keeps_serving(served, case):
+    stub, engine, _, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(BAD[case]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(err.value.details()) > 10
+    ok = list(stub.Generate(pb.GenerateRequest(text="still here", sampling=_greedy(2))))
+    assert ok[-1].finish_reason == pb.LENGTH
+    assert _wait_for(lambda: engine.block_manager.num_used_blocks == 0)
+
+
+def test_a_request_that_can_never_fit_is_resource_exhausted(served):
+    stub, _, _, _ = served
+    # 100 prompt tokens + 20 new need ceil(119 / 4) = 30 blocks; the cache has 29.
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 100), sampling=_greedy(20))))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _slow_decode(engine, seconds):
+    runner = engine.runner
+
+    def slow(*inputs):
+        time.sleep(seconds)
+        return runner.decode_step(*inputs)
+
+    for b in runner.buckets:
+        runner.decode_programs[b] = slow
+
+
+def test_client_cancellation_frees_the_sequence_blocks(served):
+    stub, engine, _, _ = served
+    assert _wait_for(lambda: engine.block_manager.num_used_blocks == 0)
+    baseline = engine.block_manager.num_free_blocks
+    _slow_decode(engine, 0.02)
+    try:
+        call = stub.Generate(pb.GenerateRequest(text="count to a hundred", sampling=_greedy(100)))
+        first = [next(call), next(call)]
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in first)
+        assert engine.block_manager.num_free_blocks < baseline
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert _wait_for(lambda: engine.block_manager.num_free_blocks == baseline)
+        assert _wait_for(lambda: engine.stats()["running"] == 0)
+    finally:
+        engine.runner.decode_programs.clear()
+
+
+def test_deadline_frees_the_sequence_blocks(served):
+    stub, engine, _, _ = served
+    baseline = engine.block_manager.num_free_blocks
+    _slow_decode(engine, 0.02)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="a long story", sampling=_greedy(100)), timeout=0.5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_for(lambda: engine.block_manager.num_free_blocks == baseline)
+    finally:
+        engine.runner.decode_programs.clear()
+
+
+def test_model_info_health_and_metrics(served):
+    stub, engine, server, channel = served
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    assert (info.runner_id, info.model, info.family, info.dtype, info.device) == (
+        "r-test", "tiny-random", "llama", "f32", "cpu")
+    assert (info.vocab_size, info.max_model_len, info.block_size, info.num_kv_blocks, info.max_num_seqs) == (
+        49152, 128, 4, KV_BLOCKS - 1, 4)
+    assert info.compile_mode == "off"
+    assert [p.name for p in info.startup.phases] == ["kv_cache", "programs", "warmup"]
+    assert info.startup.total_seconds == pytest.approx(sum(p.seconds for p in info.startup.phases))
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="warmserve.v1.Generation")).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    before = server.registry.get_sample_value("warmserve_runner_generated_tokens_total")
+    list(stub.Generate(pb.GenerateRequest(text="metrics", sampling=_greedy(5))))
+    reg = server.registry
+    assert reg.get_sample_value("warmserve_runner_generated_tokens_total") == before + 5
+    assert reg.get_sample_value("warmserve_runner_kv_blocks_total") == KV_BLOCKS - 1
+    assert reg.get_sample_value("warmserve_runner_kv_blocks_used") == 0
+    assert reg.get_sample_value("warmserve_runner_running_sequences") == 0
+    assert reg.get_sample_value("warmserve_runner_waiting_sequences") == 0
+    assert reg.get_sample_value("warmserve_runner_tokens_per_second") >= 0
