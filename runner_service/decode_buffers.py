@@ -40,7 +40,7 @@ from services.errors import InvalidArgument
 _NAMES = ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
 
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
-_PADDING_KEY: tuple[int, ...] = ()
+_PADDING_KEY: list[int] = []
 
 
 class DecodeBuffers:
@@ -74,7 +74,7 @@ class DecodeBuffers:
             self._dev = self._host
         else:
             self._dev = {name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
-        self._row_keys: list[tuple[int, ...]] = [_PADDING_KEY] * n
+        self._row_keys: list[list[int]] = [_PADDING_KEY] * n
         self.num_active = 0
         self._set_padding(0, n)
         self._np["logits_indices"][:] = range(n)
@@ -121,26 +121,27 @@ class DecodeBuffers:
                                   f"{len(block_tables)} block tables")
         if n > self.max_num_seqs:
             raise InvalidArgument(f"{n} decode rows exceed the {self.max_num_seqs} allocated")
-        keys = []
+        bs, m, keys = self.block_size, self.max_blocks_per_seq, self._row_keys
+        changed = []
+        slots = []
         for i in range(n):
             blocks, pos = block_tables[i], positions[i]
-            if len(blocks) > self.max_blocks_per_seq:
-                raise InvalidArgument(f"row {i}: {len(blocks)} blocks exceed max_blocks_per_seq "
-                                      f"{self.max_blocks_per_seq}")
-            if not 0 <= pos < len(blocks) * self.block_size:
+            if len(blocks) > m:
+                raise InvalidArgument(f"row {i}: {len(blocks)} blocks exceed max_blocks_per_seq {m}")
+            if not 0 <= pos < len(blocks) * bs:
                 raise InvalidArgument(f"row {i}: position {pos} is outside its {len(blocks)} blocks")
-            key = tuple(blocks)
-            if key and not (0 < min(key) and max(key) < self.num_blocks):
-                raise InvalidArgument(f"row {i}: block ids must be in [1, {self.num_blocks})")
-            keys.append(key)
-        bs = self.block_size
+            if blocks != keys[i]:
+                # Block ids are checked when a row is (re)built; unchanged rows were checked then.
+                if not (0 < min(blocks) and max(blocks) < self.num_blocks):
+                    raise InvalidArgument(f"row {i}: block ids must be in [1, {self.num_blocks})")
+                changed.append(i)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
         self._np["input_ids"][:n] = tokens
         self._np["positions"][:n] = positions
-        self._np["slot_mapping"][:n] = [k[p // bs] * bs + p % bs for k, p in zip(keys, positions, strict=True)]
+        self._np["slot_mapping"][:n] = slots
         self._np["seq_lens"][:n] = [p + 1 for p in positions]
-        for i, key in enumerate(keys):
-            if key != self._row_keys[i]:
-                self._build_row(i, key)
+        for i in changed:
+            self._build_row(i, block_tables[i])
         if n < self.num_active:
             self._set_padding(n, self.num_active)
         copied = max(n, self.num_active)
@@ -176,13 +177,14 @@ class DecodeBuffers:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _build_row(self, row: int, key: tuple[int, ...]) -> None:
-        """Rewrite block-table row ``row`` as ``key`` followed by scratch entries."""
+    def _build_row(self, row: int, blocks: Seq[int]) -> None:
+        """Rewrite block-table row ``row`` as ``blocks`` followed by scratch entries; the row's
+        cache key becomes a copy of ``blocks``."""
         self.row_builds += 1
         bt = self._np["block_tables"][row]
-        bt[: len(key)] = key
-        bt[len(key):] = SCRATCH_BLOCK
-        self._row_keys[row] = key
+        bt[: len(blocks)] = blocks
+        bt[len(blocks):] = SCRATCH_BLOCK
+        self._row_keys[row] = list(blocks)
 
     def _set_padding(self, start: int, stop: int) -> None:
         for name in ("input_ids", "positions", "slot_mapping"):
