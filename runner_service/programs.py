@@ -34,8 +34,8 @@ Modes (``--compile``)
   the model's own tensors are handed over by reference (``load_constants(user_managed=True)``),
   so a warm launch maps one copy of the weights and loads the program in well under a second;
   nothing is compiled: the package's ``.so`` is dlopened, and the vector-ISA probe that
-  ``aoti_load_package`` would build with g++ is skipped (``cpp.vec_isa_ok=True``; the ISA and CPU
-  flags are part of the fingerprint instead).
+  ``aoti_load_package`` would build with g++ is skipped (see :class:`AotiProgram`; the ISA and
+  CPU flags are part of the fingerprint instead).
 - ``inductor``: ``torch.compile(fullgraph=True, dynamic=True)`` with the Inductor cache
   directory (FX graph cache: generated C++ and built ``.so`` files) as the artifact. A warm
   launch still re-traces with Dynamo (seconds per graph) but does not run the C++ compiler.
@@ -240,9 +240,17 @@ class AotiProgram:
     place. The module is kept alive: the program holds raw pointers to its buffers.
     """
 
-    def __init__(self, package: Path, module: DecodeModule) -> None:
-        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):  # no g++ ISA probe at load
-            self._compiled = torch._inductor.aoti_load_package(str(package))
+    def __init__(self, package: Path, module: DecodeModule, device: torch.device) -> None:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader_cls = torch._C._aoti.AOTIModelPackageLoader
+        meta = loader_cls.load_metadata_from_package(str(package), "model")
+        if meta.get("AOTI_DEVICE_KEY") != device.type:
+            raise RuntimeError(f"the package was built for {meta.get('AOTI_DEVICE_KEY')!r}, not {device.type!r}")
+        # What torch._inductor.aoti_load_package does, minus its device-information check: that
+        # check probes the CPU's vector ISA by *building* small programs with g++ (seconds, and
+        # a C++ compiler on a warm path). The ISA and CPU flags are in the fingerprint instead.
+        self._compiled = AOTICompiledModel(loader_cls(str(package), "model", False, 1, device.index or -1))
         constants = module.constants()
         wanted = self._compiled.get_constant_fqns()
         missing = sorted(set(wanted) - set(constants))
@@ -416,7 +424,7 @@ def _load_aoti(runner: ModelRunner, module: DecodeModule, name: str, fp: str,
     package = work / f"{name}-{fp[:24]}.pt2"
     if _fetch(cache, name, fp, package):
         try:
-            program = AotiProgram(package, module)
+            program = AotiProgram(package, module, runner.device)
             return program, "hit", "", f"kernel cache HIT {name} ({package.stat().st_size / 2**20:.1f} MiB)"
         except Exception as e:  # noqa: BLE001 - a broken package is recompiled, not fatal
             _evict_broken(cache, name, fp, e)
@@ -426,7 +434,7 @@ def _load_aoti(runner: ModelRunner, module: DecodeModule, name: str, fp: str,
                              Path(tmp) / "program.pt2")
         compile_s = time.perf_counter() - t
         published = _publish(cache, name, fp, built)
-        program = AotiProgram(built, module)  # the loader keeps its own extracted copy
+        program = AotiProgram(built, module, runner.device)  # the loader keeps its own extracted copy
     return program, "compiled", published, f"compiled {name} in {compile_s:.1f} s ({_how(fp, cache, published)})"
 
 

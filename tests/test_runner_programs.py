@@ -1,0 +1,248 @@
+"""Compiled decode programs (runner_service/programs.py) on a tiny random Llama.
+
+Each cold compile runs the C++ compiler (~20-30 s on 2 cores), so the tests share one AOTI
+build (module fixture) and compile again only where a MISS is the point of the test. The eager
+decode step they compare against is checked against transformers in test_runner_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from runner_tiny import tiny_args, tiny_config
+
+from kernel_cache_service.client import KernelCacheClient
+from kernel_cache_service.fingerprint import UNKNOWN
+from runner_service import programs
+from runner_service.kv_cache import KVCache
+from runner_service.model import LlamaWeights
+from runner_service.model_runner import ModelRunner
+
+TESTS_DIR = Path(__file__).parent
+NUM_BLOCKS = 48
+
+
+def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_num_seqs: int = 4,
+                max_model_len: int = 64, compile: str = "aoti", layers: int = 2, seed: int = 3) -> ModelRunner:
+    """A runner over a tiny random model with a KV cache of ``NUM_BLOCKS`` random-filled blocks
+    (deterministic in ``seed``), so attention reads real history from the pool."""
+    args = tiny_args(vocab=96, hidden=32, inter=48, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=128)
+    weights = LlamaWeights.random(args, dtype=dtype, seed=seed)
+    kv = KVCache.allocate(args, NUM_BLOCKS, block_size, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed + 1)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    config = tiny_config(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                         dtype="bf16" if dtype == torch.bfloat16 else "f32", compile=compile, device="cpu")
+    return ModelRunner(args, weights, kv, config, max_model_len, torch.device("cpu"))
+
+
+def decode_inputs(runner: ModelRunner, batch: int, active: int, nb: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Decode inputs for ``batch`` rows of which ``active`` are real: row i owns distinct blocks,
+    decodes the token at a random position < nb * block_size; padding rows use the scratch block."""
+    g = torch.Generator().manual_seed(seed)
+    bs = runner.block_size
+    ids = torch.zeros(batch, dtype=torch.int64)
+    pos = torch.zeros(batch, dtype=torch.int64)
+    slots = torch.zeros(batch, dtype=torch.int64)
+    tables = torch.zeros((batch, nb), dtype=torch.int64)
+    lens = torch.ones(batch, dtype=torch.int64)
+    for i in range(active):
+        blocks = torch.randperm(NUM_BLOCKS - 1, generator=g)[:nb] + 1
+        p = int(torch.randint(0, nb * bs, (1,), generator=g))
+        ids[i] = int(torch.randint(0, runner.args.vocab_size, (1,), generator=g))
+        pos[i], lens[i] = p, p + 1
+        tables[i] = blocks
+        slots[i] = blocks[p // bs] * bs + p % bs
+    return ids, pos, slots, tables, lens
+
+
+def assert_compiled_matches_eager(compiled: ModelRunner, eager: ModelRunner, cases, atol: float) -> None:
+    """Run each (batch, active, nb) case on both runners, 3 steps each; logits of the active
+    rows and the KV pools (but the scratch block) must agree within ``atol``."""
+    for n, (batch, active, nb) in enumerate(cases):
+        for step in range(3):
+            inputs = decode_inputs(compiled, batch, active, nb, seed=100 * n + step)
+            with torch.inference_mode():
+                got = compiled.decode_fn(batch)(*inputs)
+                want = eager.decode_step(*inputs)
+            assert got.shape == want.shape == (batch, compiled.args.vocab_size)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got[:active], want[:active], atol=atol, rtol=0)
+            # block 0 is the scratch block: padding rows all write slot 0, in no defined order
+            torch.testing.assert_close(compiled.kv.k[:, 1:].float(), eager.kv.k[:, 1:].float(), atol=atol, rtol=0)
+            torch.testing.assert_close(compiled.kv.v[:, 1:].float(), eager.kv.v[:, 1:].float(), atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One cold AOTI build of the default tiny runner, published to a fresh kernel cache."""
+    root = tmp_path_factory.mktemp("programs")
+    runner = make_runner()
+    report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work")
+    return root, runner, report
+
+
+def test_aoti_cold_build_is_published_and_matches_eager(built):
+    root, runner, report = built
+    assert report.mode == "aoti" and report.source == "compiled", report
+    assert report.published == "PUBLISHED" and len(report.fingerprint) == 64
+    entries = KernelCacheClient(root=root / "kc").list("llama.decode")
+    assert [(e.name, e.fingerprint) for e in entries] == [("llama.decode.aoti", report.fingerprint)]
+    # one program for every bucket: the batch and block-table width are dynamic
+    assert set(runner.decode_programs) == set(runner.buckets) == {1, 2, 4}
+    eager = make_runner(compile="off")
+    cases = [(1, 1, 1), (1, 1, 5), (2, 2, 3), (4, 3, 8), (4, 4, 16)]
+    assert_compiled_matches_eager(runner, eager, cases, atol=1e-4)
+
+
+def test_second_load_in_process_is_a_cache_hit(built):
+    root, _, cold = built
+    runner = make_runner()
+    report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work2")
+    assert (report.source, report.fingerprint, report.published) == ("hit", cold.fingerprint, "")
+    assert "HIT" in report.detail
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(2, 2, 4)], atol=1e-4)
+
+
+WARM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    import torch._inductor.cpp_builder as cpp_builder
+
+    calls = []
+    def refuse(self, *a, **k):
+        calls.append(str(getattr(self, "_name", self)))
+        raise RuntimeError("the C++ compiler must not run on a warm launch")
+    cpp_builder.CppBuilder.build = refuse
+
+    from test_runner_programs import assert_compiled_matches_eager, make_runner
+    from runner_service import programs
+    runner = make_runner()
+    report = programs.load_programs(runner, kernel_cache={kc!r}, work_dir={work!r})
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(4, 3, 6)], atol=1e-4)
+    print(json.dumps({{"source": report.source, "fingerprint": report.fingerprint, "builds": calls}}))
+""")
+
+
+def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_path):
+    root, _, cold = built
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    marker = tmp_path / "compiler-was-called"
+    for name in ("g++", "gcc", "c++", "cc", "clang++", "clang"):
+        tool = fake_bin / name
+        tool.write_text(f"#!/bin/sh\necho \"$0 $@\" >> {marker}\nexit 1\n")
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}", CXX=str(fake_bin / "g++"),
+               CC=str(fake_bin / "gcc"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor-cache"))
+    script = WARM_SCRIPT.format(tests=str(TESTS_DIR), kc=str(root / "kc"), work=str(tmp_path / "work"))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"source": "hit", "fingerprint": cold.fingerprint, "builds": []}
+    assert not marker.exists(), marker.read_text()
+
+
+def test_fingerprint_changes_with_layout_dtype_arch_and_compile_options(built):
+    base = programs.program_key(make_runner(), "aoti")
+    assert base == programs.program_key(make_runner(seed=9), "aoti")  # weights are not in the key
+    variants = {
+        "block_size": programs.program_key(make_runner(block_size=8), "aoti"),
+        "max_num_seqs": programs.program_key(make_runner(max_num_seqs=8), "aoti"),
+        "max_model_len": programs.program_key(make_runner(max_model_len=96), "aoti"),
+        "dtype": programs.program_key(make_runner(dtype=torch.bfloat16), "aoti"),
+        "arch": programs.program_key(make_runner(layers=3), "aoti"),
+        "mode": programs.program_key(make_runner(), "inductor"),
+    }
+    fingerprints = [fp for _, fp in variants.values()]
+    assert len({base[1], *fingerprints}) == len(variants) + 1
+    assert all(len(fp) == 64 for fp in fingerprints)
+    assert variants["mode"][0] == "llama.decode.inductor"
+    root = built[0]
+    client = KernelCacheClient(root=root / "kc")
+    assert client.lookup(*base) is not None
+    assert all(client.lookup(*key) is None for key in variants.values())
+
+
+def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
+    root, _, cold = built
+    kc = tmp_path / "kc"
+    shutil.copytree(root / "kc", kc)
+    runner = make_runner(dtype=torch.bfloat16, block_size=8)
+    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    assert (report.source, report.published) == ("compiled", "PUBLISHED")
+    assert report.fingerprint != cold.fingerprint
+    assert len(KernelCacheClient(root=kc).list("llama.decode.aoti")) == 2
+    eager = make_runner(dtype=torch.bfloat16, block_size=8, compile="off")
+    assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 4, 6)], atol=3e-2)
+
+
+def _entry_files(kc: Path, fingerprint: str) -> list[Path]:
+    return [p for p in kc.rglob("*") if p.is_file() and fingerprint in str(p.parent)]
+
+
+def test_corrupt_entry_is_quarantined_then_recompiled_and_republished(built, tmp_path):
+    root, _, cold = built
+    kc = tmp_path / "kc"
+    shutil.copytree(root / "kc", kc)
+    data = max(_entry_files(kc, cold.fingerprint), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the sha256 no longer matches
+    data.write_bytes(bytes(raw))
+    runner = make_runner()
+    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
+    reasons = [r.read_text() for r in (kc / "quarantine").glob("*/reason.txt")]
+    assert len(reasons) == 1 and cold.fingerprint in reasons[0]
+    assert KernelCacheClient(root=kc).lookup("llama.decode.aoti", cold.fingerprint) is not None
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(2, 1, 4)], atol=1e-4)
+
+
+def test_entry_that_does_not_load_is_evicted_and_rebuilt(built, tmp_path):
+    _, _, cold = built
+    kc = tmp_path / "kc"
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"PK\x03\x04 not a real package" * 100)  # intact bytes, but no program inside
+    client = KernelCacheClient(root=kc)
+    assert client.publish("llama.decode.aoti", cold.fingerprint, junk) == "PUBLISHED"
+    runner = make_runner()
+    report = programs.load_programs(runner, kernel_cache=client, work_dir=tmp_path / "work")
+    assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
+    info = client.lookup("llama.decode.aoti", cold.fingerprint)
+    assert info is not None and info.size_bytes > junk.stat().st_size
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(1, 1, 2)], atol=1e-4)
+
+
+def test_unknown_fingerprint_compiles_locally_and_publishes_nothing_inductor(tmp_path):
+    runner = make_runner(compile="inductor")
+    missing = tmp_path / "no-such-source.py"
+    assert programs.program_key(runner, "inductor", sources=[missing])[1] == UNKNOWN
+    kc = tmp_path / "kc"
+    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work", sources=[missing])
+    assert (report.mode, report.source, report.fingerprint, report.published) == (
+        "inductor", "compiled", UNKNOWN, "")
+    assert "UNKNOWN" in report.detail
+    assert KernelCacheClient(root=kc).list() == []
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(1, 1, 3), (4, 2, 5)], atol=1e-4)
+
+
+def test_off_installs_nothing_and_failures_fall_back_to_eager(tmp_path):
+    runner = make_runner(compile="off")
+    report = programs.load_programs(runner, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
+    assert (report.source, runner.decode_programs) == ("eager", {})
+    runner = make_runner()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")  # the work dir cannot be created: the runner must still serve
+    report = programs.load_programs(runner, kernel_cache=None, work_dir=not_a_dir / "work")
+    assert report.source == "eager" and "failed" in report.detail
+    assert runner.decode_programs == {}
