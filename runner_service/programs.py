@@ -241,27 +241,27 @@ class AotiProgram:
     """
 
     def __init__(self, package: Path, module: DecodeModule, device: torch.device) -> None:
-        from torch._inductor.package.package import AOTICompiledModel
-
+        # torch._inductor.aoti_load_package does this plus a device-information check that probes
+        # the CPU's vector ISA by *building* small programs with g++ (seconds, and a C++ compiler
+        # on the warm path; the ISA and CPU flags are in the fingerprint instead). Using the
+        # loader directly also avoids importing torch._dynamo/_inductor (~1 s) on a warm start.
         loader_cls = torch._C._aoti.AOTIModelPackageLoader
         meta = loader_cls.load_metadata_from_package(str(package), "model")
         if meta.get("AOTI_DEVICE_KEY") != device.type:
             raise RuntimeError(f"the package was built for {meta.get('AOTI_DEVICE_KEY')!r}, not {device.type!r}")
-        # What torch._inductor.aoti_load_package does, minus its device-information check: that
-        # check probes the CPU's vector ISA by *building* small programs with g++ (seconds, and
-        # a C++ compiler on a warm path). The ISA and CPU flags are in the fingerprint instead.
-        self._compiled = AOTICompiledModel(loader_cls(str(package), "model", False, 1, device.index or -1))
+        self._loader = loader_cls(str(package), "model", False, 1, -1 if device.index is None else device.index)
         constants = module.constants()
-        wanted = self._compiled.get_constant_fqns()
+        wanted = self._loader.get_constant_fqns()
         missing = sorted(set(wanted) - set(constants))
         if missing:
             raise RuntimeError(f"the package wants constants this model lacks: {missing[:5]}")
-        self._compiled.load_constants({n: constants[n] for n in wanted}, check_full_update=True, user_managed=True)
+        # (constants, use_inactive, check_full_update, user_managed, allow_h2d_copy): by reference
+        self._loader.load_constants({n: constants[n] for n in wanted}, False, True, True, False)
         self.module = module
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        out = self._compiled(*inputs)
-        return out[0] if isinstance(out, list | tuple) else out
+        (logits,) = self._loader.boxed_run(list(inputs))
+        return logits
 
 
 def compile_aoti(module: DecodeModule, example: tuple[torch.Tensor, ...], dynamic: tuple, package: Path) -> Path:
