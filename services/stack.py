@@ -216,7 +216,7 @@ class LocalStack:
         child.ready_s = None
         return child
 
-    def _wait_serving(self, children: list[ChildProcess], what: str) -> None:
+    def _wait_serving(self, children: list[ChildProcess]) -> None:
         from services.healthcheck import check_health
 
         pending = list(children)
@@ -269,7 +269,7 @@ class LocalStack:
                 self.services[name] = self._launch(ChildProcess(
                     name, self._service_argv(name), self.address(name), self.log_dir / f"{name}.log"))
             self._progress("starting kernel-cache, weights and router ...")
-            self._wait_serving(list(self.services.values()), "services")
+            self._wait_serving(list(self.services.values()))
             if self.config.runners:
                 self._progress("starting runner-0 (the first launch builds what is missing) ...")
                 self.start_runner(0)
@@ -306,7 +306,7 @@ class LocalStack:
     def wait_runners(self, indices) -> None:
         """Wait until the given runners are SERVING and admitted by the router."""
         children = [self.runners[i] for i in indices]
-        self._wait_serving(children, "runners")
+        self._wait_serving(children)
         self.wait_registered([c.name for c in children])
 
     def kill_runner(self, index: int, sig: int = signal.SIGKILL) -> None:

@@ -1,0 +1,199 @@
+"""End to end on the real SmolLM2: the stack as separate processes (LocalStack), one stack shared
+by the module (each runner launch costs seconds). Order matters: the failover test kills and
+restarts runner-1 last."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client import GenerationClient, chat_request, sampling_params
+from services.healthcheck import check_health
+from services.proto import generation_pb2, router_pb2
+from services.stack import LocalStack, StackConfig, list_runners
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Translate 'thank you' to French.",
+    "What is the largest planet?", "Give a synonym for happy.", "What do plants need to grow?",
+    "How many days are in a week?", "What is the opposite of cold?", "Name a famous painter.",
+    "What language is spoken in Brazil?", "What is H2O?", "How many legs does a spider have?",
+    "What color is the sky on a clear day?",
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    cfg = StackConfig(runners=2, base_port=0, home=tmp_path_factory.mktemp("stack"), compile="off",
+                      max_num_seqs=16, lease_seconds=2.0, health_interval_s=0.25, stop_grace_s=15,
+                      startup_timeout_s=240)
+    s = LocalStack(cfg, progress=None)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _runner_states(stack: LocalStack) -> dict[str, int]:
+    return {r.runner_id: r.state for r in list_runners(stack.router_address)}
+
+
+def test_stack_is_up_with_both_runners_registered(stack: LocalStack) -> None:
+    runners = {r.runner_id: r for r in list_runners(stack.router_address)}
+    assert set(runners) == {"runner-0", "runner-1"}
+    for i, name in enumerate(("runner-0", "runner-1")):
+        r = runners[name]
+        assert r.state == router_pb2.RunnerStatus.READY and not r.static
+        assert r.address == stack.runners[i].address
+        assert 0 < r.lease_expires_in_s <= 2.0
+    for name in ("kernel-cache", "weights", "router"):
+        assert check_health(stack.address(name)) == "SERVING"
+    report = stack.startup_report(1).startup
+    assert report.total_seconds > 0 and len(report.phases) >= 2
+
+
+def test_16_concurrent_chats_through_the_router_equal_direct(stack: LocalStack) -> None:
+    params = sampling_params(max_tokens=24, temperature=0.0)
+    requests = [chat_request([("user", q)], params) for q in QUESTIONS]
+
+    def run_all(address: str):
+        with GenerationClient(address) as client, ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(lambda r: client.complete(r, timeout_s=300), requests))
+
+    routed = run_all(stack.router_address)
+    direct = run_all(stack.runners[0].address)
+    for q, r, d in zip(QUESTIONS, routed, direct, strict=True):
+        assert r.finish_reason in ("STOP", "LENGTH") and r.text.strip(), q
+        assert (r.text, r.token_ids) == (d.text, d.token_ids), q
+    assert {r.runner_id for r in routed} == {"runner-0", "runner-1"}  # both runners served
+    assert all(r.outstanding == 0 for r in list_runners(stack.router_address))
+
+
+def test_prefix_affinity_keeps_a_conversation_on_one_runner(stack: LocalStack) -> None:
+    system = ("system", "You are a concise assistant who answers in one short sentence.")
+    params = sampling_params(max_tokens=4)
+    with GenerationClient(stack.router_address) as client:
+        served = {client.complete(chat_request([system, ("user", q)], params,
+                                               routing=generation_pb2.PREFIX_AFFINITY)).runner_id
+                  for q in QUESTIONS[:6]}
+    assert len(served) == 1
+
+
+def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
+    deadline_s = 60.0
+    params = sampling_params(max_tokens=48, temperature=0.0)
+    results: list[tuple[str, str, float]] = [("", "", 0.0)] * 16
+    first_tokens = threading.Semaphore(0)
+
+    def one(i: int) -> None:
+        start = time.monotonic()
+        req = chat_request([("user", QUESTIONS[i])], params, routing=generation_pb2.ROUND_ROBIN)
+        try:
+            got_first = False
+            with GenerationClient(stack.router_address) as client:
+                runner = ""
+                for resp in client._stub.Generate(req, timeout=deadline_s):
+                    runner = resp.runner_id or runner
+                    if resp.token_ids and not got_first:
+                        got_first = True
+                        first_tokens.release()
+            results[i] = ("ok", runner, time.monotonic() - start)
+        except grpc.RpcError as e:
+            results[i] = (e.code().name, e.details(), time.monotonic() - start)
+            if not got_first:
+                first_tokens.release()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for _ in range(4):  # some streams are producing tokens: the kill lands mid-stream
+        assert first_tokens.acquire(timeout=120)
+    killed_at = time.monotonic()
+    stack.kill_runner(1, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=deadline_s + 10)
+    assert not any(t.is_alive() for t in threads), "a request hung past its deadline"
+
+    outcomes = [r[0] for r in results]
+    assert set(outcomes) <= {"ok", "UNAVAILABLE"}, results
+    assert "ok" in outcomes
+    for status, detail, seconds in results:
+        assert seconds < deadline_s + 1.0
+        if status == "UNAVAILABLE":
+            assert "runner-1" in detail, detail
+    # Requests that completed came from runner-0, or from runner-1 before it died.
+    assert {r[1] for r in results if r[0] == "ok"} <= {"runner-0", "runner-1"}
+
+    # New requests go to runner-0 at once.
+    with GenerationClient(stack.router_address) as client:
+        assert client.complete(chat_request([("user", "Hi!")], sampling_params(max_tokens=4))).runner_id == "runner-0"
+
+    # The dead runner's lease (2 s) expires and it leaves the table.
+    end = time.monotonic() + 15
+    while "runner-1" in _runner_states(stack):
+        assert time.monotonic() < end, _runner_states(stack)
+        time.sleep(0.2)
+    assert time.monotonic() - killed_at >= 0.5
+
+    # Restarted, it registers again and serves.
+    stack.start_runner(1)
+    assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.READY,
+                                     "runner-1": router_pb2.RunnerStatus.READY}
+    with GenerationClient(stack.router_address) as client:
+        served = {client.complete(chat_request([("user", q)], sampling_params(max_tokens=4),
+                                               routing=generation_pb2.ROUND_ROBIN)).runner_id
+                  for q in QUESTIONS[:4]}
+    assert served == {"runner-0", "runner-1"}
+
+
+def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--runners", "1", "--base-port", "0",
+         "--home", str(tmp_path), "--compile", "off"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        out: list[str] = []
+        end = time.monotonic() + 300
+        while not out or not out[-1].startswith("ready:"):
+            line = lines.get(timeout=max(0.1, end - time.monotonic()))
+            assert line is not None, f"warmserve up exited ({proc.wait()}); logs in {tmp_path / 'logs'}"
+            out.append(line)
+        text = "".join(out)
+        assert "start-up report of runner-0" in text, text
+        endpoints = dict(line.split() for line in out[out.index("endpoints:\n") + 1:] if line.startswith("  ")
+                         and len(line.split()) == 2)
+        assert set(endpoints) == {"kernel-cache", "weights", "router", "runner-0"}
+        assert check_health(endpoints["router"]) == "SERVING"
+        with GenerationClient(endpoints["router"]) as client:
+            result = client.complete(chat_request([("user", "Hi")], sampling_params(max_tokens=3)))
+        assert (result.completion_tokens, result.runner_id) == (3, "runner-0")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for addr in endpoints.values():
+            assert check_health(addr, timeout_s=0.5).startswith("UNREACHABLE"), addr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
