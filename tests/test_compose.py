@@ -1,0 +1,164 @@
+"""compose.yaml, run without Docker: every service's command is started on loopback as compose
+would run it, with host names mapped to 127.0.0.1, each service's port mapped to a free local
+port (two runners both listen on 50061 in their own containers), volume mount points mapped to
+temporary directories, and the services' own healthchecks awaited in ``depends_on`` order.
+Then a request goes through the router."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.client import GenerationClient, chat_request, sampling_params
+from services.stack import _free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+CONTAINER_STATE = "/var/lib/warmserve"
+
+
+def _load() -> dict:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+def _container_port(command: list[str]) -> str:
+    return command[command.index("--port") + 1]
+
+
+class ComposeOnLoopback:
+    """Translates compose services into local processes (see the module docstring)."""
+
+    def __init__(self, compose: dict, tmp: Path) -> None:
+        self.services = compose["services"]
+        self.ports = {name: _free_port("127.0.0.1") for name in self.services}
+        self.mounts: dict[str, str] = {}
+        for svc in self.services.values():
+            for vol in svc.get("volumes", []):
+                name, target = vol.split(":")[:2]
+                self.mounts[target] = str(tmp / name)
+                (tmp / name).mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = tmp / "logs"
+        self.logs.mkdir()
+        self.rootfs = tmp / "rootfs"
+
+    def _arg(self, service: str, arg: str) -> str:
+        if arg == "python":
+            return sys.executable
+        if arg == "0.0.0.0":
+            return "127.0.0.1"
+        for target, local in self.mounts.items():
+            if arg == target or arg.startswith(target + "/"):
+                return local + arg[len(target):]
+        if arg.startswith(CONTAINER_STATE):  # container-private state (no volume)
+            return str(self.rootfs) + arg
+        host, sep, port = arg.rpartition(":")
+        if sep and port.isdigit():
+            if host in self.services and port == _container_port(self.services[host]["command"]):
+                return f"127.0.0.1:{self.ports[host]}"
+            if host == "127.0.0.1" and port == _container_port(self.services[service]["command"]):
+                return f"127.0.0.1:{self.ports[service]}"  # a healthcheck of the service itself
+        if service and arg == _container_port(self.services[service]["command"]):
+            return str(self.ports[service])
+        return arg
+
+    def command(self, name: str) -> list[str]:
+        return [self._arg(name, a) for a in self.services[name]["command"]]
+
+    def healthcheck(self, name: str) -> list[str]:
+        test = self.services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        return [self._arg(name, a) for a in test[1:]]
+
+    def env(self, name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for k, v in self.services[name].get("environment", {}).items():
+            env[k] = self._arg(name, str(v))
+        return env
+
+    def order(self) -> list[str]:
+        done: list[str] = []
+        while len(done) < len(self.services):
+            for name, svc in self.services.items():
+                if name not in done and all(d in done for d in svc.get("depends_on", {})):
+                    done.append(name)
+        return done
+
+    def wait_healthy(self, name: str, timeout_s: float = 300) -> None:
+        end = time.monotonic() + timeout_s
+        while subprocess.run(self.healthcheck(name), cwd=REPO, capture_output=True).returncode != 0:
+            proc = self.procs[name]
+            assert proc.poll() is None, f"{name} exited: {(self.logs / name).read_text()[-3000:]}"
+            assert time.monotonic() < end, f"{name} not healthy"
+            time.sleep(0.3)
+
+    def up(self) -> None:
+        for name in self.order():
+            for dep, cond in self.services[name].get("depends_on", {}).items():
+                if cond.get("condition") == "service_healthy":
+                    self.wait_healthy(dep)
+            with open(self.logs / name, "wb") as log:
+                self.procs[name] = subprocess.Popen(self.command(name), cwd=REPO, env=self.env(name),
+                                                    stdout=log, stderr=log)
+
+    def down(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_compose_file_shape() -> None:
+    compose = _load()
+    services = compose["services"]
+    assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router"}
+    assert set(compose["volumes"]) == {"kernel-cache", "sidecars"}
+    for name, svc in services.items():
+        assert svc["build"] == "." and "--host" in svc["command"], name
+        assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
+        assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "services.healthcheck"], name
+    for runner in ("runner-0", "runner-1"):
+        assert "sidecars:/var/lib/warmserve/sidecars" in services[runner]["volumes"]
+    assert "sidecars:/var/lib/warmserve/sidecars" in services["weights"]["volumes"]
+    assert "kernel-cache:/var/lib/warmserve/kernel-cache" in services["kernel-cache"]["volumes"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in dockerfile and "make install" in dockerfile
+
+
+def test_compose_services_run_on_loopback_and_serve_a_request(tmp_path: Path) -> None:
+    stack = ComposeOnLoopback(_load(), tmp_path)
+    try:
+        stack.up()
+        for name in stack.order():
+            stack.wait_healthy(name)
+        router = f"127.0.0.1:{stack.ports['router']}"
+        runner0 = f"127.0.0.1:{stack.ports['runner-0']}"
+        request = chat_request([("user", "What is the capital of France?")], sampling_params(max_tokens=16))
+        end = time.monotonic() + 30
+        with GenerationClient(router) as client:
+            while True:  # static runners are admitted by the router's first health checks
+                try:
+                    routed = client.complete(request, timeout_s=120)
+                    break
+                except Exception:
+                    assert time.monotonic() < end
+                    time.sleep(0.3)
+        with GenerationClient(runner0) as client:
+            direct = client.complete(request, timeout_s=120)
+        assert routed.runner_id in ("runner-0", "runner-1")
+        assert routed.text.strip() and routed.text == direct.text
+        assert routed.completion_tokens == direct.completion_tokens > 0
+    finally:
+        stack.down()
