@@ -55,6 +55,8 @@ def register(subparsers) -> None:
     serve.add_argument("--runner-id", default=None, help="name reported to clients and the router")
     serve.add_argument("--router", default=None, metavar="ADDR", help="register with this router")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N] (default auto)")
+    serve.add_argument("--threads", type=_positive_int, default=None,
+                       help="CPU threads for torch ops (default: torch's choice)")
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.set_defaults(func=_serve)
 

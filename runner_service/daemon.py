@@ -33,6 +33,7 @@ def engine_config_from_args(args) -> EngineConfig:
         dtype=args.dtype,
         compile=args.compile,
         device=args.device,
+        num_threads=args.threads,
         runner_id=args.runner_id or "runner",
     )
 

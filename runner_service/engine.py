@@ -139,21 +139,26 @@ class LLMEngine:
         args, weights: the architecture and its tensors (any dtype/device: converted here).
         config: serving limits.
         tokenizer: needed for text and chat prompts and for output text; ``None`` = ids only.
-        model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` likewise.
+        model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` and
+            ``family`` (the sidecar's pack spec) likewise.
         startup: phases already spent by the caller (e.g. preparing the sidecar).
         kernel_cache: kernel-cache service address or directory, for compiled programs.
     """
 
     def __init__(self, args: ModelArgs, weights: LlamaWeights, config: EngineConfig,
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
-                 startup: Sequence[StartupPhase] = (), kernel_cache: str | None = None) -> None:
+                 family: str = "llama", startup: Sequence[StartupPhase] = (),
+                 kernel_cache: str | None = None) -> None:
         self.args = args
+        self.family = family
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
         self.sidecar_fingerprint = sidecar_fingerprint
         self.kernel_cache = kernel_cache
         self.startup_report = StartupReport(list(startup))
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.max_model_len = config.resolved_max_model_len(args)
@@ -214,7 +219,8 @@ class LLMEngine:
         phases = [*startup, StartupPhase("weights", time.perf_counter() - t0,
                                          detail or f"sidecar {Path(path).name}, {weights.nbytes() / 2**20:.0f} MiB")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
-                   startup=phases, kernel_cache=kernel_cache)
+                   family=sidecar.metadata.get("warmserve.family", "llama"), startup=phases,
+                   kernel_cache=kernel_cache)
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
@@ -415,7 +421,12 @@ class LLMEngine:
                     self._wake.wait(timeout=1.0)
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a scheduler bug must not kill the loop: fail what is in flight
+                log.exception("engine step failed outside the model; aborting all requests")
+                for live in list(self._live.values()):
+                    self._finish(live, FinishReason.ABORTED)
 
     def close(self) -> None:
         """Stop the loop, abort what is in flight (ABORTED), free the buffers."""

@@ -91,7 +91,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                              **prompt_from_proto(request))
         except WarmserveError as e:
             abort_with(context, e)
-        context.add_callback(stream.cancel)  # runs when the RPC ends: cancel, deadline, or done
+        # Runs when the RPC ends (client cancel, deadline, or done); False: it has already ended.
+        if not context.add_callback(stream.cancel):
+            stream.cancel()
+            return
         while True:
             try:
                 out = stream.get(timeout=_POLL_S)
@@ -111,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     for p in eng.startup_report.phases],
             total_seconds=eng.startup_report.total_seconds)
         return generation_pb2.ModelInfoResponse(
-            runner_id=self.runner_id, model=eng.model, family="llama", dtype=eng.config.dtype,
+            runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.config.dtype,
             device=str(eng.device), vocab_size=eng.args.vocab_size, max_model_len=eng.max_model_len,
             block_size=eng.config.block_size, num_kv_blocks=eng.block_manager.num_usable_blocks,
             max_num_seqs=eng.config.max_num_seqs, compile_mode=self.compile_mode,

@@ -7,6 +7,7 @@ consumes, so the runner's forward can be compared with transformers' on the same
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runner_service.config import EngineConfig, ModelArgs
@@ -89,3 +90,13 @@ def tiny_config(**kw) -> EngineConfig:
 def kv_bytes(args: ModelArgs, blocks: int, block_size: int = 4) -> int:
     """Bytes of a float32 KV cache with ``blocks`` blocks (including the scratch block)."""
     return blocks * 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Run a test module's torch ops on one thread (restored afterwards): on this shared 2-core
+    host two OpenMP threads stall on each other's barriers whenever another process runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
 
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.engine import LLMEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
 
 from runner_service.engine import LLMEngine
 from runner_service.model import LlamaWeights

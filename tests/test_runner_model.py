@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import hf_reference, tiny_args, weights_from_hf
+from runner_tiny import hf_reference, one_torch_thread, tiny_args, weights_from_hf  # noqa: F401
 
 from runner_service.config import EngineConfig
 from runner_service.kv_cache import KVCache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runner_tiny import one_torch_thread  # noqa: F401
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine

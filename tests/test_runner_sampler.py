@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from runner_tiny import one_torch_thread  # noqa: F401
 
 from runner_service.sampler import Sampler, filter_logits
 from runner_service.sampling_params import SamplingParams

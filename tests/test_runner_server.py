@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
 
 from runner_service.engine import LLMEngine
 from runner_service.model import LlamaWeights
