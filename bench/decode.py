@@ -16,7 +16,10 @@
    default a temp dir: the first run compiles, later runs with the same dir hit). Skipped with
    ``--no-compiled``.
 
-Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--no-compiled]``.
+All contenders run in this one process with the same torch thread count (``--threads``; on a
+shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process takes a core).
+
+Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--threads 1] [--no-compiled]``.
 """
 
 from __future__ import annotations
@@ -176,7 +179,11 @@ def main() -> int:
     parser.add_argument("--compile-mode", choices=("aoti", "inductor"), default="aoti")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled comparison")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every contender (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="warmserve-bench-decode-")
     root = Path(args.sidecar_dir or Path(tmp.name) / "sidecars")
     sidecar = prepare(str(bundled_smollm2_path()), dtype=args.dtype, root=root).path
