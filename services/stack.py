@@ -240,7 +240,9 @@ class LocalStack:
                                   f"{self.config.startup_timeout_s:g} s; see {self.log_dir}")
             if now > next_note:
                 for c in pending:
-                    self._progress(f"  ... {c.name} still starting ({now - c.started_at:.0f} s): {_last_log_msg(c)}")
+                    last = _last_log_msg(c)
+                    self._progress(f"  ... {c.name} still starting ({now - c.started_at:.0f} s)"
+                                   + (f": {last}" if last else ""))
                 next_note = now + 10
             time.sleep(0.2)
 
@@ -354,15 +356,17 @@ class LocalStack:
 
 
 def _last_log_msg(child: ChildProcess) -> str:
+    """The ``msg`` of the child's latest JSON log record ("" if none yet; other lines skipped)."""
     import json
 
-    for line in reversed(child.log_tail(5).splitlines()):
+    for line in reversed(child.log_tail(20).splitlines()):
         try:
-            return str(json.loads(line).get("msg", line))[:120]
+            record = json.loads(line)
         except ValueError:
-            if line.strip():
-                return line.strip()[:120]
-    return "no log yet"
+            continue
+        if isinstance(record, dict) and record.get("msg"):
+            return str(record["msg"])[:120]
+    return ""
 
 
 # --- reports and status ---------------------------------------------------------------------------

@@ -14,17 +14,19 @@ DEFAULT_ROUTER = "127.0.0.1:50050"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int) -> None:
+def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int, home_help: str,
+                    compile_mode: str | None = None, max_num_seqs: int | None = None) -> None:
     p.add_argument("--runners", type=int, default=runners, help=f"number of runners (default {runners})")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model source (default {DEFAULT_MODEL}, bundled)")
     p.add_argument("--base-port", type=int, default=base_port,
                    help=f"router port; kernel-cache +1, weights +2, runner i at +11+i; 0 = free ports "
                         f"(default {base_port})")
-    p.add_argument("--home", default=None, help="state directory (default $WARMSERVE_HOME)")
-    p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=None,
-                   help="runner compile mode (default: the runner's own default)")
-    p.add_argument("--dtype", choices=("f32", "bf16"), default=None, help="runner dtype (default: runner's)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="runner batch size (default: runner's)")
+    p.add_argument("--home", default=None, help=home_help)
+    p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=compile_mode,
+                   help=f"runner compile mode (default {compile_mode or 'the runner default'})")
+    p.add_argument("--dtype", choices=("f32", "bf16"), default=None, help="runner dtype (default: the runner's)")
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                   help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
     p.add_argument("--policy", choices=("least-outstanding", "round-robin", "prefix-affinity"),
                    default="least-outstanding", help="router policy")
 
@@ -41,7 +43,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
-    _add_stack_args(up, runners=2, base_port=50050)
+    _add_stack_args(up, runners=2, base_port=50050, home_help="state directory (default $WARMSERVE_HOME)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
@@ -63,8 +65,11 @@ def register(subparsers) -> None:
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
+    # The demo shows what a warm launch saves, so it compiles (AOTInductor): the cold launch
+    # builds the program and publishes it to the kernel cache, the warm one loads it.
+    _add_stack_args(demo, runners=1, base_port=0, compile_mode="aoti", max_num_seqs=8,
+                    home_help="state directory (default: a fresh temporary one, removed at the end)")
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
-    _add_stack_args(demo, runners=1, base_port=0)
     demo.set_defaults(func=_demo)
 
 
