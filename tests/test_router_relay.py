@@ -172,7 +172,7 @@ def test_deadline_propagates_to_the_runner(harness: Harness) -> None:
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert elapsed < 2.0
     (seen,) = runner.stats.deadlines
-    assert 0 < seen <= 0.8  # the runner got the remaining time, not an unbounded call
+    assert 0 < seen < 0.85  # the runner got the remaining time (plus clock rounding), not an unbounded call
     end = time.monotonic() + 2
     while runner.stats.active and time.monotonic() < end:
         time.sleep(0.02)
