@@ -111,3 +111,27 @@ def test_concurrent_requests_match_each_alone(engine, alone, hf_tokenizer):
         assert got.token_ids == single.token_ids
         assert got.text == single.text
     assert engine.block_manager.num_free_blocks == baseline
+
+
+def test_kv_exhaustion_64_concurrent_requests_complete_by_preemption(engine, smollm2_sidecar, hf_tokenizer):
+    """64 concurrent requests on a KV cache that holds about 6 of them: all complete through
+    preemption (free, then recompute), with the same greedy tokens as on a roomy cache."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    texts = [f"{TEXT_PROMPTS[i % 5]}{' and then' * (i % 4)}" for i in range(64)]
+    prompts = [hf_tokenizer(t)["input_ids"] for t in texts]
+    roomy = [engine.add_request(params, token_ids=ids) for ids in prompts]
+    engine.run_until_done()
+    expected = [s.result(timeout=0).token_ids for s in roomy]
+    # 12 usable blocks of 16 tokens: about 6 of these sequences (<= 2 blocks each) at once.
+    tiny_cfg = EngineConfig(max_num_seqs=16, max_model_len=1024, block_size=16,
+                            kv_cache_bytes=13 * 16 * 46080, warmup=False)
+    with LLMEngine.from_sidecar(smollm2_sidecar, tiny_cfg) as tiny:
+        baseline = tiny.block_manager.num_free_blocks
+        assert baseline == 12
+        streams = [tiny.add_request(params, token_ids=ids) for ids in prompts]
+        tiny.run_until_done()
+        results = [s.result(timeout=0) for s in streams]
+        assert tiny.scheduler.num_preemptions > 0
+        assert tiny.block_manager.num_free_blocks == baseline
+    assert all(r.finish_reason is FinishReason.LENGTH and r.completion_tokens == 6 for r in results)
+    assert [r.token_ids for r in results] == expected
