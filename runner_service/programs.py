@@ -369,10 +369,16 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
 
 
 def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
+    """The runner-facing decode callable: binds the KV pools and makes the block table
+    contiguous. The runner passes ``block_tables`` as a ``[:B, :nb]`` view of its persistent
+    ``[max_num_seqs, max_blocks_per_seq]`` buffer (row stride ``max_blocks_per_seq``); a compiled
+    program was built for contiguous inputs (AOTI does not check strides and would read the
+    wrong entries; Dynamo would recompile), so it gets a copy (B * nb int64, a few KiB at most).
+    The 1-D inputs are ``[:B]`` prefixes, contiguous already."""
     k, v = runner.kv.k, runner.kv.v
 
     def decode(input_ids, positions, slot_mapping, block_tables, seq_lens):
-        return program(k, v, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return program(k, v, input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens)
 
     return decode
 
@@ -442,7 +448,9 @@ def _load_inductor(runner: ModelRunner, module: DecodeModule, name: str, fp: str
                    cache: KernelCacheClient | None, work: Path) -> tuple[Callable, str, str, str]:
     from kernel_cache_service.fingerprint import UNKNOWN
 
-    examples = [example_inputs(runner, b, 1) for b in runner.buckets]
+    # Dynamo specialises sizes 0 and 1: build (B, nb) in {1, >=2} x {1, >=2} now, not on a request
+    widths = (1, 2) if runner.max_blocks_per_seq >= 2 else (1,)
+    examples = [example_inputs(runner, b, nb) for b in runner.buckets for nb in widths]
     if fp == UNKNOWN:
         cache_dir = Path(tempfile.mkdtemp(dir=work, prefix="inductor-"))
     else:

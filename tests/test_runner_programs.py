@@ -47,7 +47,8 @@ def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_
 
 def decode_inputs(runner: ModelRunner, batch: int, active: int, nb: int, seed: int) -> tuple[torch.Tensor, ...]:
     """Decode inputs for ``batch`` rows of which ``active`` are real: row i owns distinct blocks,
-    decodes the token at a random position < nb * block_size; padding rows use the scratch block."""
+    decodes the token at a random position < nb * block_size; padding rows use the scratch block.
+    ``block_tables`` is a strided view, as the runner's persistent buffers hand it over."""
     g = torch.Generator().manual_seed(seed)
     bs = runner.block_size
     ids = torch.zeros(batch, dtype=torch.int64)
@@ -62,7 +63,10 @@ def decode_inputs(runner: ModelRunner, batch: int, active: int, nb: int, seed: i
         pos[i], lens[i] = p, p + 1
         tables[i] = blocks
         slots[i] = blocks[p // bs] * bs + p % bs
-    return ids, pos, slots, tables, lens
+    # the runner passes a [:B, :nb] view of its persistent [max_num_seqs, max_blocks] buffer
+    wide = torch.zeros((batch + 1, runner.max_blocks_per_seq), dtype=torch.int64)
+    wide[:batch, :nb] = tables
+    return ids, pos, slots, wide[:batch, :nb], lens
 
 
 def assert_compiled_matches_eager(compiled: ModelRunner, eager: ModelRunner, cases, atol: float) -> None:
@@ -246,3 +250,16 @@ def test_off_installs_nothing_and_failures_fall_back_to_eager(tmp_path):
     report = programs.load_programs(runner, kernel_cache=None, work_dir=not_a_dir / "work")
     assert report.source == "eager" and "failed" in report.detail
     assert runner.decode_programs == {}
+
+
+def test_kernel_cache_spec_is_a_daemon_address_or_a_store_directory(tmp_path):
+    daemon = programs.open_kernel_cache("127.0.0.1:50051")  # no connection is made until a call
+    try:
+        assert daemon.address == "127.0.0.1:50051"
+    finally:
+        daemon.close()
+    store = programs.open_kernel_cache(str(tmp_path / "kc"))
+    assert store.address is None and store.list() == []
+    assert (tmp_path / "kc").is_dir()
+    assert programs.open_kernel_cache(store) is store
+    assert programs.open_kernel_cache(None) is None
