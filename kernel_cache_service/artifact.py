@@ -18,33 +18,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from services.errors import InvalidArgument, NotFound
+from services.fsmode import default_dir_mode, default_file_mode
 
 CHUNK_BYTES = 1 << 20  # 1 MiB
 
 
 class CorruptArtifact(NotFound):
     """The bytes read do not match the entry's size or sha256 (reported as a MISS / NOT_FOUND)."""
-
-
-def current_umask() -> int:
-    """The process umask, read from ``/proc/self/status`` (no racy set-and-restore); 0o022 if unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
-
-
-def default_file_mode() -> int:
-    """``0o666 & ~umask``: the mode a plain ``open(..., "w")`` would give (mkstemp gives 0o600)."""
-    return 0o666 & ~current_umask()
-
-
-def default_dir_mode() -> int:
-    """``0o777 & ~umask``: the mode a plain ``mkdir`` would give (mkdtemp gives 0o700)."""
-    return 0o777 & ~current_umask()
 
 
 class HashingWriter:

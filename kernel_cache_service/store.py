@@ -56,8 +56,6 @@ from kernel_cache_service.artifact import (
     CHUNK_BYTES,
     CorruptArtifact,
     HashingWriter,
-    default_dir_mode,
-    default_file_mode,
     install_stream,
     iter_file,
     pack_directory,
@@ -74,6 +72,7 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from kernel_cache_service.locks import OwnedTempDir, entry_lock, lock_shared, sweep_unowned, try_exclusive
 from services.errors import InvalidArgument
+from services.fsmode import default_dir_mode, default_file_mode
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from services.errors import FailedPrecondition, InvalidArgument
+from services.fsmode import default_file_mode
 from weight_service.model_config import ModelConfig
 from weight_service.pack_spec import get_spec
 
@@ -251,20 +252,6 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
     return SidecarInfo(Path(directory), meta, config, entries, data_start, size)
 
 
-def current_umask() -> int:
-    """The process umask, read from ``/proc/self/status`` (no mutation) or, failing that, with
-    the set-and-restore ``os.umask`` idiom."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def new_temp_file(directory: Path, name: str) -> tuple[int, Path]:
     """``mkstemp`` in ``directory`` (same filesystem as the final file, so ``os.replace`` is atomic).
     Returns ``(fd, path)``; the name starts with :data:`TEMP_PREFIX` so crash garbage is found."""
@@ -278,7 +265,7 @@ def finish_temp_file(fd: int, tmp: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.chmod(tmp, 0o666 & ~current_umask())
+    os.chmod(tmp, default_file_mode())
 
 
 def write_temp_file(directory: Path, name: str, data: bytes) -> Path:

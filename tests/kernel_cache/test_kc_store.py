@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from kc_workers import tree_digest
 
-from kernel_cache_service.artifact import current_umask
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.store import KernelStore
 from services.errors import InvalidArgument
@@ -51,10 +50,14 @@ def test_file_round_trip(store, tmp_path):
         "llama.decode", "f1", len(data), hashlib.sha256(data).hexdigest(), "file", "unit-test")
     assert abs(info.created - time.time()) < 60 and info.last_access >= info.created
     out = tmp_path / "out.so"
-    fetched = store.fetch("llama.decode", "f1", out)
+    old_umask = os.umask(0o027)
+    try:
+        fetched = store.fetch("llama.decode", "f1", out)
+    finally:
+        os.umask(old_umask)
     assert fetched is not None and fetched.sha256 == info.sha256
     assert out.read_bytes() == data
-    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~current_umask()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640  # 0o666 under umask 0o027
     assert [p.name for p in tmp_path.iterdir() if "warmserve" in p.name] == []  # no temp siblings
 
 
