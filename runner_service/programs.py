@@ -287,13 +287,19 @@ def _inductor_cache_dir(path: Path) -> Iterator[None]:
         yield
 
 
-def compile_inductor(module: DecodeModule, examples: list[tuple[torch.Tensor, ...]], cache_dir: Path) -> Callable:
-    """``torch.compile`` ``module`` (fullgraph, dynamic) and run it once per example inside
-    ``cache_dir`` so every graph is built (or loaded from that cache) now, not on a request."""
+def compile_inductor(module: DecodeModule, runner: ModelRunner, cache_dir: Path) -> Callable:
+    """``torch.compile`` ``module`` (fullgraph, dynamic) and build every graph now, inside
+    ``cache_dir``, by calling it the way the runner will: through :func:`_bind_kv` on views of
+    the runner's persistent buffers, under ``inference_mode`` (Dynamo guards on strides and on
+    inference-tensor dispatch keys, so synthetic inputs would leave recompiles for the first
+    requests). Dynamo specialises sizes 0 and 1, so ``(B, nb)`` covers ``{1, >=2} x {1, >=2}``."""
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    decode = _bind_kv(compiled, runner)
+    widths = (1, 2) if runner.max_blocks_per_seq >= 2 else (1,)
     with _inductor_cache_dir(cache_dir), torch.inference_mode():
-        for ex in examples:
-            compiled(*ex)
+        for b in runner.buckets:
+            for nb in widths:
+                decode(*runner.buffers.views(b, nb))
     return compiled
 
 
@@ -374,11 +380,15 @@ def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
     ``[max_num_seqs, max_blocks_per_seq]`` buffer (row stride ``max_blocks_per_seq``); a compiled
     program was built for contiguous inputs (AOTI does not check strides and would read the
     wrong entries; Dynamo would recompile), so it gets a copy (B * nb int64, a few KiB at most).
-    The 1-D inputs are ``[:B]`` prefixes, contiguous already."""
+    The 1-D inputs are ``[:B]`` prefixes, contiguous already. The copy is made on every call
+    (not only when strided) so a compiled graph always sees the same kind of tensor: ``[1, nb]``
+    views count as contiguous yet keep their row stride, and a copy made under
+    ``inference_mode`` is an inference tensor; Dynamo guards on both."""
     k, v = runner.kv.k, runner.kv.v
 
     def decode(input_ids, positions, slot_mapping, block_tables, seq_lens):
-        return program(k, v, input_ids, positions, slot_mapping, block_tables.contiguous(), seq_lens)
+        tables = block_tables.clone(memory_format=torch.contiguous_format)
+        return program(k, v, input_ids, positions, slot_mapping, tables, seq_lens)
 
     return decode
 
@@ -448,16 +458,13 @@ def _load_inductor(runner: ModelRunner, module: DecodeModule, name: str, fp: str
                    cache: KernelCacheClient | None, work: Path) -> tuple[Callable, str, str, str]:
     from kernel_cache_service.fingerprint import UNKNOWN
 
-    # Dynamo specialises sizes 0 and 1: build (B, nb) in {1, >=2} x {1, >=2} now, not on a request
-    widths = (1, 2) if runner.max_blocks_per_seq >= 2 else (1,)
-    examples = [example_inputs(runner, b, nb) for b in runner.buckets for nb in widths]
     if fp == UNKNOWN:
         cache_dir = Path(tempfile.mkdtemp(dir=work, prefix="inductor-"))
     else:
         cache_dir = work / f"{name}-{fp[:24]}"
     hit = _fetch(cache, name, fp, cache_dir)
     t = time.perf_counter()
-    compiled = compile_inductor(module, examples, cache_dir)  # the graphs' .so files stay in cache_dir
+    compiled = compile_inductor(module, runner, cache_dir)  # the graphs' .so files stay in cache_dir
     build_s = time.perf_counter() - t
     if hit:
         return compiled, "hit", "", f"kernel cache HIT {name}, graphs loaded in {build_s:.1f} s"
