@@ -9,7 +9,8 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY . .
-RUN make install PYTHON=python3.11
+# torch==2.13.0 from the CPU wheel index: PyPI's default Linux wheel is a multi-GB CUDA build.
+RUN make install PYTHON=python3.11 TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 ENV PATH=/app/.venv/bin:$PATH \
     WARMSERVE_HOME=/var/lib/warmserve \

