@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+from kernel_cache_service.fingerprint import UNKNOWN
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.server import add_server_args, read_token_file
 
@@ -112,6 +113,8 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_put(args) -> int:
+    if args.fingerprint == UNKNOWN:
+        raise InvalidArgument("fingerprint UNKNOWN is never stored: compute a real program fingerprint")
     client = _client(args)
     try:
         result = client.publish_result(args.name, args.fingerprint, args.path, producer=args.producer)

@@ -6,7 +6,8 @@ import heavy dependencies (torch, the engine) inside their handlers, never at im
 ``warmserve cache ls`` starts in a fraction of a second.
 
 Exit codes: 0 success; 2 bad usage or input (argparse, :class:`services.errors.InvalidArgument`);
-1 a failed operation (any other :class:`services.errors.WarmserveError`); 130 on Ctrl-C.
+1 a failed operation (any other :class:`services.errors.WarmserveError`, or an ``OSError``
+such as a busy port); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     except WarmserveError as e:
         print(f"warmserve: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a busy port, an unwritable --out directory, ...: one line, not a traceback
+        print(f"warmserve: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
