@@ -77,10 +77,12 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages`` (``[{"role", "content"}]``). Raises
-        ``InvalidArgument`` for an unknown role, no messages, a model without a template, or a
-        template that rejects the conversation."""
+        ``InvalidArgument`` for an unknown role, no messages, only empty messages (an empty
+        prompt), a model without a template, or a template that rejects the conversation."""
         if not messages:
             raise InvalidArgument("the chat prompt has no messages")
+        if all(not str(m.get("content") or "").strip() for m in messages):
+            raise InvalidArgument("the chat prompt is empty: every message has empty content")
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidArgument(f"message {i} has unknown role {m.get('role')!r} (expected one of {CHAT_ROLES})")

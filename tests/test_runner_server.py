@@ -103,6 +103,7 @@ BAD = {
     "logprobs > 20": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(logprobs=21)),
     "unknown chat role": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="robot", content="x")])),
     "no chat messages": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[])),
+    "only empty chat messages": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=" ")])),
     "unknown routing value": pb.GenerateRequest(text="hi", routing=99, sampling=_greedy(2)),
 }
 
