@@ -3,6 +3,7 @@ order and health waits, a child that dies while starting, and a clean stop."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -26,8 +27,8 @@ def test_config_is_validated() -> None:
 
 
 def test_ports_and_runner_command_line(tmp_path: Path) -> None:
-    stack = LocalStack(StackConfig(runners=2, base_port=50100, home=tmp_path, compile="off", max_num_seqs=8),
-                       progress=None)
+    stack = LocalStack(StackConfig(runners=2, base_port=50100, home=tmp_path, compile="off", max_num_seqs=8,
+                                   runner_threads=3), progress=None)
     assert [stack.address(n) for n in ("router", "kernel-cache", "weights", "runner-0", "runner-1")] == [
         "127.0.0.1:50100", "127.0.0.1:50101", "127.0.0.1:50102", "127.0.0.1:50111", "127.0.0.1:50112"]
     argv = stack.runner_argv(1)
@@ -37,7 +38,15 @@ def test_ports_and_runner_command_line(tmp_path: Path) -> None:
         "--model": "smollm2-135m-instruct", "--runner-id": "runner-1", "--host": "127.0.0.1", "--port": "50112",
         "--drain-grace": "5", "--weights": "127.0.0.1:50102", "--kernel-cache": "127.0.0.1:50101",
         "--router": "127.0.0.1:50100", "--sidecar-dir": str(tmp_path / "sidecars"), "--compile": "off",
-        "--max-num-seqs": "8"}
+        "--max-num-seqs": "8", "--threads": "3"}
+
+
+def test_runner_threads_default_splits_the_cores_between_runners(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    for runners, threads in ((1, "8"), (2, "4"), (3, "2"), (16, "1")):
+        stack = LocalStack(StackConfig(runners=runners, base_port=0, home=tmp_path), progress=None)
+        argv = stack.runner_argv(0)
+        assert argv[argv.index("--threads") + 1] == threads
 
 
 def test_startup_report_formatting() -> None:
