@@ -22,7 +22,7 @@ token per row) as an ``nn.Module``: weights and RoPE tables are its buffers, the
 
 with ``B`` (batch, 1..max_num_seqs), ``nb`` (block-table width, 1..max_blocks_per_seq) and ``NB``
 (pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket (measured:
-same cold compile time as a static one, and faster than eager at every shape tried). The KV write
+about the cold compile time of one static program, and faster than eager at every shape tried). The KV write
 inside is :func:`runner_service.kv_write.kv_write_`, an in-place custom op (see that module for
 why an inline ``index_copy_`` makes compiled code copy the whole pool every step).
 
@@ -42,10 +42,15 @@ Modes (``--compile``)
   New shapes met after start-up (e.g. batch 1 with a wider block table) may compile at run time.
 - ``off``: nothing installed; :meth:`ModelRunner.decode_step` runs eager.
 
-Measured on this 2-core CPU (SmolLM2-135M shapes, f32, contended machine, see
-``bench/startup.py`` for the current figures): AOTI cold compile ≈ 56 s, warm load ≈ 0.3 s
-(ready 1.7 s incl. first call); Inductor cold ≈ 107 s, warm ≈ 32 s (Dynamo re-trace + cache
-load). AOTI is chosen: the same cold cost, a warm start an order of magnitude cheaper.
+Measured on this 2-core CPU (SmolLM2-135M, f32, max 8 sequences, ``bench/startup.py``, machine
+shared with other jobs): AOTI cold compile 93-127 s, warm programs phase 0.04-0.09 s, launch to
+SERVING cold 101-139 s vs warm 3.4-15.5 s (ratio 9.0x-29.7x over 4 runs, 23.1x on a quiet
+machine: the warm launch is then dominated by the first decode steps, which contention from other
+processes slows down). Inductor: cold 530 s (four graphs, see :func:`compile_inductor`), warm
+programs phase 41.9 s (Dynamo re-trace + cache load), SERVING in 44.5 s, and a warm launch still
+runs ``g++`` (a compiler probe; with no working compiler it fails and the runner goes eager).
+Steady state, decode step, AOTI vs eager: B=1/256-token context 39.8 vs 51.3 ms, B=8/256 83.5 vs
+109.4 ms, B=8/512 96.5 vs 130.9 ms. AOTI is the mode to use.
 
 Key and cache
 -------------
