@@ -184,7 +184,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if config.warmup:
             self.warmup()
-        self._phase("warmup", t0, f"decode buckets {self.runner.buckets}" if config.warmup else "skipped")
+        self._phase("warmup", t0, f"decode buckets {self.warmup_buckets()}" if config.warmup else "skipped")
         log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
 
         self.sampler = Sampler()
@@ -245,10 +245,18 @@ class LLMEngine:
         result = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache)
         return str(result) if result is not None else f"compile {self.config.compile}"
 
+    def warmup_buckets(self) -> list[int]:
+        """Decode batch buckets run at start-up. One step of the smallest bucket touches every
+        weight page and starts the thread pool, which is all eager mode and the single
+        dynamic-shape AOTI program need; ``inductor`` specialises per shape, so it warms every
+        bucket (otherwise the first requests would compile)."""
+        buckets = self.runner.buckets
+        return list(buckets) if self.config.compile == "inductor" else buckets[:1]
+
     def warmup(self) -> None:
-        """Run every decode bucket once on padding rows (they touch only the scratch block)."""
+        """Run the :meth:`warmup_buckets` once on padding rows (they touch only the scratch block)."""
         with torch.inference_mode():
-            for b in self.runner.buckets:
+            for b in self.warmup_buckets():
                 self.runner.decode_fn(b)(*self.runner.buffers.views(b, self.runner.block_bucket(1)))
         synchronize(self.device)
 
