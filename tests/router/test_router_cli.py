@@ -21,7 +21,7 @@ from services.healthcheck import check_health
 from services.healthcheck import main as probe_main
 from services.stack import _free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

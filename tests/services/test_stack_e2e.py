@@ -23,7 +23,7 @@ from services.stack import LocalStack, StackConfig, list_runners
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",

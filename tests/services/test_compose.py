@@ -20,7 +20,7 @@ from services.stack import _free_port
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONTAINER_STATE = "/var/lib/warmserve"
 
 

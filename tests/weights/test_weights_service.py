@@ -152,15 +152,15 @@ def _warmserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_cli_prepack_with_progress_bar_and_bad_source(ckpt, tmp_path):
     out = tmp_path / "out"
-    done = _warmserve("prepack", str(ckpt), "--dtype", "bf16", "--out", str(out), cwd=Path(__file__).parents[1])
+    done = _warmserve("prepack", str(ckpt), "--dtype", "bf16", "--out", str(out), cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     assert "\r[" in done.stderr and "2/2 layers" in done.stderr
     assert done.stdout.startswith("BUILT ") and "-llama-bf16" in done.stdout
     (sidecar,) = [p for p in out.iterdir() if not p.name.startswith(".")]
     assert validate_sidecar(sidecar).dtype == "bf16"
-    again = _warmserve("prepack", str(ckpt), "--dtype", "bf16", "--out", str(out), cwd=Path(__file__).parents[1])
+    again = _warmserve("prepack", str(ckpt), "--dtype", "bf16", "--out", str(out), cwd=Path(__file__).parents[2])
     assert again.returncode == 0 and again.stdout.startswith("HOT ")
-    bad = _warmserve("prepack", str(tmp_path / "missing"), "--out", str(out), cwd=Path(__file__).parents[1])
+    bad = _warmserve("prepack", str(tmp_path / "missing"), "--out", str(out), cwd=Path(__file__).parents[2])
     assert bad.returncode == 2
     assert "warmserve: error: source" in bad.stderr and "is neither a safetensors directory" in bad.stderr
 
@@ -173,7 +173,7 @@ def test_cli_weights_serve_runs_the_daemon(ckpt, tmp_path):
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "weights", "serve", "--root",
                              str(tmp_path / "root"), "--port", str(port), "--drain-grace", "1"],
-                            cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         with WeightsClient(f"127.0.0.1:{port}", ready_timeout_s=30) as c:
             handle = c.prepare(str(ckpt))

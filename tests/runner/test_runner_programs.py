@@ -26,7 +26,7 @@ from runner_service.kv_cache import KVCache
 from runner_service.model import LlamaWeights
 from runner_service.model_runner import ModelRunner
 
-TESTS_DIR = Path(__file__).parent
+TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/: runner_tiny.py lives there
 NUM_BLOCKS = 48
 
 
