@@ -7,7 +7,7 @@ Entry point (the engine calls it once per launch, after the KV cache is allocate
 
 It installs one callable per decode batch bucket in ``runner.decode_programs`` (so
 ``runner.decode_fn(b)`` uses it) and returns a :class:`ProgramsReport` whose ``str()`` is the
-start-up phase detail, e.g. ``"aoti: kernel cache HIT llama.decode (3.6 MiB) in 0.41 s"``.
+start-up phase detail, e.g. ``"aoti: kernel cache HIT llama.decode.aoti (3.6 MiB)"`` (the phase itself carries the seconds).
 It never raises for a compile or cache failure: the runner then runs eager and the report says
 why (a runner that serves slowly beats one that does not start).
 
@@ -375,7 +375,7 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     for b in runner.buckets:
         runner.decode_programs[b] = bound
     seconds = time.perf_counter() - t0
-    return ProgramsReport(mode, seconds, f"{mode}: {detail} in {seconds:.2f} s", source=source,
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}", source=source,
                           fingerprint=fp, published=published)
 
 
