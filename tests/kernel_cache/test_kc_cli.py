@@ -93,7 +93,7 @@ def test_bad_input_and_failed_operations(capsys, tmp_path, artifacts, grpc_cache
     code, _, err = run(capsys, "put", "n", "f", str(tmp_path / "missing"), *root)
     assert code == 2 and "not a file or a directory" in err
     code, _, err = run(capsys, "put", "n", "UNKNOWN", str(f), *root)
-    assert code == 1 and "rejected" in err
+    assert code == 2 and "UNKNOWN is never stored" in err  # bad input, refused before any I/O
     assert run(capsys, "evict", *root)[0] == 2
     assert run(capsys, "evict", "n", "--all", *root)[0] == 2
     assert run(capsys, "ls", "--root", "r", "--addr", "127.0.0.1:1")[0] == 2  # mutually exclusive

@@ -119,7 +119,7 @@ def test_second_load_in_process_is_a_cache_hit(built):
 
 WARM_SCRIPT = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {here!r}]
     import torch
     import torch._inductor.cpp_builder as cpp_builder
 
@@ -149,7 +149,7 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
         tool.chmod(0o755)
     env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}", CXX=str(fake_bin / "g++"),
                CC=str(fake_bin / "gcc"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor-cache"))
-    script = WARM_SCRIPT.format(tests=str(TESTS_DIR), kc=str(root / "kc"), work=str(tmp_path / "work"))
+    script = WARM_SCRIPT.format(tests=str(TESTS_DIR), here=str(Path(__file__).resolve().parent), kc=str(root / "kc"), work=str(tmp_path / "work"))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
