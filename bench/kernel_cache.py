@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kernel_cache_service.client import KernelCacheClient  # noqa: E402
+from services.procs import stop_process, wait_for_log_record  # noqa: E402
 
 MB = 1_000_000
 KEY = ("bench.lookup", "hit")
@@ -50,20 +50,12 @@ def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
             [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0"],
             stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
         )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited: {log.read_text()}")
-        for line in log.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("msg") == "kernel cache ready":
-                return proc, rec["address"]
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("daemon did not become ready in 60 s")
+    try:
+        rec = wait_for_log_record(proc, log, "kernel cache ready", timeout_s=60)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, rec["address"]
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -181,13 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc, grace_s=30)
         shutil.rmtree(work, ignore_errors=True)
 
     result = {"bench": "kernel_cache", "cpus": os.cpu_count(),

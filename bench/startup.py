@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from services.procs import stop_process  # noqa: E402
 from services.proto import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -103,12 +103,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path) -
             sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
             raise
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, grace_s=60)
     phases = [{"name": p.name, "seconds": round(p.seconds, 3), "detail": p.detail} for p in info.startup.phases]
     return {"launch": name, "wall_to_serving_s": round(wall, 3), "engine_total_s": round(info.startup.total_seconds, 3),
             "compile_mode": info.compile_mode, "num_kv_blocks": info.num_kv_blocks, "phases": phases}

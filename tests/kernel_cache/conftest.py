@@ -3,10 +3,8 @@ subprocess started through the real ``warmserve cache serve`` command, and helpe
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from kc_workers import REPO, child_env
 
 from kernel_cache_service.server import build_server
 from kernel_cache_service.store import KernelStore
+from services.procs import wait_for_log_record
 from services.server import ServerConfig
 
 WORKERS = Path(__file__).with_name("kc_workers.py")
@@ -61,22 +60,6 @@ class Daemon:
     log: Path
 
 
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}: {log.read_text()}")
-        for line in log.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("msg") == "kernel cache ready":
-                return rec
-        time.sleep(0.05)
-    raise RuntimeError(f"daemon not ready within {timeout_s} s: {log.read_text()}")
-
-
 @pytest.fixture
 def daemon(tmp_path: Path):
     """Factory: ``daemon(*extra_args)`` runs ``warmserve cache serve --root R --port 0 ...`` as a
@@ -92,7 +75,7 @@ def daemon(tmp_path: Path):
                 stdout=subprocess.DEVNULL, stderr=err, env=child_env(), cwd=REPO,
             )
         procs.append(proc)
-        rec = _wait_ready(proc, log)
+        rec = wait_for_log_record(proc, log, "kernel cache ready")
         return Daemon(proc, rec["address"], root, log)
 
     yield start
