@@ -66,13 +66,13 @@ def _gguf_to_tensors() -> float:
     """Seconds to build the runner's float32 tensors straight from the GGUF, in memory."""
     import torch
 
+    from model_families import family_for_architecture
     from weight_service.checkpoint import open_checkpoint, source_architecture
-    from weight_service.pack_spec import spec_for_architecture
     from weight_service.sources import resolve_source
 
     t0 = time.perf_counter()
     src = resolve_source(BUNDLED_SMOLLM2)
-    spec = spec_for_architecture(source_architecture(src))
+    spec = family_for_architecture(source_architecture(src))
     ckpt = open_checkpoint(src)
     tensors = spec.global_tensors(ckpt)
     layers = [spec.layer_tensors(ckpt, i) for i in range(ckpt.config.num_hidden_layers)]

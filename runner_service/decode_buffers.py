@@ -21,7 +21,7 @@ buffer                shape                                 row ``i`` of a decod
 ``slot_mapping``      [max_num_seqs]                        KV slot of that position
 ``block_tables``      [max_num_seqs, max_blocks_per_seq]    block ids, then scratch (0)
 ``seq_lens``          [max_num_seqs]                        context length (``position + 1``)
-``logits_indices``    [max_num_seqs]                        logits row sampled for row ``i`` (``i``)
+``logits_indices``    [max_num_seqs]                        row whose logits come ``i``-th (``i``)
 ====================  ===================================  ========================================
 
 On an accelerator the rows are written into pinned host mirrors and the active prefix is copied
@@ -148,6 +148,15 @@ class DecodeBuffers:
         self.num_active = n
         self._copy_to_device(copied)
         return n
+
+    def order_logits(self, rows: Seq[int]) -> None:
+        """Make the first ``len(rows)`` entries of ``logits_indices`` equal ``rows``: the step's
+        logits are then gathered in that order (e.g. the scheduler's order rather than the row
+        order). Raises ``InvalidArgument`` unless ``rows`` is a permutation of the active rows."""
+        if sorted(rows) != list(range(self.num_active)):
+            raise InvalidArgument(f"logits order {list(rows)} is not a permutation of the {self.num_active} active rows")
+        self._np["logits_indices"][: len(rows)] = rows
+        self._copy_to_device(len(rows))
 
     def views(self, batch: int, num_blocks: int) -> tuple[torch.Tensor, ...]:
         """The first ``batch`` rows as ``(input_ids [B], positions [B], slot_mapping [B],

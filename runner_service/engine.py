@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from model_families import family_for_config, get_family
+from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
 from runner_service.block_manager import BlockManager
-from runner_service.config import EngineConfig, ModelArgs
+from runner_service.config import EngineConfig
 from runner_service.detokenizer import IncrementalDetokenizer
-from runner_service.device import free_memory_bytes, select_device, synchronize, torch_dtype
+from runner_service.device import free_memory_bytes, select_device, torch_dtype
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
-from runner_service.model import LlamaWeights
 from runner_service.model_runner import ModelRunner
 from runner_service.sampler import Sampler, TokenLogprobs
 from runner_service.sampling_params import SamplingParams
@@ -136,21 +137,24 @@ class LLMEngine:
     """Continuous-batching generation over one model (see the module docstring).
 
     Args:
-        args, weights: the architecture and its tensors (any dtype/device: converted here).
+        args, weights: the family config and the family's weights (any dtype/device: converted
+            here).
         config: serving limits.
         tokenizer: needed for text and chat prompts and for output text; ``None`` = ids only.
-        model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` and
-            ``family`` (the sidecar's pack spec) likewise.
+        family: the :class:`~model_families.family.ModelFamily` (default: the registered one
+            whose config class built ``args``); its name is reported by ``ModelInfo``.
+        model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` likewise.
         startup: phases already spent by the caller (e.g. preparing the sidecar).
         kernel_cache: kernel-cache service address or directory, for compiled programs.
     """
 
-    def __init__(self, args: ModelArgs, weights: LlamaWeights, config: EngineConfig,
+    def __init__(self, args: FamilyConfig, weights: FamilyWeights, config: EngineConfig,
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
-                 family: str = "llama", startup: Sequence[StartupPhase] = (),
+                 family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
                  kernel_cache: str | None = None) -> None:
         self.args = args
-        self.family = family
+        self.model_family = family or family_for_config(args)
+        self.family = self.model_family.name
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -163,19 +167,21 @@ class LLMEngine:
         self.dtype = torch_dtype(config.dtype)
         self.max_model_len = config.resolved_max_model_len(args)
 
-        if weights.embed_tokens.dtype != self.dtype or weights.embed_tokens.device != self.device:
+        if weights.dtype != self.dtype or weights.device != self.device:
             t0 = time.perf_counter()
-            weights = _convert(weights, self.dtype, self.device)
+            weights = weights.to(self.dtype, self.device)
             self._phase("weights_to_device", t0, f"{weights.nbytes() / 2**20:.0f} MiB {config.dtype} on {self.device}")
         self.weights = weights
 
         t0 = time.perf_counter()
-        num_blocks = self._num_kv_blocks()
-        self.kv = KVCache.allocate(args, num_blocks, config.block_size, self.dtype, self.device)
+        cache_specs = self.model_family.cache_specs(args, config.block_size)
+        num_blocks = self._num_kv_blocks(cache_specs)
+        self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.resolved_max_num_batched_tokens(self.max_model_len))
-        self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device)
+                                   config.resolved_max_num_batched_tokens(self.max_model_len), args.eos_token_ids)
+        self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
+                                  self.model_family)
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
                                     f"{self.kv.nbytes / 2**20:.1f} MiB")
 
@@ -183,7 +189,7 @@ class LLMEngine:
         self._phase("programs", t0, self._load_programs())
         t0 = time.perf_counter()
         if config.warmup:
-            self.warmup()
+            self.runner.warmup(self.warmup_buckets())
         self._phase("warmup", t0, f"decode buckets {self.warmup_buckets()}" if config.warmup else "skipped")
         log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
 
@@ -196,7 +202,6 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.generated_tokens_total = 0
-        self.finished_requests_total = 0
 
     # -- construction ------------------------------------------------------------------------
 
@@ -211,26 +216,32 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         sidecar = load_sidecar(Path(path))
-        args = ModelArgs.from_config(sidecar.config)
+        family = get_family(sidecar.metadata.get("warmserve.family", "llama"))
+        args = family.config_from_dict(sidecar.config)
         device, dtype = select_device(config.device), torch_dtype(config.dtype)
-        weights = LlamaWeights.from_tensors(sidecar.tensors, args, dtype, device)
+        weights = family.load_weights(args, sidecar.tensors, dtype, device)
         tokenizer = Tokenizer.from_dir(path)
         fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
         phases = [*startup, StartupPhase("weights", time.perf_counter() - t0,
                                          detail or f"sidecar {Path(path).name}, {weights.nbytes() / 2**20:.0f} MiB")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
-                   family=sidecar.metadata.get("warmserve.family", "llama"), startup=phases,
+                   family=family, startup=phases,
                    kernel_cache=kernel_cache)
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, specs) -> int:
+        """Blocks to allocate: what ``kv_cache_bytes`` holds, else enough for ``max_num_seqs``
+        full-length sequences within ``kv_cache_memory_fraction`` of free memory (a family
+        without pools gets the full count: its blocks cost nothing)."""
         cfg = self.config
-        per_block = bytes_per_block(self.args, cfg.block_size, self.dtype)
-        if cfg.kv_cache_bytes is not None:
-            return num_blocks_for_bytes(self.args, cfg.block_size, self.dtype, cfg.kv_cache_bytes)
+        per_block = bytes_per_block(specs, self.dtype)
         full = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        if per_block == 0:
+            return full
+        if cfg.kv_cache_bytes is not None:
+            return num_blocks_for_bytes(specs, self.dtype, cfg.kv_cache_bytes)
         budget = int(free_memory_bytes(self.device) * cfg.kv_cache_memory_fraction)
         return max(2, min(full, budget // per_block))
 
@@ -242,8 +253,7 @@ class LLMEngine:
         except ImportError as e:
             raise FailedPrecondition(f"compile mode {self.config.compile!r} needs runner_service.programs, "
                                      f"which is not available: {e}") from e
-        result = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache)
-        return str(result) if result is not None else f"compile {self.config.compile}"
+        return str(programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache))
 
     def warmup_buckets(self) -> list[int]:
         """Decode batch buckets run at start-up. One step of the smallest bucket touches every
@@ -252,13 +262,6 @@ class LLMEngine:
         bucket (otherwise the first requests would compile)."""
         buckets = self.runner.buckets
         return list(buckets) if self.config.compile == "inductor" else buckets[:1]
-
-    def warmup(self) -> None:
-        """Run the :meth:`warmup_buckets` once on padding rows (they touch only the scratch block)."""
-        with torch.inference_mode():
-            for b in self.warmup_buckets():
-                self.runner.decode_fn(b)(*self.runner.buffers.views(b, self.runner.block_bucket(1)))
-        synchronize(self.device)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -358,42 +361,31 @@ class LLMEngine:
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:
-        if batch.is_prefill:
-            logits = self.runner.run_prefill(batch)
-            sampling = self.scheduler.on_step_done(batch)
-            index = {id(s): i for i, s in enumerate(batch.seqs)}
-            rows = [index[id(s)] for s in sampling]
-            logits = logits[rows] if sampling else logits[:0]
-        else:
-            sampling, logits = self.runner.run_decode(batch.seqs)
-            self.scheduler.on_step_done(batch)
-        if not sampling:
+        logits = self.runner.run(batch)
+        rows = batch.sampling_rows()
+        if not rows:
+            self.scheduler.postprocess(batch, [])
             return
+        sampling = [batch.seqs[i] for i in rows]
         tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        for seq, tok, lp in zip(sampling, tokens, logprobs, strict=True):
-            self._append(self._live[seq.request_id], tok, lp)
+        self.scheduler.postprocess(batch, tokens, self._stop_string)
+        self.generated_tokens_total += len(tokens)
+        for seq, token, lp in zip(sampling, tokens, logprobs, strict=True):
+            live = self._live[seq.request_id]
+            out = RequestOutput(seq.request_id, [token], live.detok.delta(), [lp] if lp is not None else [],
+                                prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens)
+            if seq.is_finished:
+                self._finish(live, seq.finish_reason, out)
+            else:
+                live.stream.queue.put(out)
 
-    def _append(self, live: _Live, token: int, lp: TokenLogprobs | None) -> None:
-        seq, p = live.seq, live.seq.params
-        seq.token_ids.append(token)
-        self.generated_tokens_total += 1
-        reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.args.eos_token_ids):
-            reason = FinishReason.STOP
-        elif live.detok.push(token):
-            reason = FinishReason.STOP
-        elif seq.num_tokens >= seq.max_total_tokens:
-            reason = FinishReason.LENGTH
-        out = RequestOutput(seq.request_id, [token], live.detok.delta(), [lp] if lp is not None else [],
-                            prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens)
-        if reason is None:
-            live.stream.queue.put(out)
-        else:
-            self._finish(live, reason, out)
+    def _stop_string(self, seq: Seq, token: int) -> bool:
+        """The scheduler's stop-string check: feed ``token`` to the request's detokenizer."""
+        return self._live[seq.request_id].detok.push(token)
 
     def _finish(self, live: _Live, reason: FinishReason, out: RequestOutput | None = None) -> None:
         seq = live.seq
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq, reason)  # no-op when postprocess finished it already
         if out is None:
             out = RequestOutput(seq.request_id, prompt_tokens=seq.num_prompt_tokens)
         out.text += live.detok.flush()
@@ -402,7 +394,6 @@ class LLMEngine:
         self._live.pop(seq.request_id, None)
         with self._lock:
             self._ids.discard(seq.request_id)
-        self.finished_requests_total += 1
         live.stream.queue.put(out)
 
     def run_until_done(self, max_steps: int | None = None) -> int:
@@ -467,14 +458,3 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_usable_blocks,
             "generated_tokens_total": self.generated_tokens_total,
         }
-
-
-def _convert(w: LlamaWeights, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
-    out = {}
-    for name in w.__dataclass_fields__:
-        t = getattr(w, name)
-        out[name] = None if t is None else t.to(device=device, dtype=dtype)
-    if w.lm_head is w.embed_tokens:
-        out["lm_head"] = out["embed_tokens"]
-    return LlamaWeights(**out)
-

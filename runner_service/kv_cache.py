@@ -1,65 +1,67 @@
-"""The paged KV cache: one K and one V block pool per layer, stored as two tensors.
+"""The paged KV cache: the block pools a model family declares
+(:meth:`model_families.family.ModelFamily.cache_specs`), allocated once.
 
-Layout: ``k``/``v`` are ``[L, num_blocks, block_size, nkv, hd]`` in the compute dtype. Token
-``t`` of a sequence lives at slot ``block_table[t // block_size] * block_size + t % block_size``
-(the slot mapping). Block 0 is the *scratch* block: never handed to a sequence, it absorbs the
-writes of padding rows, and padding block-table entries point at it.
+Each pool is ``[layers, num_blocks, *block_shape]`` in the compute dtype (Llama: K and V, each
+``[L, num_blocks, block_size, nkv, hd]``). Token ``t`` of a sequence lives at slot
+``block_table[t // block_size] * block_size + t % block_size`` (the slot mapping). Block 0 is the
+*scratch* block: never handed to a sequence, it absorbs the writes of padding rows, and padding
+block-table entries point at it.
 
-Size: one block costs ``2 * L * block_size * nkv * hd * itemsize`` bytes (K and V).
+Size: one block costs the sum of :meth:`CacheSpec.bytes_per_block` over the pools (Llama:
+``2 * L * block_size * nkv * hd * itemsize`` bytes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from runner_service.config import ModelArgs
+from model_families.family import CacheSpec
 from services.errors import InvalidArgument
 
 #: The block id reserved for padding rows and padding block-table entries.
 SCRATCH_BLOCK = 0
 
 
-def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * itemsize
+def bytes_per_block(specs: Sequence[CacheSpec], dtype: torch.dtype) -> int:
+    """Bytes of one block across every pool and layer (0 for a family without pools)."""
+    return sum(s.bytes_per_block(dtype) for s in specs)
 
 
-def num_blocks_for_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype, kv_bytes: int) -> int:
+def num_blocks_for_bytes(specs: Sequence[CacheSpec], dtype: torch.dtype, kv_bytes: int) -> int:
     """Whole blocks (including the scratch block) that fit in ``kv_bytes``. Raises
     ``InvalidArgument`` when fewer than 2 fit (the scratch block plus one usable block)."""
-    n = kv_bytes // bytes_per_block(args, block_size, dtype)
+    per_block = bytes_per_block(specs, dtype)
+    if per_block == 0:
+        raise InvalidArgument("this model keeps no KV cache, so a KV-cache size in bytes means nothing")
+    n = kv_bytes // per_block
     if n < 2:
         raise InvalidArgument(
-            f"a KV cache of {kv_bytes} bytes holds {n} blocks of {bytes_per_block(args, block_size, dtype)} "
-            "bytes; at least 2 are needed")
+            f"a KV cache of {kv_bytes} bytes holds {n} blocks of {per_block} bytes; at least 2 are needed")
     return int(n)
 
 
-@dataclass
 class KVCache:
-    """K and V block pools ``[L, num_blocks, block_size, nkv, hd]`` (zero-initialised, so
-    masked-out entries are finite and never poison attention)."""
+    """The pools of :class:`CacheSpec` s over ``num_blocks`` blocks of ``block_size`` tokens,
+    zero-initialised (so masked-out entries are finite and never poison attention).
 
-    k: torch.Tensor
-    v: torch.Tensor
+    ``pools`` maps pool name to tensor; :attr:`tensors` is the tuple in spec order, the
+    ``caches`` argument of a family model's forward.
+    """
 
-    @classmethod
-    def allocate(cls, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
-        shape = (args.num_layers, num_blocks, block_size, args.num_kv_heads, args.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
+    def __init__(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if num_blocks < 2:
+            raise InvalidArgument(f"a KV cache needs at least 2 blocks (one is scratch), got {num_blocks}")
+        self.specs = tuple(specs)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.pools = {s.name: torch.zeros((s.layers, num_blocks, *s.block_shape), dtype=dtype, device=device)
+                      for s in self.specs}
+        self.tensors: tuple[torch.Tensor, ...] = tuple(self.pools.values())
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of all pools."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)

@@ -1,17 +1,21 @@
-"""The model runner: owns the weights, the KV cache and the persistent decode buffers, and runs
-one scheduled step (nano-vllm's ``ModelRunner``).
+"""The model runner: owns the family model, the KV cache, the persistent decode buffers and the
+decode programs, and runs one scheduled step (nano-vllm's ``ModelRunner``).
 
-Decode steps run through :meth:`ModelRunner.decode_step` — the compile contract with
-:mod:`runner_service.programs`::
+Every step goes through :meth:`ModelRunner.run`, which returns the logits of the rows that
+sample (one definition for prefill and decode: :meth:`ScheduledBatch.sampling_rows`), in the
+batch's order.
 
-    decode_step(input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
+Decode steps run the family's decode module (:meth:`model_families.family.ModelFamily.decode_module`)
+— eagerly, or as a compiled program installed with :meth:`ModelRunner.install_decode_program`;
+both are called the same way (the compile contract with :mod:`runner_service.programs`)::
+
+    decode(input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
         -> logits[B, V] float32
 
 All inputs int64, views of the persistent buffers. ``B`` is a *batch bucket* (1, 2, 4, ...,
 ``max_num_seqs``); rows past the active ones are padding. ``nb`` is a *block bucket* (a power
-of two >= the largest active block table, at most ``max_blocks_per_seq``); with
-``full_block_tables=True`` it is always ``max_blocks_per_seq`` (fully static shapes, what an
-AOT-compiled program wants). The KV cache is written in place.
+of two >= the largest active block table, at most ``max_blocks_per_seq``). The KV cache is
+written in place.
 
 Sequences keep their decode row from step to step (a leaving sequence's row is taken by the
 last active one), so the block-table cache in :class:`DecodeBuffers` rebuilds only rows whose
@@ -26,10 +30,12 @@ from collections.abc import Callable
 
 import torch
 
-from runner_service.config import EngineConfig, ModelArgs
+from model_families import family_for_config
+from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
+from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
+from runner_service.device import synchronize
 from runner_service.kv_cache import SCRATCH_BLOCK, KVCache
-from runner_service.model import LlamaWeights, forward, rope_cos_sin
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
 
@@ -53,20 +59,27 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 
 class ModelRunner:
-    """Runs prefill and decode steps of one model on one device."""
+    """Runs prefill and decode steps of one model on one device.
 
-    def __init__(self, args: ModelArgs, weights: LlamaWeights, kv: KVCache, config: EngineConfig,
-                 max_model_len: int, device: torch.device, full_block_tables: bool = False) -> None:
+    ``args``/``weights``: the family config and weights (the family is ``family``, or the one
+    whose config class built ``args``); ``kv``: the cache allocated for the family's
+    :meth:`~model_families.family.ModelFamily.cache_specs`; ``max_model_len``: context length in
+    tokens (sizes the block tables and derived tables such as RoPE).
+    """
+
+    def __init__(self, args: FamilyConfig, weights: FamilyWeights, kv: KVCache, config: EngineConfig,
+                 max_model_len: int, device: torch.device, family: ModelFamily | None = None) -> None:
         self.args = args
-        self.weights = weights
+        self.family = family or family_for_config(args)
         self.kv = kv
         self.config = config
         self.device = device
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // kv.block_size)
-        self.full_block_tables = full_block_tables
-        self.cos, self.sin = rope_cos_sin(args, max_model_len, device)
+        self.dtype = weights.dtype
+        self.model = self.family.build_model(args, weights, max_model_len).eval()
+        self.decode_module = self.family.decode_module(self.model).eval()
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device)
@@ -78,25 +91,48 @@ class ModelRunner:
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Eager decode over ``B`` rows (see the module docstring); returns logits [B, V] f32."""
-        return forward(self.weights, self.args, self.kv.k, self.kv.v, self.cos, self.sin,
-                       input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
-                       seq_lens, torch.zeros_like(input_ids))
+        return self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
 
     def decode_fn(self, batch: int) -> DecodeFn:
-        """The callable run for batch bucket ``batch``: a compiled program when one was
-        installed in :attr:`decode_programs`, else :meth:`decode_step`."""
+        """The callable run for batch bucket ``batch``: the installed compiled program, else
+        :meth:`decode_step`."""
         return self.decode_programs.get(batch, self.decode_step)
+
+    def install_decode_program(self, program: DecodeFn | None) -> None:
+        """Use ``program`` (the decode contract) for every batch bucket; ``None`` goes back to
+        eager."""
+        self.decode_programs.clear()
+        if program is not None:
+            self.decode_programs.update(dict.fromkeys(self.buckets, program))
 
     def block_bucket(self, num_blocks: int) -> int:
         """Block-table width for a step whose largest table has ``num_blocks`` blocks."""
-        if self.full_block_tables:
-            return self.max_blocks_per_seq
         nb = 1
         while nb < num_blocks:
             nb *= 2
         return min(nb, self.max_blocks_per_seq)
 
+    def decode_views(self, batch: int, num_blocks: int = 1) -> tuple[torch.Tensor, ...]:
+        """The decode inputs of batch bucket ``batch`` over the block bucket of ``num_blocks``
+        blocks: views of the persistent buffers."""
+        return self.buffers.views(batch, self.block_bucket(num_blocks))
+
+    @torch.inference_mode()
+    def warmup(self, buckets: list[int]) -> None:
+        """Run one decode step of each batch bucket in ``buckets`` on padding rows (they touch
+        only the scratch block), e.g. to page the weights in and start the thread pool."""
+        for b in buckets:
+            self.decode_fn(b)(*self.decode_views(b))
+        synchronize(self.device)
+
     # -- steps -------------------------------------------------------------------------------
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run ``batch``; returns the logits [n, V] float32 of its
+        :meth:`ScheduledBatch.sampling_rows`, in that order."""
+        if batch.is_prefill:
+            return self.run_prefill(batch)[batch.sampling_rows()]
+        return self.run_decode(batch.seqs)[1]
 
     def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
         """Keep each sequence in its previous row; fill holes with the last rows (swap-remove)."""
@@ -117,19 +153,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
         """Decode one token for each of ``seqs`` (each has a block for position
-        ``num_tokens - 1``). Returns the sequences in row order and their logits [n, V] f32."""
+        ``num_tokens - 1``). Returns ``seqs`` and their logits [n, V] f32, in that order."""
         rows = self._assign_rows(seqs)
         n = self.buffers.fill([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                               [s.block_table for s in rows])
+        row_of = {id(s): i for i, s in enumerate(rows)}
+        self.buffers.order_logits([row_of[id(s)] for s in seqs])
         batch = _bucket(n, self.buckets)
-        nb = self.block_bucket(self.buffers.max_active_blocks())
-        logits = self.decode_fn(batch)(*self.buffers.views(batch, nb))
-        return rows, logits.index_select(0, self.buffers.logits_indices[:n])
+        logits = self.decode_fn(batch)(*self.decode_views(batch, self.buffers.max_active_blocks()))
+        return list(seqs), logits.index_select(0, self.buffers.logits_indices[:n])
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute each sequence's chunk ``[start, start + n)``; returns logits [len(batch), V]
-        f32 at each chunk's last token (meaningful for rows that completed their prefill)."""
+        f32 at each chunk's last token (meaningful for the :meth:`ScheduledBatch.sampling_rows`)."""
         B, S, bs = len(batch), max(batch.num_tokens), self.block_size
         ids = torch.zeros((B, S), dtype=torch.int64)
         pos = torch.zeros((B, S), dtype=torch.int64)
@@ -146,15 +183,11 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = bt
             slots[i, :n] = bt[p // bs] * bs + p % bs
         dev = self.device
-        return forward(self.weights, self.args, self.kv.k, self.kv.v, self.cos, self.sin, ids.to(dev),
-                       pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev), last.to(dev))
-
-    def reset_buffers(self) -> None:
-        """Recreate the decode buffers and their block-table cache together."""
-        self._rows = []
-        self.buffers.reset()
+        return self.model(self.kv.tensors, ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev),
+                          last.to(dev))
 
     def close(self) -> None:
+        """Drop the decode buffers, their block-table cache and the installed programs together."""
         self._rows = []
         self.buffers.close()
         self.decode_programs.clear()

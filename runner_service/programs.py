@@ -5,26 +5,26 @@ Entry point (the engine calls it once per launch, after the KV cache is allocate
 
     report = load_programs(runner, config, kernel_cache=ADDR_OR_DIR_OR_CLIENT, work_dir=None)
 
-It installs one callable per decode batch bucket in ``runner.decode_programs`` (so
-``runner.decode_fn(b)`` uses it) and returns a :class:`ProgramsReport` whose ``str()`` is the
+It installs the program with :meth:`ModelRunner.install_decode_program` (so
+``runner.decode_fn(b)`` uses it for every batch bucket) and returns a :class:`ProgramsReport` whose ``str()`` is the
 start-up phase detail, e.g. ``"aoti: kernel cache HIT llama.decode.aoti (3.6 MiB)"`` (the phase itself carries the seconds).
 It never raises for a compile or cache failure: the runner then runs eager and the report says
 why (a runner that serves slowly beats one that does not start).
 
 The program
 -----------
-:class:`DecodeModule` is the runner's decode step (:func:`runner_service.model.forward` with one
-token per row) as an ``nn.Module``: weights and RoPE tables are its buffers, the KV pools are
-*inputs*, so the same program serves any KV-cache size::
+:attr:`ModelRunner.decode_module` — the family's decode module
+(:meth:`model_families.family.ModelFamily.decode_module`), the very module eager decode calls —
+is exported: weights and derived tables (RoPE) are its buffers, the KV pools are *inputs*, so
+the same program serves any KV-cache size::
 
-    program(k_cache[L, NB, bs, nkv, hd], v_cache[...], input_ids[B], positions[B],
+    program(caches (pools[layers, NB, *block_shape], ...), input_ids[B], positions[B],
             slot_mapping[B], block_tables[B, nb], seq_lens[B]) -> logits[B, V] float32
 
 with ``B`` (batch, 1..max_num_seqs), ``nb`` (block-table width, 1..max_blocks_per_seq) and ``NB``
-(pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket (measured:
-about the cold compile time of one static program, and faster than eager at every shape tried). The KV write
-inside is :func:`runner_service.kv_write.kv_write_`, an in-place custom op (see that module for
-why an inline ``index_copy_`` makes compiled code copy the whole pool every step).
+(pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket. The KV
+write inside is :func:`model_families.kv_write.kv_write_`, an in-place custom op (see that
+module for why an inline ``index_copy_`` makes compiled code copy the whole pool every step).
 
 Modes (``--compile``)
 ---------------------
@@ -42,22 +42,16 @@ Modes (``--compile``)
   New shapes met after start-up (e.g. batch 1 with a wider block table) may compile at run time.
 - ``off``: nothing installed; :meth:`ModelRunner.decode_step` runs eager.
 
-Measured on this 2-core CPU (SmolLM2-135M, f32, max 8 sequences, ``bench/startup.py``, machine
-shared with other jobs): AOTI cold compile 93-127 s, warm programs phase 0.04-0.09 s, launch to
-SERVING cold 101-139 s vs warm 3.4-15.5 s (ratio 9.0x-29.7x over 4 runs, 23.1x on a quiet
-machine: the warm launch is then dominated by the first decode steps, which contention from other
-processes slows down). Inductor: cold 530 s (four graphs, see :func:`compile_inductor`), warm
-programs phase 41.9 s (Dynamo re-trace + cache load), SERVING in 44.5 s, and a warm launch still
-runs ``g++`` (a compiler probe; with no working compiler it fails and the runner goes eager).
-Steady state, decode step, AOTI vs eager: B=1/256-token context 39.8 vs 51.3 ms, B=8/256 83.5 vs
-109.4 ms, B=8/512 96.5 vs 130.9 ms. AOTI is the mode to use.
+Measured cold/warm launch times and steady-state step times per mode are in
+``docs/benchmarks.md``; AOTI is the mode to use.
 
 Key and cache
 -------------
-The artifact key is ``(name, fingerprint)``: ``name`` = ``"llama.decode.<mode>"``, fingerprint =
-:func:`kernel_cache_service.fingerprint.program_fingerprint` over the traced sources
-(``model.py``, ``kv_write.py``, this file), the layout (block size, max model length, max
-batch, max blocks per sequence, which dims are dynamic), the architecture, dtype, device and
+The artifact key is ``(name, fingerprint)``: ``name`` = ``"<family>.decode.<mode>"``
+(``llama.decode.aoti``), fingerprint = :func:`kernel_cache_service.fingerprint.program_fingerprint`
+over the traced sources (the family's :meth:`~model_families.family.ModelFamily.program_sources`
+and this file), the layout (block size, max model length, max batch, max blocks per sequence,
+which dims are dynamic, the KV pools), the family, its pack version and config, dtype, device and
 compile options. An ``UNKNOWN`` fingerprint is compiled locally and never fetched or published.
 A MISS compiles and publishes; a HIT whose bytes fail to load (corrupt entry that passed the
 sha256 check, e.g. published broken) is evicted, recompiled and republished. A corrupt entry the
@@ -67,7 +61,6 @@ store detects is quarantined there and reads as a MISS.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -81,9 +74,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from runner_service import kv_write as _kv_write  # registers torch.ops.warmserve.kv_write_
-from runner_service import model as _model
-from runner_service.model import LlamaWeights
+from model_families import kv_write as _kv_write  # noqa: F401  (registers torch.ops.warmserve.kv_write_)
+from runner_service.config import COMPILE_MODES
 from services.errors import WarmserveError
 
 if TYPE_CHECKING:
@@ -93,14 +85,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODES = ("aoti", "inductor")
-PROGRAM_NAME = "llama.decode"
+#: The compiling modes of :data:`runner_service.config.COMPILE_MODES` (all but ``off``).
+MODES = tuple(m for m in COMPILE_MODES if m != "off")
 
 #: Inductor options the AOTI package is built with (part of the fingerprint).
 AOTI_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
-
-#: Weight fields of :class:`LlamaWeights`, registered as buffers of :class:`DecodeModule`.
-_WEIGHT_FIELDS = tuple(f.name for f in dataclasses.fields(LlamaWeights))
 
 
 # ------------------------------------------------------------------------------------- report
@@ -131,44 +120,18 @@ class ProgramsReport:
 # ------------------------------------------------------------------------------------- module
 
 
-class DecodeModule(nn.Module):
-    """The decode step of a :class:`ModelRunner` as an exportable module (see the module
-    docstring for the signature). Buffers: every :class:`LlamaWeights` field (``qkv_bias`` only
-    when present; a tied ``lm_head`` is the same tensor as ``embed_tokens``), ``cos_table`` and
-    ``sin_table`` [max_model_len, hd] float32. The buffers *are* the runner's tensors (no copy).
-    """
-
-    def __init__(self, runner: ModelRunner) -> None:
-        super().__init__()
-        self.args = runner.args
-        for name in _WEIGHT_FIELDS:
-            tensor = getattr(runner.weights, name)
-            if tensor is not None:
-                self.register_buffer(name, tensor, persistent=False)
-        self.register_buffer("cos_table", runner.cos, persistent=False)
-        self.register_buffer("sin_table", runner.sin, persistent=False)
-
-    def weights(self) -> LlamaWeights:
-        return LlamaWeights(**{n: getattr(self, n, None) for n in _WEIGHT_FIELDS})
-
-    def forward(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_ids: torch.Tensor,
-                positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor) -> torch.Tensor:
-        return _model.forward(self.weights(), self.args, k_cache, v_cache, self.cos_table, self.sin_table,
-                              input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
-                              seq_lens, torch.zeros_like(input_ids))
-
-    def constants(self) -> dict[str, torch.Tensor]:
-        """Buffer name -> tensor, duplicates (a tied head) included: what AOTI asks for."""
-        return dict(self.named_buffers(remove_duplicate=False))
+def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffer name -> tensor of the decode module, duplicates (a tied head) included: what
+    AOTInductor asks for. The buffers *are* the runner's tensors (no copy)."""
+    return dict(module.named_buffers(remove_duplicate=False))
 
 
-def example_inputs(runner: ModelRunner, batch: int, blocks: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(runner: ModelRunner, batch: int, blocks: int) -> tuple:
     """Decode inputs for ``batch`` padding rows over ``blocks`` block-table entries: every slot
-    and block id is the scratch block 0, ``seq_lens`` 1; K/V pools are the runner's."""
+    and block id is the scratch block 0, ``seq_lens`` 1; the KV pools are the runner's."""
     dev = runner.device
     zeros = torch.zeros(batch, dtype=torch.int64, device=dev)
-    return (runner.kv.k, runner.kv.v, zeros, zeros.clone(), zeros.clone(),
+    return (runner.kv.tensors, zeros, zeros.clone(), zeros.clone(),
             torch.zeros((batch, blocks), dtype=torch.int64, device=dev), torch.ones_like(zeros))
 
 
@@ -178,59 +141,64 @@ def _dims(runner: ModelRunner) -> tuple[int, int]:
 
 
 def dynamic_shapes(runner: ModelRunner) -> tuple:
-    """``torch.export`` dynamic-shape spec for :class:`DecodeModule`: the pool block count,
-    the batch (when ``max_num_seqs`` >= 2) and the block-table width (when
+    """``torch.export`` dynamic-shape spec for the decode module: every pool's block count (one
+    shared dim), the batch (when ``max_num_seqs`` >= 2) and the block-table width (when
     ``max_blocks_per_seq`` >= 2)."""
     Dim = torch.export.Dim
     pool = {1: Dim("num_blocks", min=2)}
+    pools = tuple(pool for _ in runner.kv.tensors)
     batch = Dim("batch", min=1, max=runner.config.max_num_seqs) if runner.config.max_num_seqs >= 2 else None
     blocks = Dim("blocks", min=1, max=runner.max_blocks_per_seq) if runner.max_blocks_per_seq >= 2 else None
     row = {0: batch} if batch is not None else None
     table = {k: v for k, v in ((0, batch), (1, blocks)) if v is not None} or None
-    return (pool, pool, row, row, row, table, row)
+    return (pools, row, row, row, table, row)
 
 
 # ------------------------------------------------------------------------------------- keys
 
 
-def program_sources() -> list:
-    """Modules whose code is traced into the program (their canonical AST is in the key)."""
+def program_sources(runner: ModelRunner) -> list:
+    """Modules whose code is traced into the program (their canonical AST is in the key): the
+    family's :meth:`~model_families.family.ModelFamily.program_sources` and this module."""
     import sys
 
-    return [_model, _kv_write, sys.modules[__name__]]
+    return [*runner.family.program_sources(), sys.modules[__name__]]
 
 
 def _arch(runner: ModelRunner) -> dict:
-    """The architecture as JSON-able values; ``None`` fields are left out (absent is a value)."""
-    return {k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(runner.args).items() if v is not None}
+    """The family, its pack version and its config as JSON-able values; ``None`` fields are
+    left out (absent is a value)."""
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in runner.args.to_dict().items()
+              if v is not None}
+    return {"family": runner.family.name, "pack_version": runner.family.pack_version, "config": config}
 
 
 def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) -> tuple[str, str]:
     """``(name, fingerprint)`` of the decode program of ``runner`` compiled in ``mode``.
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
-    max model length, max batch, max blocks per sequence, dynamic dims), the architecture, the
-    dtype, the device type and the compile options; ``UNKNOWN`` when any part is unknown.
+    max model length, max batch, max blocks per sequence, dynamic dims, KV pools), the family and
+    its config, the dtype, the device type and the compile options; ``UNKNOWN`` when any part is
+    unknown.
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 
-    name = f"{PROGRAM_NAME}.{mode}"
+    name = f"{runner.family.name}.decode.{mode}"
     layout = {
         "block_size": runner.block_size,
         "max_model_len": runner.max_model_len,
         "max_num_seqs": runner.config.max_num_seqs,
         "max_blocks_per_seq": runner.max_blocks_per_seq,
         "dynamic": ["num_blocks", "batch", "blocks"],
-        "kv_layout": "L,num_blocks,block_size,nkv,hd",
+        "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in runner.kv.specs],
     }
     options = {"mode": mode, "device": runner.device.type}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
     else:
         options.update(fullgraph=True, dynamic=True)
-    fp = program_fingerprint(name, sources=program_sources() if sources is None else sources, layout=layout,
-                             arch=_arch(runner), dtype=str(runner.weights.embed_tokens.dtype).removeprefix("torch."),
+    fp = program_fingerprint(name, sources=program_sources(runner) if sources is None else sources,
+                             layout=layout, arch=_arch(runner), dtype=str(runner.dtype).removeprefix("torch."),
                              compile_options=options)
     return name, fp
 
@@ -239,13 +207,14 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) 
 
 
 class AotiProgram:
-    """A loaded AOTInductor package bound to a :class:`DecodeModule`'s tensors.
+    """A loaded AOTInductor package bound to a decode module's tensors.
 
-    Calling it with the seven decode inputs returns logits [B, V] float32 and writes K/V in
-    place. The module is kept alive: the program holds raw pointers to its buffers.
+    Called like the module (``caches`` tuple, then the five decode inputs), it returns logits
+    [B, V] float32 and writes the KV pools in place. The module is kept alive: the program holds
+    raw pointers to its buffers.
     """
 
-    def __init__(self, package: Path, module: DecodeModule, device: torch.device) -> None:
+    def __init__(self, package: Path, module: nn.Module, device: torch.device) -> None:
         # torch._inductor.aoti_load_package does this plus a device-information check that probes
         # the CPU's vector ISA by *building* small programs with g++ (seconds, and a C++ compiler
         # on the warm path; the ISA and CPU flags are in the fingerprint instead). Using the
@@ -255,7 +224,7 @@ class AotiProgram:
         if meta.get("AOTI_DEVICE_KEY") != device.type:
             raise RuntimeError(f"the package was built for {meta.get('AOTI_DEVICE_KEY')!r}, not {device.type!r}")
         self._loader = loader_cls(str(package), "model", False, 1, -1 if device.index is None else device.index)
-        constants = module.constants()
+        constants = _constants(module)
         wanted = self._loader.get_constant_fqns()
         missing = sorted(set(wanted) - set(constants))
         if missing:
@@ -264,12 +233,12 @@ class AotiProgram:
         self._loader.load_constants({n: constants[n] for n in wanted}, False, True, True, False)
         self.module = module
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        (logits,) = self._loader.boxed_run(list(inputs))
+    def __call__(self, caches: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> torch.Tensor:
+        (logits,) = self._loader.boxed_run([*caches, *inputs])  # the exported inputs, flattened
         return logits
 
 
-def compile_aoti(module: DecodeModule, example: tuple[torch.Tensor, ...], dynamic: tuple, package: Path) -> Path:
+def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path) -> Path:
     """Export ``module`` at ``example`` with ``dynamic`` shapes and AOTI-compile it to the
     ``.pt2`` file ``package`` (weights not included). Invokes the C++ compiler (tens of seconds)."""
     with torch.no_grad():
@@ -292,7 +261,7 @@ def _inductor_cache_dir(path: Path) -> Iterator[None]:
         yield
 
 
-def compile_inductor(module: DecodeModule, runner: ModelRunner, cache_dir: Path) -> Callable:
+def compile_inductor(module: nn.Module, runner: ModelRunner, cache_dir: Path) -> Callable:
     """``torch.compile`` ``module`` (fullgraph, dynamic) and build every graph now, inside
     ``cache_dir``, by calling it the way the runner will: through :func:`_bind_kv` on views of
     the runner's persistent buffers, under ``inference_mode`` (Dynamo guards on strides and on
@@ -304,7 +273,7 @@ def compile_inductor(module: DecodeModule, runner: ModelRunner, cache_dir: Path)
     with _inductor_cache_dir(cache_dir), torch.inference_mode():
         for b in runner.buckets:
             for nb in widths:
-                decode(*runner.buffers.views(b, nb))
+                decode(*runner.decode_views(b, nb))
     return compiled
 
 
@@ -340,7 +309,7 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                   kernel_cache: KernelCacheClient | str | Path | None = None,
                   work_dir: str | Path | None = None, sources: list | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``config.compile`` (default
-    ``runner.config.compile``) and install it for every bucket in ``runner.decode_programs``.
+    ``runner.config.compile``) and install it with :meth:`ModelRunner.install_decode_program`.
 
     ``kernel_cache``: a :class:`KernelCacheClient`, a daemon address ``host:port``, a store
     directory, or ``None`` (compile every launch). ``work_dir``: where fetched and compiled
@@ -357,11 +326,11 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     except WarmserveError as e:
         log.warning("kernel cache unusable, compiling locally: %s", e)
         cache = None
-    runner.decode_programs.clear()
+    runner.install_decode_program(None)
     try:
         work.mkdir(parents=True, exist_ok=True)
         name, fp = program_key(runner, mode, sources=sources)
-        module = DecodeModule(runner).eval()
+        module = runner.decode_module
         build = _load_aoti if mode == "aoti" else _load_inductor
         program, source, published, detail = build(runner, module, name, fp, cache, work)
     except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
@@ -371,9 +340,7 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
-    bound = _bind_kv(program, runner)
-    for b in runner.buckets:
-        runner.decode_programs[b] = bound
+    runner.install_decode_program(_bind_kv(program, runner))
     seconds = time.perf_counter() - t0
     return ProgramsReport(mode, seconds, f"{mode}: {detail}", source=source,
                           fingerprint=fp, published=published)
@@ -389,11 +356,11 @@ def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
     (not only when strided) so a compiled graph always sees the same kind of tensor: ``[1, nb]``
     views count as contiguous yet keep their row stride, and a copy made under
     ``inference_mode`` is an inference tensor; Dynamo guards on both."""
-    k, v = runner.kv.k, runner.kv.v
+    caches = runner.kv.tensors
 
     def decode(input_ids, positions, slot_mapping, block_tables, seq_lens):
         tables = block_tables.clone(memory_format=torch.contiguous_format)
-        return program(k, v, input_ids, positions, slot_mapping, tables, seq_lens)
+        return program(caches, input_ids, positions, slot_mapping, tables, seq_lens)
 
     return decode
 
@@ -440,7 +407,7 @@ def _how(fp: str, cache: KernelCacheClient | None, published: str) -> str:
     return published or "not published"
 
 
-def _load_aoti(runner: ModelRunner, module: DecodeModule, name: str, fp: str,
+def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str,
                cache: KernelCacheClient | None, work: Path) -> tuple[Callable, str, str, str]:
     package = work / f"{name}-{fp[:24]}.pt2"
     if _fetch(cache, name, fp, package):
@@ -459,7 +426,7 @@ def _load_aoti(runner: ModelRunner, module: DecodeModule, name: str, fp: str,
     return program, "compiled", published, f"compiled {name} in {compile_s:.1f} s ({_how(fp, cache, published)})"
 
 
-def _load_inductor(runner: ModelRunner, module: DecodeModule, name: str, fp: str,
+def _load_inductor(runner: ModelRunner, module: nn.Module, name: str, fp: str,
                    cache: KernelCacheClient | None, work: Path) -> tuple[Callable, str, str, str]:
     from kernel_cache_service.fingerprint import UNKNOWN
 

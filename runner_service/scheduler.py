@@ -11,14 +11,25 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   running sequence is *preempted*: its blocks are freed and it goes back to the front of the
   waiting queue to be recomputed later (free-then-recompute).
 
+After the model ran a batch and the engine sampled, :meth:`Scheduler.postprocess` is the one
+place a sequence is updated (nano-vllm's ``Scheduler.postprocess``, vLLM's
+``update_from_output``): computed tokens advance, a completed prefill starts running, the
+sampled token is appended, and stop token / EOS / stop string / length finish the sequence and
+free its blocks.
+
 No deadlock: a request is admitted only if it fits the cache alone
 (:meth:`Scheduler.check_fits`); when nothing can be scheduled, sequences holding blocks behind
 the head of the waiting queue are preempted until the head fits, so every step makes progress.
+
+Threads: only the engine's stepping thread calls the scheduler, except :meth:`Scheduler.check_fits`,
+which reads constants only and may be called from any thread (request validation).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from runner_service.block_manager import BlockManager
@@ -42,14 +53,25 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    def sampling_rows(self) -> list[int]:
+        """Rows that sample a token after this step: those whose chunk reaches the sequence's last
+        token (every decode row; a prefill row that completes its prompt). Evaluate before
+        :meth:`Scheduler.postprocess` appends the sampled tokens."""
+        return [i for i, (seq, st, n) in enumerate(zip(self.seqs, self.starts, self.num_tokens, strict=True))
+                if st + n == seq.num_tokens]
+
 
 class Scheduler:
-    """Owns the waiting queue and running list; the engine loop is its only caller."""
+    """Owns the waiting queue and running list (see the module docstring for the thread
+    contract). ``eos_token_ids``: the model's end-of-sequence tokens (ignored by requests with
+    ``ignore_eos``)."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Seq[int] = ()) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -67,7 +89,8 @@ class Scheduler:
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ``ResourceExhausted`` when ``seq`` could never fit the KV cache even alone (its
-        K/V at most: ``max_total_tokens - 1`` tokens, the last sampled token is never fed back)."""
+        K/V at most: ``max_total_tokens - 1`` tokens, the last sampled token is never fed back).
+        Reads only the block manager's fixed sizes: safe from any thread."""
         need = self.block_manager.blocks_needed(max(1, seq.max_total_tokens - 1))
         if need > self.block_manager.num_usable_blocks:
             raise ResourceExhausted(
@@ -189,15 +212,37 @@ class Scheduler:
 
     def on_step_done(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance ``num_computed_tokens`` after the model ran ``batch``; sequences whose prefill
-        completed move to ``running``. Returns the sequences that now sample a token (all
-        decode rows; prefill rows that computed their last uncomputed token)."""
-        sampling = []
+        completed move to ``running``. Returns the sequences that now sample a token (those of
+        :meth:`ScheduledBatch.sampling_rows`). The first half of :meth:`postprocess`."""
+        sampling = [batch.seqs[i] for i in batch.sampling_rows()]
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
-                if seq.status is SequenceStatus.WAITING:
-                    self.waiting.remove(seq)
-                    seq.status = SequenceStatus.RUNNING
-                    self.running.append(seq)
+        for seq in sampling:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+        return sampling
+
+    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int],
+                    stop_string: Callable[[Sequence, int], bool] | None = None) -> list[Sequence]:
+        """Apply one step's result: :meth:`on_step_done`, then append ``tokens[k]`` to the k-th
+        sampling sequence and finish it (blocks freed) on, in this order: a stop token or EOS
+        (``STOP``; the token is not shown to ``stop_string``), ``stop_string(seq, token)`` true
+        (``STOP``; the engine's detokenizer matched a stop string), or the length limit
+        (``LENGTH``). Returns the sampling sequences, in order; finished ones have
+        ``is_finished`` and ``finish_reason`` set. Raises ``ValueError`` when ``tokens`` does not
+        match the sampling rows."""
+        sampling = self.on_step_done(batch)
+        if len(tokens) != len(sampling):
+            raise ValueError(f"{len(tokens)} sampled tokens for {len(sampling)} sampling sequences")
+        for seq, token in zip(sampling, tokens, strict=True):
+            seq.token_ids.append(token)
+            p = seq.params
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                self.finish(seq, FinishReason.STOP)
+            elif stop_string is not None and stop_string(seq, token):
+                self.finish(seq, FinishReason.STOP)
+            elif seq.num_tokens >= seq.max_total_tokens:
+                self.finish(seq, FinishReason.LENGTH)
         return sampling

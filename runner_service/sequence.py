@@ -10,7 +10,6 @@ preempted sequence loses its blocks and ``num_computed_tokens`` drops to 0: it i
 from __future__ import annotations
 
 import enum
-import time
 
 import torch
 
@@ -48,7 +47,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
-        self.arrival_time = time.monotonic()
 
     @property
     def num_tokens(self) -> int:

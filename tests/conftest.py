@@ -55,3 +55,16 @@ def smollm2_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
 
     root = tmp_path_factory.mktemp("sidecars")
     return prepare(str(smollm2_gguf), dtype="f32", root=root).path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a test module's torch ops on one thread (restored afterwards): on this shared 2-core
+    host two OpenMP threads stall on each other's barriers whenever another process runs. Use it
+    with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,31 +7,31 @@ consumes, so the runner's forward can be compared with transformers' on the same
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from runner_service.config import EngineConfig, ModelArgs
-from runner_service.model import LlamaWeights
+from model_families.llama.config import LlamaConfig
+from model_families.llama.model import LlamaWeights
+from runner_service.config import EngineConfig
 
 
 def tiny_args(*, vocab=128, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=512,
-              tied=True, bias=False, rope_scaling=None, architecture="LlamaForCausalLM", eos=(1,)) -> ModelArgs:
-    return ModelArgs(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-                     num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
-                     rope_theta=10000.0, rope_scaling=rope_scaling, max_position_embeddings=max_pos,
-                     tie_word_embeddings=tied, attention_bias=bias, bos_token_id=None, eos_token_ids=eos,
-                     architecture=architecture)
+              tied=True, bias=False, rope_scaling=None, architecture="LlamaForCausalLM", eos=(1,)) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, rope_scaling=rope_scaling, max_position_embeddings=max_pos,
+                       tie_word_embeddings=tied, attention_bias=bias, bos_token_id=None, eos_token_id=list(eos),
+                       architecture=architecture)
 
 
-def hf_reference(args: ModelArgs, seed: int = 0):
+def hf_reference(args: LlamaConfig, seed: int = 0):
     """A transformers ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM`` when ``attention_bias``) with
     ``args``' shape and random weights, float32, eval mode."""
     import transformers
 
     rope = {"rope_type": args.rope_type, "rope_theta": args.rope_theta, **(args.rope_scaling or {})}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                  intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
-                  num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+                  intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
+                  num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                   rms_norm_eps=args.rms_norm_eps, max_position_embeddings=args.max_position_embeddings,
                   tie_word_embeddings=args.tie_word_embeddings, rope_parameters=rope)
     torch.manual_seed(seed)
@@ -50,10 +50,10 @@ def hf_reference(args: ModelArgs, seed: int = 0):
     return model.eval()
 
 
-def weights_from_hf(model, args: ModelArgs) -> LlamaWeights:
+def weights_from_hf(model, args: LlamaConfig) -> LlamaWeights:
     """Stack a transformers Llama/Qwen2 state dict into the sidecar layout."""
     sd = model.state_dict()
-    L = args.num_layers
+    L = args.num_hidden_layers
 
     def stack(fmt):
         return torch.stack([sd[fmt.format(i)] for i in range(L)])
@@ -87,16 +87,6 @@ def tiny_config(**kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def kv_bytes(args: ModelArgs, blocks: int, block_size: int = 4) -> int:
+def kv_bytes(args: LlamaConfig, blocks: int, block_size: int = 4) -> int:
     """Bytes of a float32 KV cache with ``blocks`` blocks (including the scratch block)."""
-    return blocks * 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Run a test module's torch ops on one thread (restored afterwards): on this shared 2-core
-    host two OpenMP threads stall on each other's barriers whenever another process runs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    return blocks * 2 * args.num_hidden_layers * block_size * args.num_key_value_heads * args.head_dim * 4

@@ -74,13 +74,19 @@ def write_tiny_checkpoint(directory: Path, *, layers=2, hidden=32, heads=4, kv_h
         (directory / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}))
     if tokenizer:
-        vocab_map = {f"w{i}": i for i in range(vocab)}
-        vocab_map["[UNK]"] = vocab
-        tok = Tokenizer(models.WordLevel(vocab_map, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(directory / "tokenizer.json"))
-        (directory / "tokenizer_config.json").write_text(json.dumps({
-            "bos_token": {"content": "w1"}, "eos_token": "w2", "add_bos_token": True,
-            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-        }))
+        write_word_tokenizer(directory, vocab)
     return sd
+
+
+def write_word_tokenizer(directory: Path, vocab: int) -> None:
+    """A word-level ``tokenizer.json`` (token ``i`` is the word ``w{i}``, whitespace-split) and a
+    ``tokenizer_config.json`` with a trivial chat template, in ``directory``."""
+    vocab_map = {f"w{i}": i for i in range(vocab)}
+    vocab_map["[UNK]"] = vocab
+    tok = Tokenizer(models.WordLevel(vocab_map, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "w1"}, "eos_token": "w2", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }))

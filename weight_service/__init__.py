@@ -1,7 +1,8 @@
-"""Prepacked, runner-ready weight sidecars (DESIGN.md "Sidecar").
+"""Prepacked, runner-ready weight sidecars (the sidecar format: ``docs/architecture.md``).
 
 Where things are: ``sources`` (what a SOURCE names), ``safetensors_reader``/``gguf_reader`` +
-``tokenizer_export`` (checkpoints under HF names), ``pack_spec`` + ``specs/`` (family layouts),
+``tokenizer_export`` (checkpoints under HF names; the family layouts are in
+:mod:`model_families`),
 ``sidecar`` (format, fingerprints, validation, atomic publish), ``packer`` (streaming pack),
 ``residency`` (mincore probe), ``prepare`` (the lifecycle), ``loader`` (zero-copy mapping),
 ``catalog``, ``server``/``client`` (the ``Weights`` gRPC service), ``cli``.

@@ -1,31 +1,25 @@
-"""What a pack spec reads from: a checkpoint seen through Hugging Face tensor names.
+"""Opening a checkpoint for packing, whatever its file format.
 
 Both readers (:mod:`weight_service.safetensors_reader`, :mod:`weight_service.gguf_reader`)
-present the checkpoint the same way: a :class:`~weight_service.model_config.ModelConfig`, tensors
-under HF names (``model.layers.3.self_attn.q_proj.weight``) in HF layout (``[out, in]`` as
-``F.linear`` expects, q/k in HF rotary order), and the tokenizer files to place next to the
-sidecar. A pack spec never sees a file format.
+present the checkpoint the same way (:class:`CheckpointReader`): the model family's config
+(built by :meth:`model_families.family.ModelFamily.config_from_hf` from the checkpoint's HF
+config, or from the GGUF metadata translated to HF keys), tensors under HF names
+(``model.layers.3.self_attn.q_proj.weight``) in HF layout (``[out, in]`` as ``F.linear``
+expects, q/k in HF rotary order), and the tokenizer files to place next to the sidecar. A
+family's pack spec never sees a file format.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
-from weight_service.model_config import ModelConfig
+from model_families.family import Checkpoint
 from weight_service.sources import ResolvedSource
 
 
-class Checkpoint(Protocol):
-    """A readable checkpoint. ``tensor`` returns a float32 or bfloat16/float16 CPU tensor in HF
-    layout and raises ``InvalidArgument`` for a name the checkpoint lacks."""
-
-    config: ModelConfig
-
-    def has(self, name: str) -> bool: ...
-
-    def tensor(self, name: str) -> torch.Tensor: ...
+class CheckpointReader(Checkpoint, Protocol):
+    """A :class:`model_families.family.Checkpoint` that the packer also asks for tokenizer files
+    and closes."""
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """File name (``tokenizer.json``, ``tokenizer_config.json``) to bytes; may be empty."""
@@ -34,7 +28,7 @@ class Checkpoint(Protocol):
     def close(self) -> None: ...
 
 
-def open_checkpoint(source: ResolvedSource) -> Checkpoint:
+def open_checkpoint(source: ResolvedSource) -> CheckpointReader:
     """Open ``source`` with the reader for its kind (raises ``InvalidArgument`` when unreadable)."""
     if source.kind == "gguf":
         from weight_service.gguf_reader import GGUFCheckpoint

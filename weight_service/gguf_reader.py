@@ -1,7 +1,8 @@
 """GGUF checkpoints through the ``gguf`` package, presented under Hugging Face names and layout.
 
-- Metadata keys (``llama.block_count``, ``llama.attention.head_count`` ...) become a
-  :class:`~weight_service.model_config.ModelConfig`.
+- Metadata keys (``llama.block_count``, ``llama.attention.head_count`` ...) are translated to
+  HF ``config.json`` keys (as transformers' GGUF loader does) and handed to the model family
+  (:meth:`model_families.family.ModelFamily.config_from_hf`).
 - Tensors are dequantized with ``gguf.quants.dequantize`` to float32 numpy arrays; GGUF lists
   dims innermost first, so a ``[in, out]`` GGUF shape is the ``[out, in]`` HF matrix.
 - llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the rows
@@ -21,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from model_families import family_for_architecture
 from services.errors import InvalidArgument
-from weight_service.model_config import ModelConfig
 
 #: GGUF ``general.architecture`` to the HF architecture, and whether q/k rows are permuted.
 _ARCHITECTURES = {
@@ -153,13 +154,16 @@ class GGUFCheckpoint:
             elif t.name == "rope_freqs.weight":
                 raise InvalidArgument(f"{path} scales rope with a frequency table (rope_freqs), "
                                       "which is not supported; use the safetensors checkpoint")
-        self.config = self._config()
+        self.config = family_for_architecture(self._hf_arch).config_from_hf(self.hf_config(), self.has)
 
     def _value(self, key: str, default=None):
         field = self._fields.get(key)
         return default if field is None else field.contents()
 
-    def _config(self) -> ModelConfig:
+    def hf_config(self) -> dict:
+        """The metadata as an HF ``config.json`` dict (``architectures``, ``hidden_size``, ...;
+        GGUF's own defaults where a key is absent: rms eps 1e-6, rope theta 10000, context 2048;
+        tied embeddings iff the file has no ``output.weight``)."""
         a = self._arch
         n_head = int(self._value(f"{a}.attention.head_count"))
         hidden = int(self._value(f"{a}.embedding_length"))
@@ -174,24 +178,24 @@ class GGUFCheckpoint:
             ctx = self._value(f"{a}.rope.scaling.original_context_length")
             if ctx:
                 scaling["original_max_position_embeddings"] = int(ctx)
-        return ModelConfig(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(self._value(f"{a}.feed_forward_length")),
-            num_hidden_layers=int(self._value(f"{a}.block_count")),
-            num_attention_heads=n_head,
-            num_key_value_heads=int(self._value(f"{a}.attention.head_count_kv", n_head)),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(self._value(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self._value(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(self._value(f"{a}.context_length", 2048)),
-            tie_word_embeddings="lm_head.weight" not in self._tensors,
-            attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            bos_token_id=_opt_int(self._value("tokenizer.ggml.bos_token_id")),
-            eos_token_id=_opt_int(self._value("tokenizer.ggml.eos_token_id")),
-            architecture=self._hf_arch,
-        )
+        return {
+            "architectures": [self._hf_arch],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._value(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self._value(f"{a}.block_count")),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": int(self._value(f"{a}.attention.head_count_kv", n_head)),
+            "head_dim": int(head_dim),
+            "rms_norm_eps": float(self._value(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._value(f"{a}.rope.freq_base", 10000.0)),
+            "rope_scaling": scaling,
+            "max_position_embeddings": int(self._value(f"{a}.context_length", 2048)),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "bos_token_id": _opt_int(self._value("tokenizer.ggml.bos_token_id")),
+            "eos_token_id": _opt_int(self._value("tokenizer.ggml.eos_token_id")),
+        }
 
     def has(self, name: str) -> bool:
         """Whether the file holds the tensor with this HF name."""

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from model_families.family import ModelFamily
 from services.errors import FailedPrecondition, InvalidArgument
 from weight_service.checkpoint import open_checkpoint
-from weight_service.pack_spec import PackSpec
 from weight_service.progress import ProgressEvent
 from weight_service.sidecar import (
     CONFIG_FILE,
@@ -46,7 +46,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> memoryview:
     if tuple(t.shape) != tuple(shape):
         raise FailedPrecondition(f"checkpoint tensor for {name} has shape {list(t.shape)}, "
-                                 f"the pack spec expects {list(shape)}")
+                                 f"the family's layout expects {list(shape)}")
     t = t.to(dtype).contiguous()
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
@@ -58,9 +58,9 @@ def _current_fingerprint(source: ResolvedSource) -> str | None:
         return None
 
 
-def pack_sidecar(source: ResolvedSource, spec: PackSpec, dtype: str, directory: Path,
+def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, directory: Path,
                  progress: Progress | None = None) -> None:
-    """Pack ``source`` with ``spec`` in ``dtype`` (``"f32"``/``"bf16"``) into ``directory``.
+    """Pack ``source`` with ``family``'s pack spec in ``dtype`` (``"f32"``/``"bf16"``) into ``directory``.
 
     Publishes ``config.json``, the tokenizer files and ``model.safetensors`` (last) with
     mkstemp + fsync + chmod + ``os.replace``. Raises ``FailedPrecondition`` when the checkpoint's
@@ -76,14 +76,14 @@ def pack_sidecar(source: ResolvedSource, spec: PackSpec, dtype: str, directory: 
     try:
         config = ckpt.config
         layers = config.num_hidden_layers
-        shapes = spec.tensor_shapes(config)
+        shapes = family.tensor_shapes(config)
         names_fp = names_fingerprint(shapes)
         metadata = {
             "warmserve.format_version": FORMAT_VERSION,
-            "warmserve.family": spec.name,
+            "warmserve.family": family.name,
             "warmserve.dtype": dtype,
             "warmserve.config": config.to_json(),
-            "warmserve.fingerprint": sidecar_fingerprint(spec.name, spec.version, dtype, source_fp, names_fp),
+            "warmserve.fingerprint": sidecar_fingerprint(family.name, family.pack_version, dtype, source_fp, names_fp),
             "warmserve.source_fingerprint": source_fp,
             "warmserve.names_fingerprint": names_fp,
             "warmserve.source": str(source.path),
@@ -101,13 +101,13 @@ def pack_sidecar(source: ResolvedSource, spec: PackSpec, dtype: str, directory: 
             os.ftruncate(fd, total)
             _pwrite_all(fd, memoryview(prefix), 0)
             base, written = len(prefix), 0
-            for name, t in spec.global_tensors(ckpt).items():
+            for name, t in family.global_tensors(ckpt).items():
                 data = _tensor_bytes(t, torch_dtype, shapes[name], name)
                 _pwrite_all(fd, data, base + entries[name].begin)
                 written += len(data)
             emit(ProgressEvent("pack", 0, layers, written, "global tensors"))
             for layer in range(layers):
-                for name, t in spec.layer_tensors(ckpt, layer).items():
+                for name, t in family.layer_tensors(ckpt, layer).items():
                     data = _tensor_bytes(t, torch_dtype, shapes[name][1:], f"{name}[{layer}]")
                     _pwrite_all(fd, data, base + entries[name].begin + layer * len(data))
                     written += len(data)

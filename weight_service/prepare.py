@@ -22,10 +22,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from model_families import family_for_architecture
+from model_families.family import ModelFamily
 from services.errors import InvalidArgument
 from services.paths import default_sidecar_root
 from weight_service.checkpoint import source_architecture
-from weight_service.pack_spec import PackSpec, spec_for_architecture
 from weight_service.packer import pack_sidecar
 from weight_service.progress import ProgressEvent
 from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
@@ -52,7 +53,7 @@ class SidecarHandle:
 
     ``path`` is the sidecar directory; ``size_bytes`` the size of ``model.safetensors`` in bytes;
     ``residency`` the resident fraction in ``[0, 1]`` or ``None`` when unknown; ``state`` one of
-    ``"HOT"``, ``"COLD"``, ``"BUILT"``, ``"REBUILT"``; ``family`` the pack spec (``"llama"``);
+    ``"HOT"``, ``"COLD"``, ``"BUILT"``, ``"REBUILT"``; ``family`` the model family (``"llama"``);
     ``dtype`` ``"f32"``/``"bf16"``; ``source`` the checkpoint path; ``seconds`` the time the call took.
     """
 
@@ -86,14 +87,14 @@ def sidecar_lock(root: Path, name: str) -> FileLock:
     return FileLock(str(locks / f"{name}.lock"))
 
 
-def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource, PackSpec, Path]:
-    """Resolve ``source`` and pick its pack spec; returns ``(source, spec, sidecar directory)``
+def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource, ModelFamily, Path]:
+    """Resolve ``source`` and pick its model family; returns ``(source, family, sidecar directory)``
     where the directory is ``root / "<slug>-<path hash>-<family>-<dtype>"`` (it may not exist).
     Raises ``InvalidArgument`` for a bad source or dtype or an unsupported architecture."""
     check_dtype(dtype)
     src = resolve_source(source)
-    spec = spec_for_architecture(source_architecture(src))
-    return src, spec, Path(root) / sidecar_dir_name(src.slug, src.path_hash, spec.name, dtype)
+    family = family_for_architecture(source_architecture(src))
+    return src, family, Path(root) / sidecar_dir_name(src.slug, src.path_hash, family.name, dtype)
 
 
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
@@ -115,7 +116,7 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
         raise InvalidArgument(f"cold policy must be one of {', '.join(COLD_POLICIES)}, got {cold_policy!r}")
     emit = progress or (lambda _e: None)
     root = Path(root) if root is not None else default_sidecar_root()
-    src, spec, directory = locate_sidecar(source, dtype, root)
+    src, family, directory = locate_sidecar(source, dtype, root)
     root.mkdir(parents=True, exist_ok=True)
     name = directory.name
 
@@ -141,7 +142,7 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
                                                    seconds=time.perf_counter() - start)
                 emit(ProgressEvent("validate", message=f"repacking: cold (residency {residency})"))
 
-        pack_sidecar(src, spec, dtype, directory, emit)
+        pack_sidecar(src, family, dtype, directory, emit)
         emit(ProgressEvent("validate", message="validating the new sidecar"))
         info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
         residency = probe_residency(directory / WEIGHTS_FILE)

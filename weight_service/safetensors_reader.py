@@ -1,13 +1,10 @@
 """Hugging Face safetensors checkpoint directories (one file, or shards listed by
 ``model.safetensors.index.json``), with ``config.json`` for the architecture.
 
-Tensors are already under HF names and in HF layout. ``config.json`` is translated to
-:class:`~weight_service.model_config.ModelConfig` with HF defaults: ``head_dim`` =
-``hidden_size // num_attention_heads``, ``num_key_value_heads`` = ``num_attention_heads``,
-``tie_word_embeddings`` false; ``rope_theta``/``rope_scaling`` read either from the classic keys or
-from transformers 5's ``rope_parameters``; ``attention_bias`` true when the config says so or the
-checkpoint has q/k/v biases (Qwen2 configs do not say so). ``tokenizer.json`` is copied and
-``tokenizer_config.json`` reduced to the keys a runner needs.
+Tensors are already under HF names and in HF layout. ``config.json`` goes to the family of its
+``architectures[0]`` (:meth:`model_families.family.ModelFamily.config_from_hf`, which applies
+the HF defaults). ``tokenizer.json`` is copied and ``tokenizer_config.json`` reduced to the keys
+a runner needs.
 """
 
 from __future__ import annotations
@@ -17,11 +14,9 @@ from pathlib import Path
 
 import torch
 
+from model_families import family_for_architecture
 from services.errors import InvalidArgument
-from weight_service.model_config import ModelConfig
 from weight_service.sources import safetensors_shards
-
-_DEFAULT_ROPE_THETA = 10000.0
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -37,23 +32,6 @@ def read_hf_config(directory: Path) -> dict:
         raise InvalidArgument(f"{path} names no architecture (architectures is empty)")
     data["_architecture"] = archs[0]
     return data
-
-
-def _rope(data: dict) -> tuple[float, dict | None]:
-    params = data.get("rope_parameters")
-    theta = data.get("rope_theta")
-    scaling = data.get("rope_scaling")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if params.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if isinstance(scaling, dict):
-        scaling = dict(scaling)
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        if scaling.get("rope_type") == "default":
-            scaling = None
-    return float(theta if theta is not None else _DEFAULT_ROPE_THETA), scaling
 
 
 class SafetensorsCheckpoint:
@@ -75,34 +53,7 @@ class SafetensorsCheckpoint:
             self._files[shard.name] = handle
             for name in handle.keys():
                 self._where[name] = handle
-        self.config = self._config()
-
-    def _config(self) -> ModelConfig:
-        d = self._hf
-        n_head = d.get("num_attention_heads")
-        hidden = d.get("hidden_size")
-        if not isinstance(n_head, int) or not isinstance(hidden, int):
-            raise InvalidArgument(f"{self.path}/config.json lacks hidden_size or num_attention_heads")
-        theta, scaling = _rope(d)
-        bias = bool(d.get("attention_bias", False)) or self.has("model.layers.0.self_attn.q_proj.bias")
-        return ModelConfig(
-            vocab_size=d.get("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=d.get("intermediate_size"),
-            num_hidden_layers=d.get("num_hidden_layers"),
-            num_attention_heads=n_head,
-            num_key_value_heads=d.get("num_key_value_heads") or n_head,
-            head_dim=d.get("head_dim") or hidden // n_head,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bias,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            architecture=d["_architecture"],
-        )
+        self.config = family_for_architecture(self._hf["_architecture"]).config_from_hf(self._hf, self.has)
 
     def has(self, name: str) -> bool:
         """Whether some shard holds ``name``."""

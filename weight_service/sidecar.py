@@ -7,7 +7,7 @@ holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_config.json``
 ``model.safetensors`` is a standard safetensors file (8-byte little-endian header length, JSON
 header padded with spaces to a multiple of 8, then the tensor bytes, contiguous, in header order)
 whose ``__metadata__`` holds (all strings): ``warmserve.format_version``, ``warmserve.family``,
-``warmserve.dtype``, ``warmserve.config`` (the :class:`ModelConfig` JSON),
+``warmserve.dtype``, ``warmserve.config`` (the family config's JSON, :meth:`model_families.family.FamilyConfig.to_json`),
 ``warmserve.fingerprint``, ``warmserve.source_fingerprint``, ``warmserve.names_fingerprint`` and
 ``warmserve.source``.
 
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from model_families import get_family
+from model_families.family import FamilyConfig
 from services.errors import FailedPrecondition, InvalidArgument
 from services.fsmode import default_file_mode
-from weight_service.model_config import ModelConfig
-from weight_service.pack_spec import get_spec
 
 FORMAT_VERSION = "1"
 WEIGHTS_FILE = "model.safetensors"
@@ -123,7 +123,7 @@ class SidecarInfo:
 
     path: Path
     metadata: dict[str, str]
-    config: ModelConfig
+    config: FamilyConfig
     tensors: dict[str, TensorEntry]
     data_start: int
     size_bytes: int
@@ -176,7 +176,7 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
     """Validate ``directory/model.safetensors`` and return its :class:`SidecarInfo`.
 
     Checks, in order: header (readable, JSON, the ``warmserve.*`` metadata, format version,
-    family, dtype, config); the packed name set (the spec's names for this config, against
+    family, dtype, config); the packed name set (the family layout's names for this config, against
     ``names_fingerprint`` and against the header's tensors); the fingerprint (recomputed from the
     metadata; equal to ``fingerprint`` when given); staleness (``source_fingerprint``, the
     checkpoint's current one, when given); every tensor's dtype and shape; contiguous offsets and
@@ -198,21 +198,21 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
     if dtype not in DTYPES:
         raise InvalidSidecar(f"{weights} has unknown dtype {dtype!r}")
     try:
-        spec = get_spec(meta["warmserve.family"])
-        config = ModelConfig.from_dict(json.loads(meta["warmserve.config"]))
+        family = get_family(meta["warmserve.family"])
+        config = family.config_from_dict(json.loads(meta["warmserve.config"]))
     except (InvalidArgument, ValueError, TypeError) as e:
         raise InvalidSidecar(f"{weights} has an invalid family or config: {e}") from e
 
-    shapes = spec.tensor_shapes(config)
+    shapes = family.tensor_shapes(config)
     names_fp = names_fingerprint(shapes)
     if names_fp != meta["warmserve.names_fingerprint"]:
         raise InvalidSidecar(f"{weights} is stale: its packed tensor-name set differs from the "
-                             f"{spec.name} pack spec's")
+                             f"{family.name} family's layout")
     if set(header) != set(shapes):
         extra, lacking = sorted(set(header) - set(shapes)), sorted(set(shapes) - set(header))
         raise InvalidSidecar(f"{weights} tensor names do not match its metadata "
                              f"(unexpected {extra}, missing {lacking})")
-    expected_fp = sidecar_fingerprint(spec.name, spec.version, dtype,
+    expected_fp = sidecar_fingerprint(family.name, family.pack_version, dtype,
                                       meta["warmserve.source_fingerprint"], names_fp)
     if expected_fp != meta["warmserve.fingerprint"]:
         raise InvalidSidecar(f"{weights} fingerprint does not match its metadata "

@@ -1,11 +1,12 @@
-"""ModelArgs from a sidecar config, EngineConfig validation, device selection."""
+"""The Llama family config from a sidecar config, EngineConfig validation, device selection."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runner_service.config import EngineConfig, ModelArgs
+from model_families.llama.config import LlamaConfig
+from runner_service.config import EngineConfig
 from runner_service.device import select_device, torch_dtype
 from services.errors import InvalidArgument
 
@@ -19,10 +20,10 @@ SMOLLM2 = {
 
 
 def test_model_args_from_the_sidecar_config():
-    a = ModelArgs.from_config(SMOLLM2)
-    assert (a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) == (30, 576, 9, 3, 64)
+    a = LlamaConfig.from_dict(SMOLLM2)
+    assert (a.num_hidden_layers, a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (30, 576, 9, 3, 64)
     assert a.qkv_size == (9 + 2 * 3) * 64 and a.eos_token_ids == (2,) and a.rope_type == "default"
-    b = ModelArgs.from_config({**SMOLLM2, "eos_token_id": [2, 7], "rope_scaling": {
+    b = LlamaConfig.from_dict({**SMOLLM2, "eos_token_id": [2, 7], "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}})
     assert b.eos_token_ids == (2, 7) and b.rope_type == "llama3"
@@ -35,7 +36,7 @@ def test_model_args_from_the_sidecar_config():
 def test_model_args_reject_bad_configs(change):
     cfg = {k: v for k, v in {**SMOLLM2, **change}.items() if v is not None or k == "rope_scaling"}
     with pytest.raises(InvalidArgument):
-        ModelArgs.from_config(cfg)
+        LlamaConfig.from_dict(cfg)
 
 
 @pytest.mark.parametrize("bad", [
@@ -49,7 +50,7 @@ def test_engine_config_rejects_bad_values(bad):
 
 
 def test_context_length_defaults_and_limits():
-    args = ModelArgs.from_config(SMOLLM2)
+    args = LlamaConfig.from_dict(SMOLLM2)
     assert EngineConfig().resolved_max_model_len(args) == 2048
     assert EngineConfig(max_model_len=8192).resolved_max_model_len(args) == 8192
     with pytest.raises(InvalidArgument, match="max_position_embeddings"):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
+from runner_tiny import kv_bytes, tiny_args, tiny_config
 
+from model_families.llama import FAMILY as LLAMA
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.engine import LLMEngine
-from runner_service.model import LlamaWeights
 from runner_service.sampling_params import SamplingParams
 from services.errors import InvalidArgument
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices")
 
@@ -94,7 +96,7 @@ def test_reset_and_close_clear_buffers_and_cache_together():
 
 def test_engine_decode_reuses_buffers_for_100_steps_and_rebuilds_only_changed_rows():
     args = tiny_args()
-    eng = LLMEngine(args, LlamaWeights.random(args), tiny_config(kv_cache_bytes=kv_bytes(args, 200)))
+    eng = LLMEngine(args, LLAMA.random_weights(args), tiny_config(kv_cache_bytes=kv_bytes(args, 200)))
     runner = eng.runner
     seen = []  # (batch, data_ptrs of the inputs) per decode call
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
+from runner_tiny import kv_bytes, tiny_args, tiny_config
 
+from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
-from runner_service.model import LlamaWeights
 from runner_service.sampling_params import SamplingParams
 from runner_service.sequence import FinishReason
 from runner_service.tokenizer import Tokenizer
 from services.errors import InvalidArgument, ResourceExhausted
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARGS = tiny_args()
-WEIGHTS = LlamaWeights.random(ARGS, seed=5)
+WEIGHTS = LLAMA.random_weights(ARGS, seed=5)
 
 
 def _engine(args=ARGS, weights=WEIGHTS, tokenizer=None, **cfg):
@@ -172,7 +174,7 @@ def text_engine(smollm2_sidecar):
     """A tiny random model over SmolLM2's real tokenizer (vocabulary 49152)."""
     tok = Tokenizer.from_dir(smollm2_sidecar)
     args = tiny_args(vocab=49152, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16, eos=(2,))
-    return LLMEngine(args, LlamaWeights.random(args, seed=3), tiny_config(kv_cache_bytes=kv_bytes(args, 300)), tok)
+    return LLMEngine(args, LLAMA.random_weights(args, seed=3), tiny_config(kv_cache_bytes=kv_bytes(args, 300)), tok)
 
 
 def test_stop_strings_cut_the_text_and_are_never_streamed(text_engine):

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import hf_reference, one_torch_thread, tiny_args, weights_from_hf  # noqa: F401
+from runner_tiny import hf_reference, tiny_args, weights_from_hf
 
+from model_families.llama import FAMILY as LLAMA
 from runner_service.config import EngineConfig
 from runner_service.kv_cache import KVCache
 from runner_service.model_runner import ModelRunner
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -27,7 +30,7 @@ CASES = {
 
 def _runner(args, weights, num_blocks=64, block_size=4, max_num_seqs=4, dtype=torch.float32):
     cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=128, warmup=False)
-    kv = KVCache.allocate(args, num_blocks, block_size, dtype, torch.device("cpu"))
+    kv = KVCache(LLAMA.cache_specs(args, block_size), num_blocks, block_size, dtype, torch.device("cpu"))
     return ModelRunner(args, weights, kv, cfg, 128, torch.device("cpu"))
 
 

@@ -21,9 +21,9 @@ from runner_tiny import tiny_args, tiny_config
 
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.fingerprint import UNKNOWN
+from model_families.llama import FAMILY as LLAMA
 from runner_service import programs
 from runner_service.kv_cache import KVCache
-from runner_service.model import LlamaWeights
 from runner_service.model_runner import ModelRunner
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/: runner_tiny.py lives there
@@ -35,11 +35,11 @@ def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_
     """A runner over a tiny random model with a KV cache of ``NUM_BLOCKS`` random-filled blocks
     (deterministic in ``seed``), so attention reads real history from the pool."""
     args = tiny_args(vocab=96, hidden=32, inter=48, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=128)
-    weights = LlamaWeights.random(args, dtype=dtype, seed=seed)
-    kv = KVCache.allocate(args, NUM_BLOCKS, block_size, dtype, torch.device("cpu"))
+    weights = LLAMA.random_weights(args, dtype=dtype, seed=seed)
+    kv = KVCache(LLAMA.cache_specs(args, block_size), NUM_BLOCKS, block_size, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed + 1)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
+    kv.pools["k"].copy_(torch.randn(kv.pools["k"].shape, generator=g).to(dtype))
+    kv.pools["v"].copy_(torch.randn(kv.pools["v"].shape, generator=g).to(dtype))
     config = tiny_config(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                          dtype="bf16" if dtype == torch.bfloat16 else "f32", compile=compile, device="cpu")
     return ModelRunner(args, weights, kv, config, max_model_len, torch.device("cpu"))
@@ -82,8 +82,8 @@ def assert_compiled_matches_eager(compiled: ModelRunner, eager: ModelRunner, cas
             assert got.dtype == torch.float32
             torch.testing.assert_close(got[:active], want[:active], atol=atol, rtol=0)
             # block 0 is the scratch block: padding rows all write slot 0, in no defined order
-            torch.testing.assert_close(compiled.kv.k[:, 1:].float(), eager.kv.k[:, 1:].float(), atol=atol, rtol=0)
-            torch.testing.assert_close(compiled.kv.v[:, 1:].float(), eager.kv.v[:, 1:].float(), atol=atol, rtol=0)
+            torch.testing.assert_close(compiled.kv.pools["k"][:, 1:].float(), eager.kv.pools["k"][:, 1:].float(), atol=atol, rtol=0)
+            torch.testing.assert_close(compiled.kv.pools["v"][:, 1:].float(), eager.kv.pools["v"][:, 1:].float(), atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_tiny import one_torch_thread  # noqa: F401
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import FinishReason, Sequence
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 pytestmark = pytest.mark.slow
 

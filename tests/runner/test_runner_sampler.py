@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from runner_tiny import one_torch_thread  # noqa: F401
 
 from runner_service.sampler import Sampler, filter_logits
 from runner_service.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 

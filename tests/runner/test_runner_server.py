@@ -10,15 +10,17 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # noqa: F401
+from runner_tiny import kv_bytes, tiny_args, tiny_config
 
+from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
-from runner_service.model import LlamaWeights
 from runner_service.server import GenerationServicer, RunnerCollector
 from runner_service.tokenizer import Tokenizer
 from services.proto import generation_pb2 as pb
 from services.proto import generation_pb2_grpc
 from services.server import ServerConfig, ServiceServer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARGS = tiny_args(vocab=49152, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16, eos=(2,))
 KV_BLOCKS = 30  # 29 usable blocks of 4 tokens = 116 tokens; the context is 128
@@ -28,7 +30,7 @@ KV_BLOCKS = 30  # 29 usable blocks of 4 tokens = 116 tokens; the context is 128
 def served(smollm2_sidecar):
     tok = Tokenizer.from_dir(smollm2_sidecar)
     cfg = tiny_config(max_num_seqs=4, max_model_len=128, kv_cache_bytes=kv_bytes(ARGS, KV_BLOCKS), warmup=True)
-    engine = LLMEngine(ARGS, LlamaWeights.random(ARGS, seed=1), cfg, tok, model="tiny-random")
+    engine = LLMEngine(ARGS, LLAMA.random_weights(ARGS, seed=1), cfg, tok, model="tiny-random")
     engine.start()
     server = ServiceServer(ServerConfig(service="runner"), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, "r-test"),

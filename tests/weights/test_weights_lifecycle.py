@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from weights_tiny import write_tiny_checkpoint
 
+from model_families.llama import LlamaFamily
 from services.errors import FailedPrecondition, InvalidArgument
 from weight_service import residency
 from weight_service.loader import load_sidecar
 from weight_service.prepare import prepare
 from weight_service.sidecar import InvalidSidecar, validate_sidecar
 from weight_service.sources import resolve_source, source_fingerprint
-from weight_service.specs.llama import LlamaPackSpec
 
 
 @pytest.fixture
@@ -71,10 +71,10 @@ def test_stale_after_shard_size_changes_with_same_mtime(ckpt, tmp_path):
 
 def test_stale_after_packed_name_set_changes(ckpt, tmp_path, monkeypatch):
     first = prepare(str(ckpt), root=tmp_path / "sc")
-    shapes, globals_ = LlamaPackSpec.tensor_shapes, LlamaPackSpec.global_tensors
+    shapes, globals_ = LlamaFamily.tensor_shapes, LlamaFamily.global_tensors
     # A new layout version of the spec that adds one tensor.
-    monkeypatch.setattr(LlamaPackSpec, "tensor_shapes", lambda self, c: {**shapes(self, c), "rope_inv_freq": (4,)})
-    monkeypatch.setattr(LlamaPackSpec, "global_tensors",
+    monkeypatch.setattr(LlamaFamily, "tensor_shapes", lambda self, c: {**shapes(self, c), "rope_inv_freq": (4,)})
+    monkeypatch.setattr(LlamaFamily, "global_tensors",
                         lambda self, ck: {**globals_(self, ck), "rope_inv_freq": torch.arange(4.0)})
     with pytest.raises(InvalidSidecar, match="packed tensor-name set differs"):
         validate_sidecar(first.path)

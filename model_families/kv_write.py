@@ -11,7 +11,7 @@ re-inplaces ``auto_functionalized`` ops), so the compiled step writes ``B`` rows
 with it the compiled step is faster than eager (see ``bench/decode.py``).
 
 Loading an AOTInductor package that calls this op needs the op registered in the process: import
-this module first (:mod:`runner_service.model` and :mod:`runner_service.programs` do).
+this module first (:mod:`model_families.ops` and :mod:`runner_service.programs` do).
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import torch
 def kv_write_(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``values`` into layer ``layer`` of the pool ``cache`` at ``slots``, in place.
 
-    ``cache`` [L, num_blocks, block_size, nkv, hd] (compute dtype, contiguous); ``slots`` [T]
-    int64 slot ids (``block_id * block_size + offset``, each < ``num_blocks * block_size``);
-    ``values`` [T, nkv, hd] in ``cache``'s dtype. Same semantics as
-    ``cache[layer].view(-1, nkv, hd).index_copy_(0, slots, values)``; raises ``IndexError`` /
+    ``cache`` [L, num_blocks, block_size, *row] (compute dtype, contiguous; Llama's row is
+    ``(nkv, hd)``); ``slots`` [T] int64 slot ids (``block_id * block_size + offset``, each
+    < ``num_blocks * block_size``); ``values`` [T, *row] in ``cache``'s dtype. Same semantics as
+    ``cache[layer].view(-1, *row).index_copy_(0, slots, values)``; raises ``IndexError`` /
     ``RuntimeError`` from ``index_copy_`` for an out-of-range slot.
     """
-    nkv, hd = cache.shape[-2:]
-    cache[layer].view(-1, nkv, hd).index_copy_(0, slots, values)
+    cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, values)
 
 
 @kv_write_.register_fake

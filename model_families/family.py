@@ -1,0 +1,290 @@
+"""The model-family contract: everything the packer, the runner, the compiled programs and the
+program fingerprint need to know about one architecture family, and nothing else knows.
+
+A family (``model_families/<name>/``) provides one :class:`ModelFamily` object:
+
+============================  ==================================================================
+part                          methods
+============================  ==================================================================
+config (one schema)           :attr:`~ModelFamily.config_class`, :meth:`~ModelFamily.config_from_hf`
+                              (HF ``config.json`` semantics; the GGUF reader translates its
+                              metadata to the same dict), :meth:`~ModelFamily.config_from_dict`
+                              (the sidecar's stored ``config.json``)
+pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_shapes` (the ONE statement of the
+                              layout), :meth:`~ModelFamily.global_tensors`,
+                              :meth:`~ModelFamily.layer_tensors`, :attr:`~ModelFamily.pack_version`
+weights                       :meth:`~ModelFamily.load_weights` (checked against
+                              :meth:`~ModelFamily.tensor_shapes`), :meth:`~ModelFamily.random_weights`
+KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns
+forward                       :meth:`~ModelFamily.build_model` -> a :class:`FamilyModel` (prefill
+                              and decode are one ``forward``)
+decode program                :meth:`~ModelFamily.decode_module` (what AOTInductor compiles and
+                              what eager decode calls: one function) and
+                              :meth:`~ModelFamily.program_sources` (the code in its fingerprint)
+============================  ==================================================================
+
+The step contract every :class:`FamilyModel` implements (B rows, S tokens per row, nb blocks per
+row; every integer tensor int64)::
+
+    forward(caches, input_ids[B, S], positions[B, S], slot_mapping[B, S], block_tables[B, nb],
+            seq_lens[B], last_index[B]) -> logits[B, V] float32
+
+``caches`` is the tuple of block pools in :meth:`ModelFamily.cache_specs` order, each
+``[layers, num_blocks, *block_shape]``, mutated in place. Slot ``s`` of a pool is row
+``s % block_size`` of block ``s // block_size``; block 0 is the runner's scratch block (padding
+rows write there and padding block-table entries point at it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
+from types import ModuleType
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from services.errors import InvalidArgument
+
+
+class Checkpoint(Protocol):
+    """What a pack spec reads from: a checkpoint under Hugging Face tensor names in HF layout
+    (``[out, in]`` matrices, q/k rows in HF rotary order), whatever its file format.
+
+    ``tensor`` returns a float32 / bfloat16 / float16 CPU tensor and raises ``InvalidArgument``
+    for a name the checkpoint lacks; ``has`` says whether it holds a name; ``config`` is the
+    family config the reader built (:meth:`ModelFamily.config_from_hf`).
+    """
+
+    config: FamilyConfig
+
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    """Base of a family's architecture config: a frozen dataclass whose fields are the sidecar's
+    ``config.json`` keys (Hugging Face names and semantics). Subclasses validate in
+    ``__post_init__`` (raising ``InvalidArgument``) and must define ``vocab_size``,
+    ``max_position_embeddings``, ``num_hidden_layers`` and ``architecture`` fields and the
+    :attr:`eos_token_ids` property (the engine's generic needs)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict with exactly the dataclass fields."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces): stable across runs, fit for a fingerprint."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a generation (empty when the model has none)."""
+        return ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FamilyConfig:
+        """Build from a dict with this class's keys: fields without a default are required, extra
+        keys are ignored. Raises ``InvalidArgument`` when a required key is missing or a value is
+        invalid."""
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise InvalidArgument(f"model config lacks {', '.join(repr(n) for n in missing)}")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except InvalidArgument:
+            raise
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"model config has a bad value: {e}") from e
+
+
+
+def check_positive_ints(config: FamilyConfig, names: tuple[str, ...]) -> None:
+    """Raise ``InvalidArgument`` unless every field in ``names`` is a positive ``int`` (bools
+    excluded)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgument(f"model config {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One block pool of the KV cache: a tensor ``[layers, num_blocks, *block_shape]`` in the
+    compute dtype, zero-initialised. ``block_shape`` includes the block's token dim (e.g. Llama's
+    K pool: ``(block_size, num_key_value_heads, head_dim)``). A family with no per-token state
+    declares no pools."""
+
+    name: str
+    layers: int
+    block_shape: tuple[int, ...]
+
+    def bytes_per_block(self, dtype: torch.dtype) -> int:
+        """Bytes one block of this pool takes across its layers."""
+        return self.layers * math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class FamilyWeights:
+    """Mixin for a family's weights dataclass: tensor fields (``None`` allowed for optional
+    ones). Tensors that share storage (a tied head) stay shared through :meth:`to`."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Field name -> tensor, ``None`` fields left out, shared tensors listed under each name."""
+        return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}  # type: ignore[arg-type]
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> FamilyWeights:
+        """A copy in ``dtype`` on ``device`` (``self`` when every tensor already is); tensors that
+        were one object stay one object."""
+        items = self.tensors()
+        if all(t.dtype == dtype and t.device == device for t in items.values()):
+            return self
+        done: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, t in items.items():
+            if id(t) not in done:
+                done[id(t)] = t.to(device=device, dtype=dtype)
+            out[name] = done[id(t)]
+        return type(self)(**out)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first tensor (all share it)."""
+        return next(iter(self.tensors().values())).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors().values())).device
+
+    def nbytes(self) -> int:
+        """Bytes of distinct weight storage (a tied head counts once)."""
+        seen, total = set(), 0
+        for t in self.tensors().values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+class FamilyModel(nn.Module):
+    """A family's model, built by :meth:`ModelFamily.build_model`: weights and derived tables
+    (RoPE, ...) are registered as non-persistent buffers (the runner's tensors, not copies), so
+    an exported program receives them as constants. ``forward`` follows the step contract in the
+    module docstring."""
+
+    config: FamilyConfig
+
+    def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                last_index: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DecodeStep(nn.Module):
+    """One decode step (one token per row) of a :class:`FamilyModel`: the function eager decode
+    calls and the module AOTInductor compiles, so the two cannot drift::
+
+        forward(caches, input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb],
+                seq_lens[B]) -> logits[B, V] float32
+    """
+
+    def __init__(self, model: FamilyModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return self.model(caches, input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
+                          seq_lens, torch.zeros_like(input_ids))
+
+
+class ModelFamily(ABC):
+    """One architecture family (see the module docstring for the parts).
+
+    Class attributes: ``name`` (the sidecar's ``warmserve.family``, e.g. ``"llama"``),
+    ``architectures`` (HF architecture names it serves), ``pack_version`` (changes whenever the
+    sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
+    ``config_class`` (a :class:`FamilyConfig` subclass).
+    """
+
+    name: ClassVar[str]
+    architectures: ClassVar[frozenset[str]]
+    pack_version: ClassVar[str]
+    config_class: ClassVar[type[FamilyConfig]]
+
+    # -- config ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
+                       ) -> FamilyConfig:
+        """The config from an HF ``config.json`` dict (``architectures`` list or our
+        ``architecture`` key); ``has_tensor`` answers whether the checkpoint holds a tensor name
+        (for facts a config may leave out, such as biases). Raises ``InvalidArgument``."""
+
+    def config_from_dict(self, data: Mapping[str, Any]) -> FamilyConfig:
+        """The config from the sidecar's own ``config.json`` (this family's schema)."""
+        return self.config_class.from_dict(data)
+
+    # -- pack spec -------------------------------------------------------------------------
+
+    @abstractmethod
+    def tensor_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
+        """Every sidecar tensor name to its full shape; stacked ones lead with the layer count
+        and are named ``layers.*``. The one statement of the layout: the packer writes it, the
+        sidecar validator checks it and :meth:`load_weights` reads it."""
+
+    def stacked_names(self, config: FamilyConfig) -> list[str]:
+        """The names whose first dim is the layer index (``layers.*``)."""
+        return [n for n in self.tensor_shapes(config) if n.startswith("layers.")]
+
+    @abstractmethod
+    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+        """The tensors that are not per layer, at their full shapes."""
+
+    @abstractmethod
+    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s slice of each stacked tensor (its shape without the leading dim)."""
+
+    # -- runner ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def load_weights(self, config: FamilyConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> FamilyWeights:
+        """The runner's weights from sidecar tensors (zero-copy when dtype and device match).
+        Raises ``InvalidArgument`` for a missing name or a shape that differs from
+        :meth:`tensor_shapes`."""
+
+    def random_weights(self, config: FamilyConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                       device: torch.device | str = "cpu") -> FamilyWeights:
+        """Random weights (normal, std 0.02; ``*norm`` tensors near 1) in the sidecar layout, for
+        tests of the serving path."""
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, shape in self.tensor_shapes(config).items():
+            t = torch.randn(shape, generator=g)
+            tensors[name] = 1.0 + 0.1 * t if name.endswith("norm") else 0.02 * t
+        return self.load_weights(config, tensors, dtype, torch.device(device))
+
+    @abstractmethod
+    def cache_specs(self, config: FamilyConfig, block_size: int) -> tuple[CacheSpec, ...]:
+        """The KV-cache block pools this family's model reads and writes (possibly none)."""
+
+    @abstractmethod
+    def build_model(self, config: FamilyConfig, weights: FamilyWeights, max_model_len: int) -> FamilyModel:
+        """The model over ``weights`` (no copies) for contexts up to ``max_model_len`` tokens."""
+
+    def decode_module(self, model: FamilyModel) -> nn.Module:
+        """The decode step module (eager and compiled). Default: :class:`DecodeStep`."""
+        return DecodeStep(model)
+
+    @abstractmethod
+    def program_sources(self) -> list[ModuleType]:
+        """Modules whose code is traced into the decode program; their canonical AST enters the
+        program fingerprint, so an edit to any of them invalidates cached programs."""

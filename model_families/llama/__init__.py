@@ -1,0 +1,60 @@
+"""The Llama model family (Llama 2/3, SmolLM2, Mistral, Qwen2): config
+(:mod:`~model_families.llama.config`), sidecar layout (:mod:`~model_families.llama.pack`) and
+forward (:mod:`~model_families.llama.model`), tied together by :class:`LlamaFamily`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from model_families import family as _family
+from model_families import kv_write, ops
+from model_families.family import CacheSpec, Checkpoint, ModelFamily
+from model_families.llama import config as _config
+from model_families.llama import model as _model
+from model_families.llama import pack as _pack
+from model_families.llama.config import ARCHITECTURES, LlamaConfig
+from model_families.llama.model import LlamaModel, LlamaWeights
+
+
+class LlamaFamily(ModelFamily):
+    """RMSNorm + RoPE + GQA + SwiGLU decoder; one K and one V block pool per layer."""
+
+    name = "llama"
+    architectures = ARCHITECTURES
+    pack_version = _pack.PACK_VERSION
+    config_class = LlamaConfig
+
+    def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
+                       ) -> LlamaConfig:
+        return _config.config_from_hf(hf, has_tensor)
+
+    def tensor_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        return _pack.tensor_shapes(config)
+
+    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+        return _pack.global_tensors(ckpt)
+
+    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
+        return _pack.layer_tensors(ckpt, layer)
+
+    def load_weights(self, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> LlamaWeights:
+        return LlamaWeights.from_tensors(tensors, config, dtype, device)
+
+    def cache_specs(self, config: LlamaConfig, block_size: int) -> tuple[CacheSpec, ...]:
+        """K and V pools, each ``[L, num_blocks, block_size, nkv, hd]``."""
+        block = (block_size, config.num_key_value_heads, config.head_dim)
+        return (CacheSpec("k", config.num_hidden_layers, block), CacheSpec("v", config.num_hidden_layers, block))
+
+    def build_model(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int) -> LlamaModel:
+        return LlamaModel(config, weights, max_model_len)
+
+    def program_sources(self) -> list[ModuleType]:
+        return [_model, _config, _pack, ops, kv_write, _family]
+
+
+FAMILY = LlamaFamily()

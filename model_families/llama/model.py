@@ -1,0 +1,164 @@
+"""The Llama-family forward pass, computed directly on the sidecar's stacked tensors.
+
+Written gpt-fast style: plain PyTorch, state passed explicitly, no Python control flow on tensor
+values, so :meth:`LlamaModel.forward` can be exported and compiled as is. Shapes per call:
+``[B, S]`` tokens (``S`` = 1 for decode) and ``[B, nb]`` block tables.
+
+Math follows transformers' ``modeling_llama.py`` (the reference in the tests):
+
+- RMSNorm in float32 (:func:`model_families.ops.rms_norm`);
+- RoPE in the HF ``rotate_half`` convention, cos/sin computed in float32 from
+  ``inv_freq = 1 / theta^(2i/hd)`` (optionally rescaled, see :func:`rope_inv_freq`) then cast to
+  the compute dtype;
+- GQA attention (``nh`` query heads share ``nkv`` K/V heads) with scale ``1/sqrt(hd)``;
+- SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; gate rows come first in ``gate_up_proj``.
+
+Paged attention: K/V of the step's tokens are written into the block pools in place at
+``slot_mapping``, then each sequence's blocks are read through its block-table row
+(:func:`model_families.ops.paged_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_families.family import FamilyModel, FamilyWeights
+from model_families.llama.config import LlamaConfig
+from model_families.llama.pack import tensor_shapes
+from model_families.ops import apply_rope, paged_attention, rms_norm, write_kv
+from services.errors import InvalidArgument
+
+
+@dataclass
+class LlamaWeights(FamilyWeights):
+    """The model's tensors, stacked across layers (the sidecar layout of
+    :mod:`model_families.llama.pack`, ``layers.`` prefix dropped). L layers, H hidden.
+
+    ``embed_tokens`` [V, H]; ``lm_head`` [V, H] (the same tensor as ``embed_tokens`` when tied);
+    ``final_norm`` [H]; ``input_norm`` / ``post_attn_norm`` [L, H]; ``qkv_proj``
+    [L, (nh + 2 nkv) hd, H] (q rows, then k, then v); ``qkv_bias`` [L, (nh + 2 nkv) hd] or None;
+    ``o_proj`` [L, H, nh hd]; ``gate_up_proj`` [L, 2 I, H] (gate then up); ``down_proj`` [L, H, I].
+    All in the compute dtype, on the compute device.
+    """
+
+    embed_tokens: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    qkv_proj: torch.Tensor
+    o_proj: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype,
+                     device: torch.device) -> LlamaWeights:
+        """Take the sidecar's tensors (zero-copy when dtype and device already match; otherwise
+        one converted copy each). Raises ``InvalidArgument`` on a missing name or wrong shape."""
+        out = {}
+        for name, shape in tensor_shapes(config).items():
+            if name not in tensors:
+                raise InvalidArgument(f"sidecar lacks tensor {name!r}")
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                raise InvalidArgument(f"sidecar tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            out[name.removeprefix("layers.")] = t.to(device=device, dtype=dtype)
+        if "lm_head" not in out:
+            out["lm_head"] = out["embed_tokens"]
+        return cls(**out)
+
+
+def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [hd / 2], float32: ``1 / theta ** (arange(0, hd, 2) / hd)``, then the
+    scaling of ``c.rope_scaling``: ``linear`` divides by ``factor``; ``llama3`` follows
+    transformers' ``_compute_llama3_parameters`` (Llama 3.1: low frequencies divided by
+    ``factor``, high kept, the band between smoothly interpolated)."""
+    hd = c.head_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    kind, sc = c.rope_type, c.rope_scaling or {}
+    if kind == "linear":
+        return inv_freq / float(sc["factor"])
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(c: LlamaConfig, max_len: int, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_len, hd], float32, rows indexed by position (HF layout: the
+    ``hd/2`` frequencies repeated twice)."""
+    inv_freq = rope_inv_freq(c)
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+class LlamaModel(FamilyModel):
+    """The Llama forward over :class:`LlamaWeights` (registered as buffers, no copies) and RoPE
+    tables ``cos_table`` / ``sin_table`` [max_model_len, hd] float32. Caches: ``(k, v)``, each
+    [L, num_blocks, block_size, nkv, hd] in the compute dtype."""
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self._has_bias = weights.qkv_bias is not None
+        for name, tensor in weights.tensors().items():
+            self.register_buffer(name, tensor, persistent=False)
+        cos, sin = rope_cos_sin(config, max_model_len, weights.device)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                last_index: torch.Tensor) -> torch.Tensor:
+        """One model step over a padded batch; writes K/V in place and returns next-token logits.
+
+        Args (B rows, S tokens per row, nb blocks per row; integer tensors int64):
+            caches: ``(k_cache, v_cache)``, each [L, num_blocks, block_size, nkv, hd] (mutated).
+            input_ids: [B, S] token ids; positions: [B, S] absolute positions.
+            slot_mapping: [B, S] KV slot of each token (padding tokens: a scratch-block slot).
+            block_tables: [B, nb]; seq_lens: [B] context length after this step.
+            last_index: [B] index in ``S`` of the token whose logits are wanted.
+        Returns:
+            logits [B, V] float32 for the token at ``last_index`` of each row.
+        """
+        k_cache, v_cache = caches
+        c = self.config
+        B, S = input_ids.shape
+        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        dtype = self.embed_tokens.dtype
+        slots = slot_mapping.reshape(-1)
+        cos = self.cos_table[positions].to(dtype)
+        sin = self.sin_table[positions].to(dtype)
+        h = F.embedding(input_ids, self.embed_tokens)
+        for i in range(c.num_hidden_layers):
+            x = rms_norm(h, self.input_norm[i], eps)
+            qkv = F.linear(x, self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None)
+            q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+            q = apply_rope(q.view(B, S, nh, hd), cos, sin)
+            k = apply_rope(k.view(B, S, nkv, hd), cos, sin)
+            write_kv(k_cache, i, slots, k.reshape(B * S, nkv, hd))
+            write_kv(v_cache, i, slots, v.reshape(B * S, nkv, hd))
+            attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
+            h = h + F.linear(attn.reshape(B, S, nh * hd), self.o_proj[i])
+            x = rms_norm(h, self.post_attn_norm[i], eps)
+            gate, up = F.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, self.down_proj[i])
+        last = h[torch.arange(B, device=h.device), last_index]
+        return F.linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()

@@ -1,1 +1,0 @@
-"""Per-family pack specs (see :mod:`weight_service.pack_spec`)."""
