@@ -15,9 +15,7 @@ from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import FinishReason, Sequence
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TEXT_PROMPTS = [
     "The capital of France is",
