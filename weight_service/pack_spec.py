@@ -4,11 +4,12 @@ A :class:`PackSpec` names every tensor of the sidecar and its shape (from the co
 the name set and the file header are known before any weight is read), and produces the values:
 the global tensors once, and each per-layer tensor layer by layer (stacked on disk as
 ``[num_layers, ...]``). The registry maps family names and HF architectures to specs; DeepSeek V4
-is added by writing ``specs/deepseek_v4.py`` and listing it in :data:`_SPECS`.
+is added by writing ``specs/deepseek_v4.py`` and listing it in :func:`_specs`.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -46,26 +47,25 @@ class PackSpec(ABC):
         """Layer ``layer``'s slice of each stacked tensor (its shape without the leading dim)."""
 
 
+@functools.cache
 def _specs() -> dict[str, PackSpec]:
+    # Built on first use, not at import: ``specs/llama.py`` imports this module.
     from weight_service.specs.llama import LlamaPackSpec
 
     return {spec.name: spec for spec in (LlamaPackSpec(),)}
 
 
-_SPECS = _specs()
-
-
 def get_spec(family: str) -> PackSpec:
     """The spec named ``family``; ``InvalidArgument`` when unknown."""
     try:
-        return _SPECS[family]
+        return _specs()[family]
     except KeyError:
-        raise InvalidArgument(f"unknown pack-spec family {family!r} (known: {', '.join(sorted(_SPECS))})") from None
+        raise InvalidArgument(f"unknown pack-spec family {family!r} (known: {', '.join(sorted(_specs()))})") from None
 
 
 def spec_for_architecture(architecture: str) -> PackSpec:
     """The spec that packs HF ``architecture`` (``LlamaForCausalLM``); ``InvalidArgument`` when none."""
-    for spec in _SPECS.values():
+    for spec in _specs().values():
         if architecture in spec.architectures:
             return spec
     raise InvalidArgument(f"no pack spec for architecture {architecture!r}")
