@@ -124,8 +124,8 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
 
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute."""
-    from services.router.config import RouterConfig
-    from services.router.server import RouterServer
+    from router_service.config import RouterConfig
+    from router_service.server import RouterServer
     from services.server import ServerConfig, ServiceServer
 
     class Instant(generation_pb2_grpc.GenerationServicer):

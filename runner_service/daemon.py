@@ -90,7 +90,7 @@ def serve_from_args(args) -> int:
         log.info("ready", extra={"address": server.address, "runner_id": servicer.runner_id,
                                  "startup": engine.startup_report.line()})
         if args.router:
-            from services.router.registration import RunnerRegistration
+            from runner_service.registration import RunnerRegistration
 
             registration = RunnerRegistration(
                 args.router, runner_id=servicer.runner_id, address=server.address, model=args.model,

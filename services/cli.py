@@ -22,7 +22,7 @@ COMMAND_MODULES = (
     "kernel_cache_service.cli",
     "weight_service.cli",
     "runner_service.cli",
-    "services.router.cli",
+    "router_service.cli",
     "services.stack_cli",
 )
 

@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router_service.config import RouterConfig
 from services.errors import InvalidArgument
-from services.router.config import RouterConfig
 
 
 class RunnerState(enum.Enum):

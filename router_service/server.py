@@ -1,4 +1,4 @@
-"""gRPC adapters over :class:`services.router.router.Router`, and the router daemon object.
+"""gRPC adapters over :class:`router_service.router.Router`, and the router daemon object.
 
 The servicers only translate: protobuf in, core call, protobuf out, and
 :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
@@ -11,11 +11,11 @@ from __future__ import annotations
 import grpc
 from prometheus_client.core import GaugeMetricFamily
 
+from router_service.config import RouterConfig
+from router_service.registry import RunnerLoad, RunnerState
+from router_service.router import Router
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.config import RouterConfig
-from services.router.registry import RunnerLoad, RunnerState
-from services.router.router import Router
 from services.server import ServerConfig, ServiceServer
 
 #: A client without a deadline shows up as a remaining time of about the epoch's age.

@@ -41,9 +41,9 @@ def register(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from router_service.config import RouterConfig
+    from router_service.server import RouterServer
     from services.log import configure_logging
-    from services.router.config import RouterConfig
-    from services.router.server import RouterServer
     from services.server import config_from_args
 
     configure_logging("router", args.log_level)

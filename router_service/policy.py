@@ -9,7 +9,7 @@
   virtual nodes at ``blake2b(runner_id#i)``; a key goes to the first node clockwise whose runner
   is a candidate.
 
-Policies are called by :meth:`services.router.registry.RunnerRegistry.acquire` under its lock,
+Policies are called by :meth:`router_service.registry.RunnerRegistry.acquire` under its lock,
 with the READY candidates sorted by id (never empty).
 """
 
@@ -22,10 +22,10 @@ import struct
 import threading
 from collections.abc import Sequence
 
+from router_service.config import RouterConfig
+from router_service.registry import Chooser, Runner
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
-from services.router.config import RouterConfig
-from services.router.registry import Chooser, Runner
 
 
 def prompt_block_key(request: generation_pb2.GenerateRequest, *, block_tokens: int, block_bytes: int) -> bytes:
