@@ -90,7 +90,7 @@ def _aligned_gaps(a: list[float], b: list[float], max_shift: int = 3) -> tuple[i
 
 
 def bench_real(tokens: int, rounds: int, home: Path) -> dict:
-    from services.stack import LocalStack, StackConfig
+    from warmserve.stack import LocalStack, StackConfig
 
     cfg = StackConfig(runners=1, base_port=0, home=home, compile="off", max_num_seqs=8)
     request = generation_pb2.GenerateRequest(

@@ -2,7 +2,7 @@
 
 Exits 0 when ``grpc.health.v1.Health/Check`` answers SERVING, 1 otherwise (NOT_SERVING, an
 error, or no answer within the timeout), printing one line. Used by ``compose.yaml``
-healthchecks (``grpc_health_probe`` is not installable here) and by :mod:`services.stack`.
+healthchecks (``grpc_health_probe`` is not installable here) and by :mod:`warmserve.stack`.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def daemon(tmp_path: Path):
         root, log = tmp_path / f"daemon-root-{n}", tmp_path / f"daemon-{n}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
+                [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
                 stdout=subprocess.DEVNULL, stderr=err, env=child_env(), cwd=REPO,
             )
         procs.append(proc)

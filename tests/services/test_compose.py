@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from services.client import GenerationClient, chat_request, sampling_params
-from services.stack import _free_port
+from warmserve.stack import _free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """``warmserve up | generate | chat | status | demo``: the local stack and its clients.
 
 ``up`` starts kernel-cache, weights, N runners and the router as child processes (see
-:class:`services.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
+:class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
 (the router by default); ``status`` shows the router's runners and the health of each service;
 ``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
 """
@@ -74,13 +74,13 @@ def register(subparsers) -> None:
 
 
 def _stack_config(args: argparse.Namespace):
-    from services.stack import StackConfig
+    from warmserve.stack import StackConfig
 
     return StackConfig.from_args(args)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.stack import run_up
+    from warmserve.stack import run_up
 
     return run_up(_stack_config(args))
 
@@ -122,7 +122,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import sys
 
-    from services.stack import print_status
+    from warmserve.stack import print_status
 
     services = {}
     for item in args.service:
@@ -136,6 +136,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from services.demo import run_demo
+    from warmserve.demo import run_demo
 
     return run_demo(_stack_config(args), max_tokens=args.max_tokens)

@@ -23,7 +23,7 @@ COMMAND_MODULES = (
     "weight_service.cli",
     "runner_service.cli",
     "router_service.cli",
-    "services.stack_cli",
+    "warmserve.stack_cli",
 )
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.client import GenerationClient, chat_request, sampling_params
-from services.stack import LocalStack, StackConfig, format_startup_report, print_status
+from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status
 
 DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

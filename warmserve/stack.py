@@ -1,7 +1,7 @@
 """The local stack: kernel-cache, weights, N runners and the router as child processes.
 
 :class:`LocalStack` is what ``warmserve up``, ``warmserve demo`` and the end-to-end tests share.
-``start()`` launches ``python -m services.cli ...`` children on loopback, in dependency order:
+``start()`` launches ``python -m warmserve.cli ...`` children on loopback, in dependency order:
 
 1. kernel-cache (``base_port + 1``), weights (``base_port + 2``) and the router (``base_port``),
    waiting until each answers SERVING on ``grpc.health.v1``;
@@ -86,7 +86,7 @@ class StackConfig:
 
     @classmethod
     def from_args(cls, args) -> StackConfig:
-        """From the ``up``/``demo`` flags of :mod:`services.stack_cli`."""
+        """From the ``up``/``demo`` flags of :mod:`warmserve.stack_cli`."""
         return cls(runners=args.runners, model=args.model, base_port=args.base_port,
                    home=Path(args.home).expanduser().resolve() if args.home else None,
                    compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs, policy=args.policy)
@@ -181,7 +181,7 @@ class LocalStack:
     # --- commands -----------------------------------------------------------------------------
 
     def _cli(self, *args: str) -> list[str]:
-        return [self.config.python, "-m", "services.cli", *args]
+        return [self.config.python, "-m", "warmserve.cli", *args]
 
     def _service_argv(self, name: str) -> list[str]:
         cfg, port = self.config, self.address(name).rpartition(":")[2]
