@@ -126,7 +126,7 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute."""
     from router_service.config import RouterConfig
     from router_service.server import RouterServer
-    from services.server import ServerConfig, ServiceServer
+    from services.bootstrap import ServerConfig, ServiceServer
 
     class Instant(generation_pb2_grpc.GenerationServicer):
         def Generate(self, request, context):

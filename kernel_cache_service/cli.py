@@ -24,8 +24,8 @@ import os
 import time
 
 from kernel_cache_service.fingerprint import UNKNOWN
+from services.bootstrap import add_server_args, read_token_file
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.server import add_server_args, read_token_file
 
 DEFAULT_PORT = 50051
 ADDR_ENV = "WARMSERVE_KERNEL_CACHE_ADDR"

@@ -37,12 +37,12 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.server import entry_from_proto
 from kernel_cache_service.store import KernelStore
+from services.bootstrap import bearer_metadata
 from services.channel import open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
 from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import bearer_metadata
 
 __all__ = ["EntryInfo", "KernelCacheClient"]
 

@@ -20,10 +20,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kernel_cache_service.artifact import CorruptArtifact
 from kernel_cache_service.entry import EntryInfo, PublishResult
 from kernel_cache_service.store import COUNTERS, KernelStore
+from services.bootstrap import ServerConfig, ServiceServer, config_from_args
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import ServerConfig, ServiceServer, config_from_args
 
 log = logging.getLogger(__name__)
 

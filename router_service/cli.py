@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
 
     serve = sub.add_parser("serve", help="run the router daemon")
-    from services.server import add_server_args
+    from services.bootstrap import add_server_args
 
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
@@ -43,8 +43,8 @@ def register(subparsers) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from router_service.config import RouterConfig
     from router_service.server import RouterServer
+    from services.bootstrap import config_from_args
     from services.log import configure_logging
-    from services.server import config_from_args
 
     configure_logging("router", args.log_level)
     config = RouterConfig(

@@ -2,7 +2,7 @@
 
 The servicers only translate: protobuf in, core call, protobuf out, and
 :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
-behind the shared :class:`services.server.ServiceServer` bootstrap (health, reflection, metrics,
+behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
 drain) and exports per-runner gauges.
 """
 
@@ -14,9 +14,9 @@ from prometheus_client.core import GaugeMetricFamily
 from router_service.config import RouterConfig
 from router_service.registry import RunnerLoad, RunnerState
 from router_service.router import Router
+from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 
 #: A client without a deadline shows up as a remaining time of about the epoch's age.
 _NO_DEADLINE_S = 1e8

@@ -26,7 +26,7 @@ def _positive_int(text: str) -> int:
 
 def register(subparsers) -> None:
     """Add ``runner serve`` to the ``warmserve`` parser."""
-    from services.server import add_server_args
+    from services.bootstrap import add_server_args
 
     runner = subparsers.add_parser("runner", help="the data-plane runner (Generation service)")
     sub = runner.add_subparsers(dest="runner_command", metavar="SUBCOMMAND", required=True)

@@ -65,9 +65,9 @@ def obtain_sidecar(model: str, dtype: str, *, weights: str | None, sidecar_dir: 
 
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
+    from services.bootstrap import ServiceServer, config_from_args
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
-    from services.server import ServiceServer, config_from_args
 
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)

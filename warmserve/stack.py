@@ -328,7 +328,7 @@ class LocalStack:
 
     def startup_report(self, index: int):
         """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
-        from services.client import GenerationClient
+        from services.generation_client import GenerationClient
 
         with GenerationClient(self.runners[index].address) as client:
             return client.model_info()

@@ -86,7 +86,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from services.client import sampling_params
+    from services.generation_client import sampling_params
 
     return sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed)
@@ -95,7 +95,7 @@ def _sampling(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> int:
     import sys
 
-    from services.client import GenerationClient, chat_request, text_request
+    from services.generation_client import GenerationClient, chat_request, text_request
 
     if args.raw:
         request = text_request(args.prompt, _sampling(args))
@@ -112,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from services.client import GenerationClient, interactive_chat
+    from services.generation_client import GenerationClient, interactive_chat
 
     with GenerationClient(args.addr) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,

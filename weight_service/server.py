@@ -15,9 +15,9 @@ import queue
 import threading
 from pathlib import Path
 
+from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
 from weight_service.handle_proto import handle_to_proto, progress_to_proto
 from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state

@@ -13,8 +13,8 @@ from kc_workers import REPO, child_env
 
 from kernel_cache_service.server import build_server
 from kernel_cache_service.store import KernelStore
+from services.bootstrap import ServerConfig
 from services.procs import wait_for_log_record
-from services.server import ServerConfig
 
 WORKERS = Path(__file__).with_name("kc_workers.py")
 

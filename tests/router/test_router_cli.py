@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from fake_runner import FakeRunner
 
-from services.client import GenerationClient, sampling_params
-from services.client import interactive_chat as chat_loop
+from services.generation_client import GenerationClient, sampling_params
+from services.generation_client import interactive_chat as chat_loop
 from services.healthcheck import check_health
 from services.healthcheck import main as probe_main
 from warmserve import cli

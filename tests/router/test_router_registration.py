@@ -11,10 +11,10 @@ from fake_runner import FakeRunner
 from router_service.config import RouterConfig
 from router_service.server import RouterServer, advertised_address
 from runner_service.registration import RunnerRegistration
+from services.bootstrap import ServerConfig
 from services.channel import open_channel
 from services.errors import InvalidArgument
 from services.proto import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.server import ServerConfig
 
 
 def _wait(cond, timeout_s: float = 5.0) -> bool:

@@ -16,9 +16,9 @@ from runner_service.engine import LLMEngine
 from runner_service.model import LlamaWeights
 from runner_service.server import GenerationServicer, RunnerCollector
 from runner_service.tokenizer import Tokenizer
+from services.bootstrap import ServerConfig, ServiceServer
 from services.proto import generation_pb2 as pb
 from services.proto import generation_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 
 ARGS = tiny_args(vocab=49152, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16, eos=(2,))
 KV_BLOCKS = 30  # 29 usable blocks of 4 tokens = 116 tokens; the context is 128

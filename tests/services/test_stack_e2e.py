@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import GenerationClient, chat_request, sampling_params
+from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
 from warmserve.stack import LocalStack, StackConfig, list_runners

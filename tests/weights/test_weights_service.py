@@ -12,9 +12,9 @@ import grpc
 import pytest
 from weights_tiny import write_tiny_checkpoint
 
+from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument, NotFound, Unauthenticated
 from services.proto import weights_pb2, weights_pb2_grpc
-from services.server import ServerConfig
 from weight_service.client import WeightsClient
 from weight_service.server import build_server
 from weight_service.sidecar import validate_sidecar
