@@ -125,7 +125,7 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute."""
     from router_service.config import RouterConfig
-    from router_service.server import RouterServer
+    from router_service.servicer import RouterServer
     from services.bootstrap import ServerConfig, ServiceServer
 
     class Instant(generation_pb2_grpc.GenerationServicer):

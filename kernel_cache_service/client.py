@@ -35,7 +35,7 @@ from kernel_cache_service.artifact import (
 from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, PublishResult
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
-from kernel_cache_service.server import entry_from_proto
+from kernel_cache_service.servicer import entry_from_proto
 from kernel_cache_service.store import KernelStore
 from services.bootstrap import bearer_metadata
 from services.channel import open_channel

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from router_service.config import RouterConfig
-    from router_service.server import RouterServer
+    from router_service.servicer import RouterServer
     from services.bootstrap import config_from_args
     from services.log import configure_logging
 

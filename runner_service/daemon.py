@@ -78,7 +78,7 @@ def serve_from_args(args) -> int:
     engine = LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
     registration = None
     try:
-        from runner_service.server import GenerationServicer, RunnerCollector
+        from runner_service.servicer import GenerationServicer, RunnerCollector
 
         engine.start()
         servicer = GenerationServicer(engine, config.runner_id)

@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.bootstrap import ServiceServer, config_from_args
     from services.log import configure_logging
     from services.paths import default_sidecar_root
-    from weight_service.server import build_server
+    from weight_service.servicer import build_server
 
     configure_logging("weights")
     root = Path(args.root).expanduser() if args.root else default_sidecar_root()

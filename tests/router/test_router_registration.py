@@ -9,7 +9,7 @@ import pytest
 from fake_runner import FakeRunner
 
 from router_service.config import RouterConfig
-from router_service.server import RouterServer, advertised_address
+from router_service.servicer import RouterServer, advertised_address
 from runner_service.registration import RunnerRegistration
 from services.bootstrap import ServerConfig
 from services.channel import open_channel

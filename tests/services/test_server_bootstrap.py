@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kernel_cache_service.server import PROTECTED_METHODS, SERVICE_NAME, build_server
+from kernel_cache_service.servicer import PROTECTED_METHODS, SERVICE_NAME, build_server
 from kernel_cache_service.store import KernelStore
 from services.bootstrap import ServerConfig, bearer_metadata
 from services.errors import InvalidArgument

@@ -16,7 +16,7 @@ from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument, NotFound, Unauthenticated
 from services.proto import weights_pb2, weights_pb2_grpc
 from weight_service.client import WeightsClient
-from weight_service.server import build_server
+from weight_service.servicer import build_server
 from weight_service.sidecar import validate_sidecar
 
 

@@ -14,7 +14,7 @@ from runner_tiny import kv_bytes, one_torch_thread, tiny_args, tiny_config  # no
 
 from runner_service.engine import LLMEngine
 from runner_service.model import LlamaWeights
-from runner_service.server import GenerationServicer, RunnerCollector
+from runner_service.servicer import GenerationServicer, RunnerCollector
 from runner_service.tokenizer import Tokenizer
 from services.bootstrap import ServerConfig, ServiceServer
 from services.proto import generation_pb2 as pb

@@ -19,7 +19,7 @@ from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
-from weight_service.handle_proto import handle_to_proto, progress_to_proto
+from weight_service.convert import handle_to_proto, progress_to_proto
 from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state
 from weight_service.residency import probe_residency
 from weight_service.sidecar import WEIGHTS_FILE, InvalidSidecar, SidecarInfo, validate_sidecar
