@@ -106,7 +106,7 @@ def _client(args):
 
 
 def _cmd_serve(args) -> int:
-    from kernel_cache_service.servicer import serve_from_args
+    from kernel_cache_service.daemon import serve_from_args
 
     serve_from_args(args)
     return 0

@@ -41,39 +41,17 @@ def register(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router_service.config import RouterConfig
-    from router_service.servicer import RouterServer
-    from services.bootstrap import config_from_args
-    from services.log import configure_logging
+    from router_service.daemon import serve_from_args
 
-    configure_logging("router", args.log_level)
-    config = RouterConfig(
-        static_runners=tuple(args.runner),
-        policy=args.policy,
-        default_lease_s=args.lease_seconds,
-        health_interval_s=args.health_interval,
-        eject_after=args.eject_after,
-    )
-    server = RouterServer(config, config_from_args(args, "router"))
-    server.start()
-    server.serve_forever()
+    serve_from_args(args)
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
-    import grpc
+    from router_service.client import drain_runner
+    from services.errors import NotFound
 
-    from services.channel import open_channel
-    from services.errors import NotFound, from_rpc_error
-    from services.proto import router_pb2, router_pb2_grpc
-
-    with open_channel(args.addr, ready_timeout_s=5.0) as channel:
-        try:
-            resp = router_pb2_grpc.RouterControlStub(channel).Drain(
-                router_pb2.DrainRequest(runner_id=args.runner_id), timeout=5.0)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
-    if not resp.found:
+    if not drain_runner(args.addr, args.runner_id):
         raise NotFound(f"the router at {args.addr} knows no runner {args.runner_id!r}")
     print(f"draining {args.runner_id}")
     return 0

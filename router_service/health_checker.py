@@ -18,10 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_service.channels import ChannelPool
 from router_service.config import RouterConfig
 from router_service.registry import RunnerRegistry
+from services.generation_client import GENERATION_SERVICE
 
 log = logging.getLogger(__name__)
-
-GENERATION_SERVICE = "warmserve.v1.Generation"
 
 
 class HealthChecker:

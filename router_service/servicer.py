@@ -1,7 +1,8 @@
-"""gRPC adapters over :class:`router_service.router.Router`, and the router daemon object.
+"""gRPC adapters over :class:`router_service.router.Router`, and :class:`RouterServer`, the router
+behind the server bootstrap.
 
-The servicers only translate: protobuf in, core call, protobuf out, and
-:class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
+The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
+and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
 behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
 drain) and exports per-runner gauges.
 """
@@ -12,20 +13,16 @@ import grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from router_service.config import RouterConfig
-from router_service.registry import RunnerLoad, RunnerState
+from router_service.convert import load_from_proto, runner_to_proto
+from router_service.registry import RunnerState
 from router_service.router import Router
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
+from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
 
 #: A client without a deadline shows up as a remaining time of about the epoch's age.
 _NO_DEADLINE_S = 1e8
-
-_STATE_TO_PB = {
-    RunnerState.READY: router_pb2.RunnerStatus.READY,
-    RunnerState.UNHEALTHY: router_pb2.RunnerStatus.UNHEALTHY,
-    RunnerState.DRAINING: router_pb2.RunnerStatus.DRAINING,
-}
 
 
 def time_left(context: grpc.ServicerContext) -> float | None:
@@ -91,10 +88,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
                                                  heartbeat_interval_seconds=lease.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
-        load = None
-        if request.HasField("load"):
-            pl = request.load
-            load = RunnerLoad(pl.running, pl.waiting, pl.kv_blocks_used, pl.kv_blocks_total)
+        load = load_from_proto(request.load) if request.HasField("load") else None
         granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load)
         if granted is None:
             return router_pb2.HeartbeatResponse(known=False)
@@ -102,17 +96,8 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
 
     def ListRunners(self, request, context):
         registry = self._router.registry
-        out = router_pb2.ListRunnersResponse()
-        for r in registry.snapshot():
-            out.runners.add(
-                runner_id=r.runner_id, address=r.address, model=r.model, state=_STATE_TO_PB[r.state],
-                outstanding=r.outstanding, lease_expires_in_s=registry.lease_remaining_s(r),
-                static=r.static, consecutive_failures=r.consecutive_failures,
-                load=router_pb2.RunnerLoad(running=r.load.running, waiting=r.load.waiting,
-                                           kv_blocks_used=r.load.kv_blocks_used,
-                                           kv_blocks_total=r.load.kv_blocks_total),
-            )
-        return out
+        return router_pb2.ListRunnersResponse(
+            runners=[runner_to_proto(r, registry.lease_remaining_s(r)) for r in registry.snapshot()])
 
     def Drain(self, request, context):
         return router_pb2.DrainResponse(found=self._router.registry.drain(request.runner_id))
@@ -147,7 +132,7 @@ class RouterServer:
         self.router = Router(config)
         self.server = ServiceServer(server_config, [
             (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router),
-             "warmserve.v1.Generation"),
+             GENERATION_SERVICE),
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
         ])

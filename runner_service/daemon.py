@@ -66,6 +66,7 @@ def obtain_sidecar(model: str, dtype: str, *, weights: str | None, sidecar_dir: 
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
     from services.bootstrap import ServiceServer, config_from_args
+    from services.generation_client import GENERATION_SERVICE
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
 
@@ -83,7 +84,7 @@ def serve_from_args(args) -> int:
         engine.start()
         servicer = GenerationServicer(engine, config.runner_id)
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
-                                                "warmserve.v1.Generation")])
+                                                GENERATION_SERVICE)])
         server.registry.register(RunnerCollector(engine))
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"

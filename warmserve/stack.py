@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from router_service.client import list_runners
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
 
@@ -378,22 +379,6 @@ def _last_log_msg(child: ChildProcess) -> str:
 
 
 # --- reports and status ---------------------------------------------------------------------------
-
-
-def list_runners(router_address: str, timeout_s: float = 5.0):
-    """The router's ``ListRunners`` runners (``RunnerStatus`` messages)."""
-    import grpc
-
-    from services.channel import open_channel
-    from services.errors import from_rpc_error
-    from services.proto import router_pb2, router_pb2_grpc
-
-    with open_channel(router_address) as channel:
-        try:
-            return list(router_pb2_grpc.RouterControlStub(channel).ListRunners(
-                router_pb2.ListRunnersRequest(), timeout=timeout_s, wait_for_ready=True).runners)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
 
 
 def format_startup_report(info, title: str = "") -> str:

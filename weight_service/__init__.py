@@ -4,5 +4,6 @@ Where things are: ``sources`` (what a SOURCE names), ``safetensors_reader``/``gg
 ``tokenizer_export`` (checkpoints under HF names), ``pack_spec`` + ``specs/`` (family layouts),
 ``sidecar`` (format, fingerprints, validation, atomic publish), ``packer`` (streaming pack),
 ``residency`` (mincore probe), ``prepare`` (the lifecycle), ``loader`` (zero-copy mapping),
-``catalog``, ``server``/``client`` (the ``Weights`` gRPC service), ``cli``.
+``catalog``, ``convert`` (handles <-> messages), ``servicer``/``daemon``/``client`` (the ``Weights``
+gRPC service), ``cli``.
 """

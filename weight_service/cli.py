@@ -34,17 +34,9 @@ def register(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from weight_service.daemon import serve_from_args
 
-    from services.bootstrap import ServiceServer, config_from_args
-    from services.log import configure_logging
-    from services.paths import default_sidecar_root
-    from weight_service.servicer import build_server
-
-    configure_logging("weights")
-    root = Path(args.root).expanduser() if args.root else default_sidecar_root()
-    server: ServiceServer = build_server(config_from_args(args, "weights"), root)
-    server.serve_forever()
+    serve_from_args(args)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The ``Weights`` gRPC servicer (thin: validate, call the core, translate errors) and the daemon.
+"""The ``Weights`` gRPC servicer (thin: validate, call the core, translate errors) and
+:func:`build_server`, which puts it behind the server bootstrap.
 
 - ``Prepare`` runs :func:`weight_service.prepare.prepare` in a worker thread and streams its
   progress events, then the handle (``files`` with names and sizes).

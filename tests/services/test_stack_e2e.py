@@ -16,10 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from router_service.client import list_runners
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
-from warmserve.stack import LocalStack, StackConfig, list_runners
+from warmserve.stack import LocalStack, StackConfig
 
 pytestmark = pytest.mark.slow
 
