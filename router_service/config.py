@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.address import parse_address
 from services.errors import InvalidArgument
 
 POLICY_NAMES = ("least-outstanding", "round-robin", "prefix-affinity")
@@ -45,9 +46,7 @@ class RouterConfig:
         if self.policy not in POLICY_NAMES:
             raise InvalidArgument(f"unknown routing policy {self.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
         for addr in self.static_runners:
-            host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise InvalidArgument(f"runner address must be host:port, got {addr!r}")
+            parse_address(addr, what="runner address")
         if len(set(self.static_runners)) != len(self.static_runners):
             raise InvalidArgument("a static runner address is given twice")
         if not 0 < self.min_lease_s <= self.default_lease_s <= self.max_lease_s:

@@ -9,6 +9,8 @@ drain) and exports per-runner gauges.
 
 from __future__ import annotations
 
+import urllib.parse
+
 import grpc
 from prometheus_client.core import GaugeMetricFamily
 
@@ -16,6 +18,7 @@ from router_service.config import RouterConfig
 from router_service.convert import load_from_proto, runner_to_proto
 from router_service.registry import RunnerState
 from router_service.router import Router
+from services.address import format_address, parse_address
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
@@ -23,6 +26,9 @@ from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
 
 #: A client without a deadline shows up as a remaining time of about the epoch's age.
 _NO_DEADLINE_S = 1e8
+
+#: Hosts that mean "every interface": a runner bound there is dialled at the host it called from.
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def time_left(context: grpc.ServicerContext) -> float | None:
@@ -35,14 +41,20 @@ def advertised_address(address: str, peer: str) -> str:
     """The address to dial a registering runner at: ``address`` as given, except that an empty or
     wildcard host (``:50061``, ``0.0.0.0:50061``, ``[::]:50061``) is replaced by the host the
     registration came from (gRPC ``peer`` such as ``ipv4:10.0.0.7:41234`` or ``ipv6:[::1]:5``)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or host not in ("", "0.0.0.0", "[::]", "::"):
+    try:
+        host, port = parse_address(address, allow_empty_host=True)
+    except InvalidArgument:
+        return address  # the registry refuses it, saying why
+    if host not in _WILDCARD_HOSTS:
         return address
     kind, _, rest = peer.partition(":")
-    peer_host = rest.rpartition(":")[0]
-    if kind not in ("ipv4", "ipv6") or not peer_host:
-        raise InvalidArgument(f"runner address {address!r} has no host and the caller's ({peer}) is unknown")
-    return f"{peer_host}:{port}"
+    try:
+        if kind not in ("ipv4", "ipv6"):
+            raise InvalidArgument(f"a {kind or 'peer'} address has no host")
+        peer_host, _ = parse_address(urllib.parse.unquote(rest), what="peer address")
+    except InvalidArgument as e:
+        raise InvalidArgument(f"runner address {address!r} has no host and the caller's ({peer}) is unknown") from e
+    return format_address(peer_host, port)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

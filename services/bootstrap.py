@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.address import format_address
 from services.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ class ServiceServer:
     @property
     def address(self) -> str:
         """``host:port`` clients should dial (valid after :meth:`start`)."""
-        return f"{self.config.host}:{self.port}"
+        return format_address(self.config.host, self.port)
 
     @property
     def service_names(self) -> list[str]:

@@ -33,11 +33,14 @@ from pathlib import Path
 from typing import TextIO
 
 from router_service.client import list_runners
+from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
 
 ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
 RUNNER_PORT_OFFSET = 11
+#: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
+_SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -152,22 +155,20 @@ class LocalStack:
 
     # --- addresses ----------------------------------------------------------------------------
 
-    def _port(self, name: str, offset: int) -> int:
+    def port(self, name: str) -> int:
+        """The port of ``router``, ``kernel-cache``, ``weights`` or ``runner-I`` (a free one, chosen
+        once, when ``base_port`` is 0)."""
         if name not in self._ports:
+            offset = _SERVICE_PORT_OFFSETS.get(name)
+            if offset is None:
+                offset = RUNNER_PORT_OFFSET + int(name.removeprefix("runner-"))
             base = self.config.base_port
             self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
         return self._ports[name]
 
     def address(self, name: str) -> str:
         """``host:port`` of ``router``, ``kernel-cache``, ``weights`` or ``runner-I``."""
-        if name == ROUTER:
-            return f"{self.config.host}:{self._port(ROUTER, 0)}"
-        if name == KERNEL_CACHE:
-            return f"{self.config.host}:{self._port(KERNEL_CACHE, 1)}"
-        if name == WEIGHTS:
-            return f"{self.config.host}:{self._port(WEIGHTS, 2)}"
-        index = int(name.removeprefix("runner-"))
-        return f"{self.config.host}:{self._port(name, RUNNER_PORT_OFFSET + index)}"
+        return format_address(self.config.host, self.port(name))
 
     @property
     def router_address(self) -> str:
@@ -185,8 +186,8 @@ class LocalStack:
         return [self.config.python, "-m", "warmserve.cli", *args]
 
     def _service_argv(self, name: str) -> list[str]:
-        cfg, port = self.config, self.address(name).rpartition(":")[2]
-        common = ["--host", cfg.host, "--port", port, "--drain-grace", "5"]
+        cfg = self.config
+        common = ["--host", cfg.host, "--port", str(self.port(name)), "--drain-grace", "5"]
         if name == KERNEL_CACHE:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
         if name == WEIGHTS:
@@ -199,7 +200,7 @@ class LocalStack:
         cfg, name = self.config, f"runner-{index}"
         argv = self._cli(
             "runner", "serve", "--model", cfg.model, "--runner-id", name,
-            "--host", cfg.host, "--port", self.address(name).rpartition(":")[2], "--drain-grace", "5",
+            "--host", cfg.host, "--port", str(self.port(name)), "--drain-grace", "5",
             "--weights", self.address(WEIGHTS), "--kernel-cache", self.address(KERNEL_CACHE),
             "--router", self.address(ROUTER), "--sidecar-dir", str(self.home / "sidecars"))
         if cfg.compile is not None:
