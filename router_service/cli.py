@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+
 DEFAULT_PORT = 50050
-POLICIES = ("least-outstanding", "round-robin", "prefix-affinity")
 
 
 def register(subparsers) -> None:
@@ -24,8 +25,8 @@ def register(subparsers) -> None:
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
                        help="a static runner host:port (repeatable); runners may also register themselves")
-    serve.add_argument("--policy", choices=POLICIES, default="least-outstanding",
-                       help="default routing policy (default least-outstanding)")
+    serve.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                       help=f"default routing policy (default {DEFAULT_POLICY})")
     serve.add_argument("--lease-seconds", type=float, default=10.0,
                        help="lease granted to registering runners when they ask for none (default 10)")
     serve.add_argument("--health-interval", type=float, default=1.0,

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from services.address import parse_address
 from services.errors import InvalidArgument
 
+#: The routing policies (:mod:`router_service.policy`), named as on the command line; each is the
+#: ``RoutingPolicy`` enum value's name in lower case with dashes (``LEAST_OUTSTANDING``).
 POLICY_NAMES = ("least-outstanding", "round-robin", "prefix-affinity")
+DEFAULT_POLICY = "least-outstanding"
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class RouterConfig:
     """
 
     static_runners: tuple[str, ...] = ()
-    policy: str = "least-outstanding"
+    policy: str = DEFAULT_POLICY
     default_lease_s: float = 10.0
     min_lease_s: float = 0.5
     max_lease_s: float = 300.0

@@ -22,7 +22,7 @@ import struct
 import threading
 from collections.abc import Sequence
 
-from router_service.config import RouterConfig
+from router_service.config import POLICY_NAMES, RouterConfig
 from router_service.registry import Chooser, Runner
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
@@ -120,20 +120,15 @@ class PrefixAffinity:
 class PolicySet:
     """The three policies, and the choice between them per request."""
 
-    _BY_ENUM = {
-        generation_pb2.LEAST_OUTSTANDING: "least-outstanding",
-        generation_pb2.ROUND_ROBIN: "round-robin",
-        generation_pb2.PREFIX_AFFINITY: "prefix-affinity",
-    }
+    #: ``RoutingPolicy`` enum value -> policy name (``LEAST_OUTSTANDING`` -> ``least-outstanding``).
+    _BY_ENUM = {generation_pb2.RoutingPolicy.Value(name.upper().replace("-", "_")): name for name in POLICY_NAMES}
 
     def __init__(self, config: RouterConfig) -> None:
-        self._policies = {
-            "least-outstanding": LeastOutstanding(),
-            "round-robin": RoundRobin(),
-            "prefix-affinity": PrefixAffinity(replicas=config.ring_replicas,
-                                              block_tokens=config.prefix_block_tokens,
-                                              block_bytes=config.prefix_block_bytes),
-        }
+        policies = (LeastOutstanding(), RoundRobin(),
+                    PrefixAffinity(replicas=config.ring_replicas, block_tokens=config.prefix_block_tokens,
+                                   block_bytes=config.prefix_block_bytes))
+        self._policies = {policy.name: policy for policy in policies}
+        assert set(self._policies) == set(POLICY_NAMES), "POLICY_NAMES and the policy classes disagree"
         self.default = config.policy
 
     def for_request(self, request: generation_pb2.GenerateRequest) -> Chooser:

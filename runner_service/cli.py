@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from runner_service.config import COMPILE_MODES, DTYPES
+
 DEFAULT_PORT = 50061
 
 
@@ -38,8 +40,8 @@ def register(subparsers) -> None:
     cache = serve.add_mutually_exclusive_group()
     cache.add_argument("--kernel-cache", default=None, metavar="ADDR", help="kernel-cache service address")
     cache.add_argument("--kernel-cache-dir", default=None, metavar="DIR", help="local kernel-cache directory")
-    serve.add_argument("--dtype", choices=("bf16", "f32"), default="f32", help="compute dtype (default f32)")
-    serve.add_argument("--compile", choices=("aoti", "inductor", "off"), default="off",
+    serve.add_argument("--dtype", choices=DTYPES, default="f32", help="compute dtype (default f32)")
+    serve.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="compiled decode programs (default off: eager)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=32,
                        help="sequences decoded together at most (default 32)")

@@ -33,11 +33,16 @@ from pathlib import Path
 from typing import TextIO
 
 from router_service.client import list_runners
+from router_service.config import DEFAULT_POLICY
+from runner_service.config import COMPILE_MODES, DTYPES
 from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
+from weight_service.sources import BUNDLED_SMOLLM2
 
 ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
+#: The router's port; the other services' ports follow it (see :data:`_SERVICE_PORT_OFFSETS`).
+DEFAULT_BASE_PORT = 50050
 RUNNER_PORT_OFFSET = 11
 #: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
 _SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
@@ -56,13 +61,13 @@ class StackConfig:
     """
 
     runners: int = 2
-    model: str = "smollm2-135m-instruct"
-    base_port: int = 50050
+    model: str = BUNDLED_SMOLLM2
+    base_port: int = DEFAULT_BASE_PORT
     home: Path | None = None
     compile: str | None = None
     dtype: str | None = None
     max_num_seqs: int | None = None
-    policy: str = "least-outstanding"
+    policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     lease_seconds: float = 3.0
     health_interval_s: float = 0.5
@@ -77,9 +82,9 @@ class StackConfig:
             raise InvalidArgument(f"--runners must be >= 0, got {self.runners}")
         if self.base_port != 0 and not 1024 <= self.base_port <= 65535 - RUNNER_PORT_OFFSET - max(self.runners, 1) - 16:
             raise InvalidArgument(f"--base-port must be 0 (free ports) or leave room for the stack, got {self.base_port}")
-        if self.compile not in (None, "aoti", "inductor", "off"):
+        if self.compile is not None and self.compile not in COMPILE_MODES:
             raise InvalidArgument(f"unknown compile mode {self.compile!r}")
-        if self.dtype not in (None, "f32", "bf16"):
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgument(f"unknown dtype {self.dtype!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_ROUTER = "127.0.0.1:50050"
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+from runner_service.config import COMPILE_MODES, DTYPES
+from services.address import format_address
+from warmserve.stack import DEFAULT_BASE_PORT
+from weight_service.sources import BUNDLED_SMOLLM2
+
+DEFAULT_ROUTER = format_address("127.0.0.1", DEFAULT_BASE_PORT)
+DEFAULT_MODEL = BUNDLED_SMOLLM2
 
 
 def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int, home_help: str,
@@ -22,13 +28,13 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
                    help=f"router port; kernel-cache +1, weights +2, runner i at +11+i; 0 = free ports "
                         f"(default {base_port})")
     p.add_argument("--home", default=None, help=home_help)
-    p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=compile_mode,
+    p.add_argument("--compile", choices=COMPILE_MODES, default=compile_mode,
                    help=f"runner compile mode (default {compile_mode or 'the runner default'})")
-    p.add_argument("--dtype", choices=("f32", "bf16"), default=None, help="runner dtype (default: the runner's)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="runner dtype (default: the runner's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
-    p.add_argument("--policy", choices=("least-outstanding", "round-robin", "prefix-affinity"),
-                   default="least-outstanding", help="router policy")
+    p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                   help=f"router policy (default {DEFAULT_POLICY})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +49,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
-    _add_stack_args(up, runners=2, base_port=50050, home_help="state directory (default $WARMSERVE_HOME)")
+    _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT, home_help="state directory (default $WARMSERVE_HOME)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
