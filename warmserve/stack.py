@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -112,7 +112,6 @@ class ChildProcess:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready_s: float | None = None  # seconds from launch to SERVING
-    extra: dict = field(default_factory=dict)
 
     @property
     def running(self) -> bool:
