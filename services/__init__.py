@@ -9,7 +9,7 @@
 - ``proto/`` — the generated ``warmserve.v1`` stubs; ``protogen.py`` regenerates them;
 - ``generation_client.py`` — the ``Generation`` client (a runner or the router);
 - ``healthcheck.py`` — ``python -m services.healthcheck HOST:PORT``, the gRPC health probe;
-- ``procs.py`` — child-process helpers for benchmarks and tests.
+- ``procs.py`` — child-process helpers for benchmarks and tests; ``table.py`` — plain-text tables.
 
 The package layers are listed in :mod:`warmserve`.
 """

@@ -18,6 +18,7 @@ Servicers stay thin: they validate, call a core object, and translate
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import logging
 import signal
@@ -341,6 +342,22 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An ``argparse`` ``type=`` accepting integers >= ``minimum`` (anything else is a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
+        return value
+
+    return parse
 
 
 def config_from_args(args, service: str, protected_methods: frozenset[str] | None = None) -> ServerConfig:

@@ -38,6 +38,7 @@ from runner_service.config import COMPILE_MODES, DTYPES
 from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
+from services.table import format_table
 from weight_service.sources import BUNDLED_SMOLLM2
 
 ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
@@ -408,7 +409,7 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO) 
     rows = [("service", "address", "health")]
     for name, addr in {"router": router_address, **services}.items():
         rows.append((name, addr, check_health(addr, timeout_s=2.0)))
-    _table(rows, out)
+    out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":
         return 1
     runners = list_runners(router_address)
@@ -422,14 +423,8 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO) 
     if len(table) == 1:
         out.write("no runners\n")
     else:
-        _table(table, out)
+        out.write(format_table(table) + "\n")
     return 0
-
-
-def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
