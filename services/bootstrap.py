@@ -35,14 +35,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from services.address import format_address
+from services.channel import MAX_MESSAGE_BYTES
 from services.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 #: Methods that never need a token: health checks and reflection.
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class ServerConfig:
     protected_methods: frozenset[str] | None = None
     max_workers: int = 64
     drain_grace_s: float = 30.0
-    max_message_bytes: int = 16 * MiB
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
