@@ -39,6 +39,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         self.store = store
 
     def Lookup(self, request, context):
+        """HIT with the entry's info, or MISS."""
         try:
             info = self.store.lookup(request.key.name, request.key.fingerprint)
         except WarmserveError as e:
@@ -48,6 +49,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         return pb.LookupResponse(status=pb.LookupResponse.HIT, entry=entry_to_proto(info))
 
     def Fetch(self, request, context):
+        """Stream the entry's blob in chunks, the first one carrying its info; NOT_FOUND on a miss."""
         chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         key = request.key
         try:
@@ -72,6 +74,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
                 yield pb.FetchChunk(entry=entry)
 
     def Publish(self, request_iterator, context):
+        """Store the streamed artifact (a header, then chunks) under its key."""
         try:
             return publish_to_proto(self._publish(request_iterator))
         except WarmserveError as e:
@@ -99,6 +102,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
             return pending.commit()
 
     def List(self, request, context):
+        """Entries whose name starts with the prefix."""
         try:
             entries = self.store.list(request.name_prefix)
         except WarmserveError as e:
@@ -106,10 +110,12 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         return pb.ListResponse(entries=[entry_to_proto(e) for e in entries])
 
     def Stat(self, request, context):
+        """Store totals and counters."""
         s = self.store.stat()
         return pb.StatResponse(**s)
 
     def Evict(self, request, context):
+        """Remove one entry, every fingerprint of a name, or everything."""
         try:
             count, freed = self.store.evict(request.key.name or None, request.key.fingerprint or None,
                                             all=request.all)
@@ -125,6 +131,7 @@ class StoreCollector:
         self.store = store
 
     def collect(self):
+        """Prometheus collector protocol: the metrics, read now."""
         s = self.store.stat()
         for name in COUNTERS:
             c = CounterMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name} since start")

@@ -57,6 +57,7 @@ class LeastOutstanding:
         self._turn = itertools.count()
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request`` (this policy ignores the prompt)."""
         def choose(candidates: Sequence[Runner]) -> Runner:
             turn, n = next(self._turn), len(candidates)
             return min(enumerate(candidates), key=lambda ic: (
@@ -74,6 +75,7 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request`` (this policy ignores the prompt)."""
         def choose(candidates: Sequence[Runner]) -> Runner:
             return candidates[next(self._turn) % len(candidates)]
 
@@ -108,6 +110,7 @@ class PrefixAffinity:
         return ring[i % len(ring)][1]
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request``: the owner of its first prompt block."""
         key = prompt_block_key(request, block_tokens=self._block_tokens, block_bytes=self._block_bytes)
 
         def choose(candidates: Sequence[Runner]) -> Runner:

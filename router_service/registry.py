@@ -30,6 +30,7 @@ from services.errors import InvalidArgument
 
 
 class RunnerState(enum.Enum):
+    """A runner's routing state (see the module docstring)."""
     READY = "READY"
     UNHEALTHY = "UNHEALTHY"
     DRAINING = "DRAINING"

@@ -64,6 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._router = router
 
     def Generate(self, request, context):
+        """Relay the request to a runner and stream its answer back."""
         try:
             stream = self._router.generate(request, timeout_s=time_left(context))
         except WarmserveError as e:
@@ -75,6 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             abort_with(context, e)
 
     def ModelInfo(self, request, context):
+        """A READY runner's ``ModelInfo``."""
         try:
             left = time_left(context)
             return self._router.model_info(timeout_s=5.0 if left is None else left)
@@ -89,6 +91,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
         self._router = router
 
     def RegisterRunner(self, request, context):
+        """Admit (or re-admit) a runner under a new lease."""
         try:
             address = advertised_address(request.address, context.peer())
             lease = self._router.registry.register(
@@ -100,6 +103,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
                                                  heartbeat_interval_seconds=lease.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
+        """Renew a runner's lease and record its load; ``known=false`` asks it to register again."""
         load = load_from_proto(request.load) if request.HasField("load") else None
         granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load)
         if granted is None:
@@ -107,11 +111,13 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
         return router_pb2.HeartbeatResponse(known=True, lease_seconds=granted)
 
     def ListRunners(self, request, context):
+        """Every runner with its state, lease, load and counters."""
         registry = self._router.registry
         return router_pb2.ListRunnersResponse(
             runners=[runner_to_proto(r, registry.lease_remaining_s(r)) for r in registry.snapshot()])
 
     def Drain(self, request, context):
+        """Stop routing new requests to a runner."""
         return router_pb2.DrainResponse(found=self._router.registry.drain(request.runner_id))
 
 
@@ -152,6 +158,7 @@ class RouterServer:
 
     @property
     def address(self) -> str:
+        """``host:port`` the router serves on (valid after :meth:`start`)."""
         return self.server.address
 
     def start(self) -> int:

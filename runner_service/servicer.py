@@ -43,6 +43,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.compile_mode = compile_mode or engine.config.compile
 
     def Generate(self, request, context):
+        """Run the request on the engine and stream its outputs."""
         try:
             if request.routing not in generation_pb2.RoutingPolicy.values():
                 raise InvalidArgument(f"routing {request.routing} is not a RoutingPolicy value")
@@ -68,6 +69,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return
 
     def ModelInfo(self, request, context):
+        """The model, the serving limits and the start-up report."""
         eng = self.engine
         return generation_pb2.ModelInfoResponse(
             runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.config.dtype,
@@ -87,6 +89,7 @@ class RunnerCollector:
         self._last: tuple[float, int] | None = None
 
     def collect(self):
+        """Prometheus collector protocol: the engine's metrics, read now."""
         s = self.engine.stats()
         now = time.monotonic()
         with self._lock:

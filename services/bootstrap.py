@@ -234,6 +234,7 @@ class ServiceServer:
 
     @property
     def service_names(self) -> list[str]:
+        """Full names of the registered services (health and reflection list them)."""
         return [name for _, _, name in self._registrations]
 
     def start(self) -> int:

@@ -103,6 +103,7 @@ class GenerationClient:
         self.close()
 
     def close(self) -> None:
+        """Close the channel (cancels calls still running on it)."""
         self._channel.close()
 
     def stream(self, request: generation_pb2.GenerateRequest, *,

@@ -31,6 +31,7 @@ def check_health(address: str, *, service: str = "", timeout_s: float = 2.0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The probe's command line; returns the exit code (0 when SERVING)."""
     parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("address", help="host:port")
     parser.add_argument("--service", default="", help="service name (default: the whole server)")

@@ -116,9 +116,11 @@ class ChildProcess:
 
     @property
     def running(self) -> bool:
+        """Launched and not exited yet."""
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
+        """The last ``lines`` lines of the child's log (for error messages)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -177,6 +179,7 @@ class LocalStack:
 
     @property
     def router_address(self) -> str:
+        """``host:port`` of the router (the stack's Generation endpoint)."""
         return self.address(ROUTER)
 
     def endpoints(self) -> dict[str, str]:

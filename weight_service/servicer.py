@@ -46,6 +46,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         self._sha_lock = threading.Lock()
 
     def Prepare(self, request, context):
+        """Prepare the sidecar, streaming progress events, then its handle."""
         dtype = request.dtype or "f32"
         cold_policy = request.cold_policy or "accept"
         events: queue.Queue = queue.Queue()
@@ -96,6 +97,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         return cached
 
     def Fetch(self, request, context):
+        """Stream every file of a sidecar, the first chunk carrying the handle."""
         if request.chunk_bytes > MAX_CHUNK_BYTES:
             abort_with(context, InvalidArgument(f"chunk_bytes may be at most {MAX_CHUNK_BYTES}"))
         chunk = request.chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -118,6 +120,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
                 f.close()
 
     def List(self, request, context):
+        """Every valid sidecar under the root, with its residency now."""
         return weights_pb2.ListSidecarsResponse(
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 
