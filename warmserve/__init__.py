@@ -13,18 +13,22 @@ included). ``tests/test_imports.py`` checks it against :data:`LAYERS`::
     router_service        the router: one Generation endpoint in front of many runners
     runner_service        the runner: engine, model, KV cache, Generation servicer, registration
     kernel_cache_service  compiled-program store     weight_service  weight sidecars
+    model_families        per-family model code (config, pack layout, forward) for weights and runner
     services              shared plumbing: errors, logging, paths, addresses, channels, the
                           server bootstrap, proto stubs, the Generation client, health probe
 
-So ``services`` imports no other package of the project; ``kernel_cache_service`` and
-``weight_service`` import only ``services``; ``runner_service`` uses both of them (and registers
-itself with a router through the RouterControl stubs, not through ``router_service``);
-``router_service`` relays to runners through the Generation stubs; ``warmserve`` launches them all.
+So ``services`` imports no other package of the project; ``model_families`` only ``services``;
+``kernel_cache_service`` and ``weight_service`` only those two; ``runner_service`` uses everything
+below it (and registers itself with a router through the RouterControl stubs, not through
+``router_service``); ``router_service`` relays to runners through the Generation stubs;
+``warmserve`` launches them all. (``model_families`` arrives with the model-family refactor; a
+layer whose package is absent constrains nothing.)
 """
 
 #: The package layers, lowest first; a package may import only its own layer's package and lower layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("services",),
+    ("model_families",),
     ("kernel_cache_service", "weight_service"),
     ("runner_service",),
     ("router_service",),
