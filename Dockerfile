@@ -19,4 +19,4 @@ RUN mkdir -p /var/lib/warmserve
 
 EXPOSE 50050 50051 50052 50061
 # compose.yaml gives each service its own command; alone, the image runs the whole stack.
-CMD ["python", "-m", "services.cli", "up", "--runners", "2"]
+CMD ["python", "-m", "warmserve.cli", "up", "--runners", "2"]

@@ -30,7 +30,7 @@ test: install lint
 	$(PY) -m pytest -q tests
 
 run: install
-	$(PY) -m services.cli demo
+	$(PY) -m warmserve.cli demo
 
 bench: install
 	$(PY) bench/kernel_cache.py

@@ -47,7 +47,7 @@ def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """Run the daemon on a free loopback port; returns (process, address)."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0"],
+            [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0"],
             stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
         )
     try:

@@ -90,7 +90,7 @@ def _aligned_gaps(a: list[float], b: list[float], max_shift: int = 3) -> tuple[i
 
 
 def bench_real(tokens: int, rounds: int, home: Path) -> dict:
-    from services.stack import LocalStack, StackConfig
+    from warmserve.stack import LocalStack, StackConfig
 
     cfg = StackConfig(runners=1, base_port=0, home=home, compile="off", max_num_seqs=8)
     request = generation_pb2.GenerateRequest(
@@ -124,9 +124,9 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
 
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute."""
-    from services.router.config import RouterConfig
-    from services.router.server import RouterServer
-    from services.server import ServerConfig, ServiceServer
+    from router_service.config import RouterConfig
+    from router_service.servicer import RouterServer
+    from services.bootstrap import ServerConfig, ServiceServer
 
     class Instant(generation_pb2_grpc.GenerationServicer):
         def Generate(self, request, context):

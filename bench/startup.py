@@ -50,9 +50,9 @@ def free_port() -> int:
 
 
 def warmserve_command() -> list[str]:
-    """The ``warmserve`` console script next to this interpreter, else ``python -m services.cli``."""
+    """The ``warmserve`` console script next to this interpreter, else ``python -m warmserve.cli``."""
     script = Path(sys.executable).with_name("warmserve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "warmserve.cli"]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:

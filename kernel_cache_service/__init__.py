@@ -8,7 +8,9 @@ Files, one concept each:
 - ``artifact.py`` — hashing, directory <-> tar blob, atomic install of a chunk stream;
 - ``locks.py`` — flock-based entry locks, read leases, owned temp directories;
 - ``store.py`` — :class:`KernelStore`, the on-disk store (embedded or behind the daemon);
-- ``server.py`` — the ``warmserve.v1.KernelCache`` servicer and daemon entry point;
+- ``convert.py`` — :class:`EntryInfo` / :class:`PublishResult` <-> ``warmserve.v1`` messages;
+- ``servicer.py`` — the ``warmserve.v1.KernelCache`` servicer and :func:`build_server`;
+- ``daemon.py`` — ``warmserve cache serve``: the store behind the server bootstrap;
 - ``client.py`` — :class:`KernelCacheClient` (daemon over gRPC, or an embedded store);
 - ``cli.py`` — ``warmserve cache serve|put|get|ls|stat|evict``.
 """

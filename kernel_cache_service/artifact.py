@@ -36,6 +36,7 @@ class HashingWriter:
         self.size = 0
 
     def write(self, data: bytes) -> int:
+        """Write ``data`` to the file and the running hash; returns its length."""
         self._f.write(data)
         self._sha.update(data)
         self.size += len(data)
@@ -43,6 +44,7 @@ class HashingWriter:
 
     @property
     def sha256(self) -> str:
+        """Hex SHA-256 of everything written so far."""
         return self._sha.hexdigest()
 
 
@@ -55,6 +57,7 @@ class ChunkReader:
         self._done = False
 
     def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all that is left when ``n`` < 0); ``b""`` at the end."""
         while not self._done and (n < 0 or len(self._buf) < n):
             try:
                 self._buf += next(self._it)

@@ -24,8 +24,9 @@ import os
 import time
 
 from kernel_cache_service.fingerprint import UNKNOWN
+from services.bootstrap import add_server_args, int_at_least, read_token_file
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.server import add_server_args, read_token_file
+from services.table import format_table
 
 DEFAULT_PORT = 50051
 ADDR_ENV = "WARMSERVE_KERNEL_CACHE_ADDR"
@@ -38,7 +39,7 @@ def register(subparsers) -> None:
 
     serve = sub.add_parser("serve", help="run the KernelCache gRPC daemon")
     serve.add_argument("--root", required=True, help="store directory (created if absent)")
-    serve.add_argument("--max-bytes", type=_non_negative_int, default=0,
+    serve.add_argument("--max-bytes", type=int_at_least(0), default=0,
                        help="byte budget; least recently used entries are evicted (0 = unlimited)")
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.set_defaults(func=_cmd_serve)
@@ -76,16 +77,6 @@ def register(subparsers) -> None:
     evict.set_defaults(func=_cmd_evict)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a value >= 0, got {value}")
-    return value
-
-
 def _target_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--addr", default=None, help="daemon address HOST:PORT")
@@ -106,7 +97,7 @@ def _client(args):
 
 
 def _cmd_serve(args) -> int:
-    from kernel_cache_service.server import serve_from_args
+    from kernel_cache_service.daemon import serve_from_args
 
     serve_from_args(args)
     return 0
@@ -152,9 +143,7 @@ def _cmd_ls(args) -> int:
     for e in entries:
         last = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.last_access))
         rows.append((e.name, e.fingerprint, str(e.size_bytes), e.format, last, e.producer))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(format_table(rows))
     return 0
 
 

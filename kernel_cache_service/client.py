@@ -32,17 +32,17 @@ from kernel_cache_service.artifact import (
     iter_file,
     pack_directory,
 )
+from kernel_cache_service.convert import entry_from_proto, publish_from_proto
 from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, PublishResult
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
-from kernel_cache_service.server import entry_from_proto
 from kernel_cache_service.store import KernelStore
+from services.bootstrap import bearer_metadata
 from services.channel import open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
 from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import bearer_metadata
 
 __all__ = ["EntryInfo", "KernelCacheClient"]
 
@@ -199,11 +199,7 @@ class KernelCacheClient:
             resp = self._stub.Publish(requests(), metadata=self._metadata)
         except grpc.RpcError as err:
             raise self._error(err) from None
-        return PublishResult(
-            status=pb.PublishResponse.Status.Name(resp.status),
-            reason=resp.reason,
-            entry=entry_from_proto(resp.entry) if resp.HasField("entry") else None,
-        )
+        return publish_from_proto(resp)
 
     def evict(self, name: str | None = None, fingerprint: str | None = None, *, all: bool = False) -> tuple[int, int]:
         """Evict one entry, every fingerprint of ``name``, or everything with ``all``; entries being

@@ -35,6 +35,7 @@ class EntryInfo:
     last_access: float = 0.0
 
     def to_dict(self) -> dict:
+        """Every field by name (JSON-ready: ``cache ls --json`` prints it)."""
         return asdict(self)
 
     def manifest_bytes(self) -> bytes:

@@ -9,24 +9,16 @@ Heavy imports (torch, the engine) happen inside the handler, never at import tim
 
 from __future__ import annotations
 
-import argparse
+from runner_service.config import COMPILE_MODES, DTYPES
 
 DEFAULT_PORT = 50061
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from e
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def register(subparsers) -> None:
     """Add ``runner serve`` to the ``warmserve`` parser."""
-    from services.server import add_server_args
+    from services.bootstrap import add_server_args, int_at_least
+
+    positive_int = int_at_least(1)
 
     runner = subparsers.add_parser("runner", help="the data-plane runner (Generation service)")
     sub = runner.add_subparsers(dest="runner_command", metavar="SUBCOMMAND", required=True)
@@ -38,24 +30,24 @@ def register(subparsers) -> None:
     cache = serve.add_mutually_exclusive_group()
     cache.add_argument("--kernel-cache", default=None, metavar="ADDR", help="kernel-cache service address")
     cache.add_argument("--kernel-cache-dir", default=None, metavar="DIR", help="local kernel-cache directory")
-    serve.add_argument("--dtype", choices=("bf16", "f32"), default="f32", help="compute dtype (default f32)")
-    serve.add_argument("--compile", choices=("aoti", "inductor", "off"), default="off",
+    serve.add_argument("--dtype", choices=DTYPES, default="f32", help="compute dtype (default f32)")
+    serve.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="compiled decode programs (default off: eager)")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=32,
+    serve.add_argument("--max-num-seqs", type=positive_int, default=32,
                        help="sequences decoded together at most (default 32)")
-    serve.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="tokens per scheduler step at most (default max(2048, max-model-len))")
-    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+    serve.add_argument("--max-model-len", type=positive_int, default=None,
                        help="context length in tokens (default: the model's, capped at 2048)")
-    serve.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
-    serve.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
+    serve.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    serve.add_argument("--kv-cache-bytes", type=positive_int, default=None,
                        help="KV cache size in bytes (default: a fraction of free memory)")
     serve.add_argument("--sidecar-dir", default=None, metavar="DIR",
                        help="where sidecars are prepared or fetched to (default $WARMSERVE_HOME/sidecars)")
     serve.add_argument("--runner-id", default=None, help="name reported to clients and the router")
     serve.add_argument("--router", default=None, metavar="ADDR", help="register with this router")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N] (default auto)")
-    serve.add_argument("--threads", type=_positive_int, default=None,
+    serve.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads for torch ops (default: torch's choice)")
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.set_defaults(func=_serve)

@@ -65,9 +65,10 @@ def obtain_sidecar(model: str, dtype: str, *, weights: str | None, sidecar_dir: 
 
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
+    from services.bootstrap import ServiceServer, config_from_args
+    from services.generation_client import GENERATION_SERVICE
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
-    from services.server import ServiceServer, config_from_args
 
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
@@ -78,19 +79,19 @@ def serve_from_args(args) -> int:
     engine = LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
     registration = None
     try:
-        from runner_service.server import GenerationServicer, RunnerCollector
+        from runner_service.servicer import GenerationServicer, RunnerCollector
 
         engine.start()
         servicer = GenerationServicer(engine, config.runner_id)
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
-                                                "warmserve.v1.Generation")])
+                                                GENERATION_SERVICE)])
         server.registry.register(RunnerCollector(engine))
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"
         log.info("ready", extra={"address": server.address, "runner_id": servicer.runner_id,
                                  "startup": engine.startup_report.line()})
         if args.router:
-            from services.router.registration import RunnerRegistration
+            from runner_service.registration import RunnerRegistration
 
             registration = RunnerRegistration(
                 args.router, runner_id=servicer.runner_id, address=server.address, model=args.model,

@@ -63,7 +63,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -76,7 +75,8 @@ from torch import nn
 
 from model_families import kv_write as _kv_write  # noqa: F401  (registers torch.ops.warmserve.kv_write_)
 from runner_service.config import COMPILE_MODES
-from services.errors import WarmserveError
+from services.address import parse_address
+from services.errors import InvalidArgument, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -280,20 +280,26 @@ def compile_inductor(module: nn.Module, runner: ModelRunner, cache_dir: Path) ->
 # ------------------------------------------------------------------------------------- cache
 
 
-_ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
-
-
 def open_kernel_cache(spec: KernelCacheClient | str | Path | None) -> KernelCacheClient | None:
-    """A client for ``spec``: a client as is; ``"host:port"`` a daemon; any other string or path
-    an embedded store rooted there; ``None`` no cache."""
+    """A client for ``spec``: a client as is; a ``"host:port"`` string
+    (:func:`services.address.parse_address`, no ``/`` in the host, not an existing directory) a
+    daemon; any other string or path an embedded store rooted there; ``None`` no cache."""
     from kernel_cache_service.client import KernelCacheClient
 
     if spec is None or isinstance(spec, KernelCacheClient):
         return spec
     text = str(spec)
-    if isinstance(spec, str) and _ADDRESS.match(text) and not os.path.isdir(text):
+    if isinstance(spec, str) and _is_address(text):
         return KernelCacheClient(text)
     return KernelCacheClient(root=text)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        host, _port = parse_address(text)
+    except InvalidArgument:
+        return False
+    return "/" not in host and not os.path.isdir(text)
 
 
 def _default_work_dir() -> Path:

@@ -1,0 +1,15 @@
+"""services: the shared plumbing every warmserve package builds on, and that imports none of them.
+
+- ``errors.py`` — :class:`WarmserveError` and its subclasses (gRPC status, CLI exit code);
+- ``log.py`` — JSON-lines logging; ``paths.py`` — default locations under ``$WARMSERVE_HOME``;
+- ``fsmode.py`` — file modes for atomically published files;
+- ``address.py`` — ``host:port`` parsing and formatting;
+- ``channel.py`` — client channels; ``bootstrap.py`` — the one server bootstrap (health,
+  reflection, auth, metrics, drain) and the daemons' common flags;
+- ``proto/`` — the generated ``warmserve.v1`` stubs; ``protogen.py`` regenerates them;
+- ``generation_client.py`` — the ``Generation`` client (a runner or the router);
+- ``healthcheck.py`` — ``python -m services.healthcheck HOST:PORT``, the gRPC health probe;
+- ``procs.py`` — child-process helpers for benchmarks and tests; ``table.py`` — plain-text tables.
+
+The package layers are listed in :mod:`warmserve`.
+"""

@@ -6,11 +6,12 @@ import grpc
 
 from services.errors import Unavailable
 
-MiB = 1 << 20
+#: The largest gRPC message, in bytes, clients send and receive (and servers by default).
+MAX_MESSAGE_BYTES = 16 << 20
 
 CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 16 * MiB),
-    ("grpc.max_receive_message_length", 16 * MiB),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
 )
 

@@ -2,7 +2,7 @@
 
 Exits 0 when ``grpc.health.v1.Health/Check`` answers SERVING, 1 otherwise (NOT_SERVING, an
 error, or no answer within the timeout), printing one line. Used by ``compose.yaml``
-healthchecks (``grpc_health_probe`` is not installable here) and by :mod:`services.stack`.
+healthchecks (``grpc_health_probe`` is not installable here) and by :mod:`warmserve.stack`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def check_health(address: str, *, service: str = "", timeout_s: float = 2.0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The probe's command line; returns the exit code (0 when SERVING)."""
     parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("address", help="host:port")
     parser.add_argument("--service", default="", help="service name (default: the whole server)")

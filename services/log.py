@@ -23,6 +23,7 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
+        """``record`` as one JSON line."""
         out = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.bootstrap import ServerConfig, ServiceServer
 from services.proto import generation_pb2, generation_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 
 
 def expected_ids(request: generation_pb2.GenerateRequest) -> list[int]:

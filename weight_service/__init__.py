@@ -5,5 +5,6 @@ Where things are: ``sources`` (what a SOURCE names), ``safetensors_reader``/``gg
 :mod:`model_families`),
 ``sidecar`` (format, fingerprints, validation, atomic publish), ``packer`` (streaming pack),
 ``residency`` (mincore probe), ``prepare`` (the lifecycle), ``loader`` (zero-copy mapping),
-``catalog``, ``server``/``client`` (the ``Weights`` gRPC service), ``cli``.
+``catalog``, ``convert`` (handles <-> messages), ``servicer``/``daemon``/``client`` (the ``Weights``
+gRPC service), ``cli``.
 """

@@ -13,7 +13,7 @@ DEFAULT_PORT = 50052
 
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
-    from services.server import add_server_args
+    from services.bootstrap import add_server_args
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
     wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)
@@ -34,17 +34,9 @@ def register(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from weight_service.daemon import serve_from_args
 
-    from services.log import configure_logging
-    from services.paths import default_sidecar_root
-    from services.server import ServiceServer, config_from_args
-    from weight_service.server import build_server
-
-    configure_logging("weights")
-    root = Path(args.root).expanduser() if args.root else default_sidecar_root()
-    server: ServiceServer = build_server(config_from_args(args, "weights"), root)
-    server.serve_forever()
+    serve_from_args(args)
     return 0
 
 

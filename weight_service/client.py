@@ -9,12 +9,12 @@ from pathlib import Path
 
 import grpc
 
+from services.bootstrap import bearer_metadata
 from services.channel import open_channel
 from services.errors import FailedPrecondition, WarmserveError, from_rpc_error
 from services.proto import weights_pb2, weights_pb2_grpc
-from services.server import bearer_metadata
 from weight_service.catalog import find_sidecar
-from weight_service.handle_proto import handle_from_proto, progress_from_proto
+from weight_service.convert import handle_from_proto, progress_from_proto
 from weight_service.prepare import SidecarHandle, sidecar_lock
 from weight_service.progress import ProgressEvent
 from weight_service.sidecar import (

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from kc_workers import REPO, child_env
 
-from kernel_cache_service.server import build_server
+from kernel_cache_service.servicer import build_server
 from kernel_cache_service.store import KernelStore
+from services.bootstrap import ServerConfig
 from services.procs import wait_for_log_record
-from services.server import ServerConfig
 
 WORKERS = Path(__file__).with_name("kc_workers.py")
 
@@ -39,7 +39,7 @@ def grpc_cache(tmp_path: Path):
 
     def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None) -> InProcessCache:
         store = KernelStore(root or tmp_path / f"grpc-root-{len(started)}", max_bytes=max_bytes)
-        from kernel_cache_service.server import PROTECTED_METHODS
+        from kernel_cache_service.servicer import PROTECTED_METHODS
 
         cfg = ServerConfig(service="kernel-cache-test", token=token, protected_methods=PROTECTED_METHODS)
         server = build_server(store, cfg)
@@ -71,7 +71,7 @@ def daemon(tmp_path: Path):
         root, log = tmp_path / f"daemon-root-{n}", tmp_path / f"daemon-{n}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
+                [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
                 stdout=subprocess.DEVNULL, stderr=err, env=child_env(), cwd=REPO,
             )
         procs.append(proc)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kc_workers import REPO, child_env, tree_digest
 
-from services.cli import main
+from warmserve.cli import main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -27,7 +27,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def run_process(*argv: str) -> subprocess.CompletedProcess:
     """Run the real ``warmserve cache ARGV`` in a new process."""
-    return subprocess.run([sys.executable, "-m", "services.cli", "cache", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "warmserve.cli", "cache", *argv], capture_output=True,
                           text=True, env=child_env(), cwd=REPO, timeout=120)
 
 

@@ -14,10 +14,10 @@ import pytest
 from kc_workers import tree_digest
 
 from kernel_cache_service.client import KernelCacheClient
+from services.bootstrap import bearer_metadata
 from services.errors import InvalidArgument, Unauthenticated, Unavailable
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import bearer_metadata
 
 BAD_KEYS = ["../x", "", "a" * 10_000, "a/b", ".."]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from fake_runner import FakeRunner
 
-from services import cli
-from services.client import GenerationClient, sampling_params
-from services.client import interactive_chat as chat_loop
+from services.generation_client import GenerationClient, sampling_params
+from services.generation_client import interactive_chat as chat_loop
 from services.healthcheck import check_health
 from services.healthcheck import main as probe_main
-from services.stack import _free_port
+from warmserve import cli
+from warmserve.stack import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def router_process() -> Iterator[tuple[str, FakeRunner, subprocess.Popen]]:
     runner = FakeRunner("fake-0")
     port = _free_port("127.0.0.1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "router", "serve", "--port", str(port), "--runner", runner.address,
+        [sys.executable, "-m", "warmserve.cli", "router", "serve", "--port", str(port), "--runner", runner.address,
          "--health-interval", "0.1", "--drain-grace", "2"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = f"127.0.0.1:{port}"

@@ -6,11 +6,11 @@ import collections
 
 import pytest
 
+from router_service.config import RouterConfig
+from router_service.policy import PolicySet, PrefixAffinity, prompt_block_key
+from router_service.registry import Runner, RunnerLoad, RunnerState
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
-from services.router.config import RouterConfig
-from services.router.policy import PolicySet, PrefixAffinity, prompt_block_key
-from services.router.registry import Runner, RunnerLoad, RunnerState
 
 
 def _runners(*specs: tuple[str, int]) -> list[Runner]:

@@ -8,13 +8,13 @@ import time
 import pytest
 from fake_runner import FakeRunner
 
+from router_service.config import RouterConfig
+from router_service.servicer import RouterServer, advertised_address
+from runner_service.registration import RunnerRegistration
+from services.bootstrap import ServerConfig
 from services.channel import open_channel
 from services.errors import InvalidArgument
 from services.proto import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.config import RouterConfig
-from services.router.registration import RunnerRegistration
-from services.router.server import RouterServer, advertised_address
-from services.server import ServerConfig
 
 
 def _wait(cond, timeout_s: float = 5.0) -> bool:

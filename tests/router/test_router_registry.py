@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from router_service.config import RouterConfig
+from router_service.registry import RunnerLoad, RunnerRegistry, RunnerState
 from services.errors import InvalidArgument
-from services.router.config import RouterConfig
-from services.router.registry import RunnerLoad, RunnerRegistry, RunnerState
 
 
 class Clock:

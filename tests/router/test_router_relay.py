@@ -12,11 +12,11 @@ import pytest
 from fake_runner import FakeBehaviour, FakeRunner, expected_ids
 from grpc_health.v1 import health_pb2
 
+from router_service.config import RouterConfig
+from router_service.servicer import RouterServer
+from services.bootstrap import ServerConfig
 from services.channel import open_channel
 from services.proto import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.config import RouterConfig
-from services.router.server import RouterServer
-from services.server import ServerConfig
 
 
 class Harness:

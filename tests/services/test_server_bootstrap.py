@@ -1,4 +1,4 @@
-"""The shared server bootstrap (services/server.py), exercised with the KernelCache service:
+"""The shared server bootstrap (services/bootstrap.py), exercised with the KernelCache service:
 health (SERVING, then NOT_SERVING on drain), reflection, Prometheus metrics, bearer auth."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kernel_cache_service.server import PROTECTED_METHODS, SERVICE_NAME, build_server
+from kernel_cache_service.servicer import PROTECTED_METHODS, SERVICE_NAME, build_server
 from kernel_cache_service.store import KernelStore
+from services.bootstrap import ServerConfig, bearer_metadata
 from services.errors import InvalidArgument
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import ServerConfig, bearer_metadata
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from weights_tiny import write_tiny_checkpoint
 
+from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument, NotFound, Unauthenticated
 from services.proto import weights_pb2, weights_pb2_grpc
-from services.server import ServerConfig
 from weight_service.client import WeightsClient
-from weight_service.server import build_server
+from weight_service.servicer import build_server
 from weight_service.sidecar import validate_sidecar
 
 
@@ -145,7 +145,7 @@ def test_token_is_required_when_configured(tmp_path, ckpt):
 
 
 def _warmserve(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, timeout=120, cwd=cwd)
+    done = subprocess.run([sys.executable, "-m", "warmserve.cli", *args], capture_output=True, timeout=120, cwd=cwd)
     # Decode without newline translation: the bar redraws its line with "\r".
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
@@ -171,7 +171,7 @@ def test_cli_weights_serve_runs_the_daemon(ckpt, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "weights", "serve", "--root",
+    proc = subprocess.Popen([sys.executable, "-m", "warmserve.cli", "weights", "serve", "--root",
                              str(tmp_path / "root"), "--port", str(port), "--drain-grace", "1"],
                             cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -1,31 +1,34 @@
-"""gRPC adapters over :class:`services.router.router.Router`, and the router daemon object.
+"""gRPC adapters over :class:`router_service.router.Router`, and :class:`RouterServer`, the router
+behind the server bootstrap.
 
-The servicers only translate: protobuf in, core call, protobuf out, and
-:class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
-behind the shared :class:`services.server.ServiceServer` bootstrap (health, reflection, metrics,
+The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
+and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
+behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
 drain) and exports per-runner gauges.
 """
 
 from __future__ import annotations
 
+import urllib.parse
+
 import grpc
 from prometheus_client.core import GaugeMetricFamily
 
+from router_service.config import RouterConfig
+from router_service.convert import load_from_proto, runner_to_proto
+from router_service.registry import RunnerState
+from router_service.router import Router
+from services.address import format_address, parse_address
+from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
+from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.router.config import RouterConfig
-from services.router.registry import RunnerLoad, RunnerState
-from services.router.router import Router
-from services.server import ServerConfig, ServiceServer
 
 #: A client without a deadline shows up as a remaining time of about the epoch's age.
 _NO_DEADLINE_S = 1e8
 
-_STATE_TO_PB = {
-    RunnerState.READY: router_pb2.RunnerStatus.READY,
-    RunnerState.UNHEALTHY: router_pb2.RunnerStatus.UNHEALTHY,
-    RunnerState.DRAINING: router_pb2.RunnerStatus.DRAINING,
-}
+#: Hosts that mean "every interface": a runner bound there is dialled at the host it called from.
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def time_left(context: grpc.ServicerContext) -> float | None:
@@ -38,14 +41,20 @@ def advertised_address(address: str, peer: str) -> str:
     """The address to dial a registering runner at: ``address`` as given, except that an empty or
     wildcard host (``:50061``, ``0.0.0.0:50061``, ``[::]:50061``) is replaced by the host the
     registration came from (gRPC ``peer`` such as ``ipv4:10.0.0.7:41234`` or ``ipv6:[::1]:5``)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or host not in ("", "0.0.0.0", "[::]", "::"):
+    try:
+        host, port = parse_address(address, allow_empty_host=True)
+    except InvalidArgument:
+        return address  # the registry refuses it, saying why
+    if host not in _WILDCARD_HOSTS:
         return address
     kind, _, rest = peer.partition(":")
-    peer_host = rest.rpartition(":")[0]
-    if kind not in ("ipv4", "ipv6") or not peer_host:
-        raise InvalidArgument(f"runner address {address!r} has no host and the caller's ({peer}) is unknown")
-    return f"{peer_host}:{port}"
+    try:
+        if kind not in ("ipv4", "ipv6"):
+            raise InvalidArgument(f"a {kind or 'peer'} address has no host")
+        peer_host, _ = parse_address(urllib.parse.unquote(rest), what="peer address")
+    except InvalidArgument as e:
+        raise InvalidArgument(f"runner address {address!r} has no host and the caller's ({peer}) is unknown") from e
+    return format_address(peer_host, port)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -55,6 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._router = router
 
     def Generate(self, request, context):
+        """Relay the request to a runner and stream its answer back."""
         try:
             stream = self._router.generate(request, timeout_s=time_left(context))
         except WarmserveError as e:
@@ -66,6 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             abort_with(context, e)
 
     def ModelInfo(self, request, context):
+        """A READY runner's ``ModelInfo``."""
         try:
             left = time_left(context)
             return self._router.model_info(timeout_s=5.0 if left is None else left)
@@ -80,6 +91,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
         self._router = router
 
     def RegisterRunner(self, request, context):
+        """Admit (or re-admit) a runner under a new lease."""
         try:
             address = advertised_address(request.address, context.peer())
             lease = self._router.registry.register(
@@ -91,30 +103,21 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
                                                  heartbeat_interval_seconds=lease.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
-        load = None
-        if request.HasField("load"):
-            pl = request.load
-            load = RunnerLoad(pl.running, pl.waiting, pl.kv_blocks_used, pl.kv_blocks_total)
+        """Renew a runner's lease and record its load; ``known=false`` asks it to register again."""
+        load = load_from_proto(request.load) if request.HasField("load") else None
         granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load)
         if granted is None:
             return router_pb2.HeartbeatResponse(known=False)
         return router_pb2.HeartbeatResponse(known=True, lease_seconds=granted)
 
     def ListRunners(self, request, context):
+        """Every runner with its state, lease, load and counters."""
         registry = self._router.registry
-        out = router_pb2.ListRunnersResponse()
-        for r in registry.snapshot():
-            out.runners.add(
-                runner_id=r.runner_id, address=r.address, model=r.model, state=_STATE_TO_PB[r.state],
-                outstanding=r.outstanding, lease_expires_in_s=registry.lease_remaining_s(r),
-                static=r.static, consecutive_failures=r.consecutive_failures,
-                load=router_pb2.RunnerLoad(running=r.load.running, waiting=r.load.waiting,
-                                           kv_blocks_used=r.load.kv_blocks_used,
-                                           kv_blocks_total=r.load.kv_blocks_total),
-            )
-        return out
+        return router_pb2.ListRunnersResponse(
+            runners=[runner_to_proto(r, registry.lease_remaining_s(r)) for r in registry.snapshot()])
 
     def Drain(self, request, context):
+        """Stop routing new requests to a runner."""
         return router_pb2.DrainResponse(found=self._router.registry.drain(request.runner_id))
 
 
@@ -147,7 +150,7 @@ class RouterServer:
         self.router = Router(config)
         self.server = ServiceServer(server_config, [
             (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router),
-             "warmserve.v1.Generation"),
+             GENERATION_SERVICE),
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
         ])
@@ -155,6 +158,7 @@ class RouterServer:
 
     @property
     def address(self) -> str:
+        """``host:port`` the router serves on (valid after :meth:`start`)."""
         return self.server.address
 
     def start(self) -> int:

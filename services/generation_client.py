@@ -1,5 +1,6 @@
 """A small client for the ``Generation`` service (a runner or the router: same contract).
 
+:data:`GENERATION_SERVICE` is the service's full name (registration, health checks).
 Request builders (:func:`text_request`, :func:`chat_request`, :func:`sampling_params`), and
 :class:`GenerationClient`, which streams responses, collects them into a
 :class:`GenerationResult`, or writes the text as it arrives. RPC errors come out as
@@ -18,6 +19,9 @@ import grpc
 from services.channel import open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
 from services.proto import generation_pb2, generation_pb2_grpc
+
+#: The full name of the ``Generation`` service, which runners and the router both serve.
+GENERATION_SERVICE = "warmserve.v1.Generation"
 
 
 def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.0,
@@ -99,6 +103,7 @@ class GenerationClient:
         self.close()
 
     def close(self) -> None:
+        """Close the channel (cancels calls still running on it)."""
         self._channel.close()
 
     def stream(self, request: generation_pb2.GenerateRequest, *,

@@ -14,11 +14,11 @@ from runner_tiny import kv_bytes, tiny_args, tiny_config
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
-from runner_service.server import GenerationServicer, RunnerCollector
+from runner_service.servicer import GenerationServicer, RunnerCollector
 from runner_service.tokenizer import Tokenizer
+from services.bootstrap import ServerConfig, ServiceServer
 from services.proto import generation_pb2 as pb
 from services.proto import generation_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

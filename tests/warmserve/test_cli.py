@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from services.cli import main
+from warmserve.cli import main
 
 
 def test_busy_port_is_a_failed_operation_exit_1(capsys) -> None:

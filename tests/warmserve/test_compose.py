@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.client import GenerationClient, chat_request, sampling_params
-from services.stack import _free_port
+from services.generation_client import GenerationClient, chat_request, sampling_params
+from warmserve.stack import _free_port
 
 pytestmark = pytest.mark.slow
 

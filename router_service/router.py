@@ -1,7 +1,7 @@
 """The router core: runner table + policies + health checks + relay, without any server.
 
 ``Router(config).start()`` begins health checking (and lease expiry); :meth:`Router.generate`
-returns a :class:`services.router.relay.RelayStream` for one request; :meth:`Router.model_info`
+returns a :class:`router_service.relay.RelayStream` for one request; :meth:`Router.model_info`
 asks a READY runner; :attr:`Router.registry` takes registrations, heartbeats and drains.
 ``stop()`` ends health checks and closes every runner channel (cancelling calls in flight).
 """
@@ -13,14 +13,14 @@ import time
 
 import grpc
 
+from router_service.channels import ChannelPool
+from router_service.config import RouterConfig
+from router_service.health_checker import HealthChecker
+from router_service.policy import PolicySet
+from router_service.registry import Runner, RunnerRegistry, RunnerState
+from router_service.relay import RelayStream, upstream_error
 from services.errors import Unavailable
 from services.proto import generation_pb2, generation_pb2_grpc
-from services.router.channels import ChannelPool
-from services.router.config import RouterConfig
-from services.router.health_checker import HealthChecker
-from services.router.policy import PolicySet
-from services.router.registry import Runner, RunnerRegistry, RunnerState
-from services.router.relay import RelayStream, upstream_error
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Router:
         """A relay for ``request`` with ``timeout_s`` seconds left (``None``: no deadline).
 
         Raises ``InvalidArgument`` at once for an unknown ``routing`` value; the stream itself
-        raises the errors listed in :mod:`services.router.relay`.
+        raises the errors listed in :mod:`router_service.relay`.
         """
         chooser = self.policies.for_request(request)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -22,8 +22,8 @@ COMMAND_MODULES = (
     "kernel_cache_service.cli",
     "weight_service.cli",
     "runner_service.cli",
-    "services.router.cli",
-    "services.stack_cli",
+    "router_service.cli",
+    "warmserve.stack_cli",
 )
 
 

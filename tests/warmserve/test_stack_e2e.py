@@ -16,10 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import GenerationClient, chat_request, sampling_params
+from router_service.client import list_runners
+from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
-from services.stack import LocalStack, StackConfig, list_runners
+from warmserve.stack import LocalStack, StackConfig
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
 
 def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--runners", "1", "--base-port", "0",
+        [sys.executable, "-m", "warmserve.cli", "up", "--runners", "1", "--base-port", "0",
          "--home", str(tmp_path), "--compile", "off"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str | None] = queue.Queue()

@@ -1,11 +1,13 @@
-"""The KernelCache gRPC daemon: a thin adapter from ``warmserve.v1.KernelCache`` to a
-:class:`kernel_cache_service.store.KernelStore`.
+"""The KernelCache servicer: a thin adapter from ``warmserve.v1.KernelCache`` to a
+:class:`kernel_cache_service.store.KernelStore`, and :func:`build_server`, which puts it behind
+the server bootstrap with the store's metrics.
 
 The servicer validates and translates only: store errors become gRPC statuses
-(:func:`services.errors.abort_with`), :class:`EntryInfo` becomes the proto message. Fetch streams
-the blob from disk in chunks (``chunk_bytes`` from the request, default 1 MiB, at most 4 MiB),
-the first message carrying the entry info; Publish writes the incoming chunks straight into the
-store's temp file. Neither ever holds a whole artifact in memory.
+(:func:`services.errors.abort_with`), :class:`EntryInfo` becomes the proto message
+(:mod:`kernel_cache_service.convert`). Fetch streams the blob from disk in chunks
+(``chunk_bytes`` from the request, default 1 MiB, at most 4 MiB), the first message carrying the
+entry info; Publish writes the incoming chunks straight into the store's temp file. Neither ever
+holds a whole artifact in memory.
 
 When the daemon has a token, Publish and Evict need it (:data:`PROTECTED_METHODS`); Lookup,
 Fetch, List and Stat stay open.
@@ -13,59 +15,21 @@ Fetch, List and Stat stay open.
 
 from __future__ import annotations
 
-import logging
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernel_cache_service.artifact import CorruptArtifact
-from kernel_cache_service.entry import EntryInfo, PublishResult
+from kernel_cache_service.convert import entry_to_proto, publish_to_proto
+from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.store import COUNTERS, KernelStore
-from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
+from services.bootstrap import ServerConfig, ServiceServer
+from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
-from services.server import ServerConfig, ServiceServer, config_from_args
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
 PROTECTED_METHODS = frozenset({f"/{SERVICE_NAME}/Publish", f"/{SERVICE_NAME}/Evict"})
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
-
-
-def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
-    """:class:`EntryInfo` as the ``warmserve.v1.EntryInfo`` message."""
-    return pb.EntryInfo(
-        key=pb.ProgramKey(name=info.name, fingerprint=info.fingerprint),
-        size_bytes=info.size_bytes,
-        sha256=info.sha256,
-        created_unix_s=info.created,
-        last_access_unix_s=info.last_access,
-        producer=info.producer,
-        format=info.format,
-    )
-
-
-def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
-    """The inverse of :func:`entry_to_proto`."""
-    return EntryInfo(
-        name=msg.key.name,
-        fingerprint=msg.key.fingerprint,
-        size_bytes=msg.size_bytes,
-        sha256=msg.sha256,
-        created=msg.created_unix_s,
-        producer=msg.producer,
-        format=msg.format,
-        last_access=msg.last_access_unix_s,
-    )
-
-
-def _publish_to_proto(result: PublishResult) -> pb.PublishResponse:
-    return pb.PublishResponse(
-        status=pb.PublishResponse.Status.Value(result.status),
-        reason=result.reason,
-        entry=entry_to_proto(result.entry) if result.entry else None,
-    )
 
 
 class KernelCacheServicer(pb_grpc.KernelCacheServicer):
@@ -75,6 +39,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         self.store = store
 
     def Lookup(self, request, context):
+        """HIT with the entry's info, or MISS."""
         try:
             info = self.store.lookup(request.key.name, request.key.fingerprint)
         except WarmserveError as e:
@@ -84,6 +49,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         return pb.LookupResponse(status=pb.LookupResponse.HIT, entry=entry_to_proto(info))
 
     def Fetch(self, request, context):
+        """Stream the entry's blob in chunks, the first one carrying its info; NOT_FOUND on a miss."""
         chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         key = request.key
         try:
@@ -108,8 +74,9 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
                 yield pb.FetchChunk(entry=entry)
 
     def Publish(self, request_iterator, context):
+        """Store the streamed artifact (a header, then chunks) under its key."""
         try:
-            return _publish_to_proto(self._publish(request_iterator))
+            return publish_to_proto(self._publish(request_iterator))
         except WarmserveError as e:
             abort_with(context, e)
 
@@ -135,6 +102,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
             return pending.commit()
 
     def List(self, request, context):
+        """Entries whose name starts with the prefix."""
         try:
             entries = self.store.list(request.name_prefix)
         except WarmserveError as e:
@@ -142,10 +110,12 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         return pb.ListResponse(entries=[entry_to_proto(e) for e in entries])
 
     def Stat(self, request, context):
+        """Store totals and counters."""
         s = self.store.stat()
         return pb.StatResponse(**s)
 
     def Evict(self, request, context):
+        """Remove one entry, every fingerprint of a name, or everything."""
         try:
             count, freed = self.store.evict(request.key.name or None, request.key.fingerprint or None,
                                             all=request.all)
@@ -161,6 +131,7 @@ class StoreCollector:
         self.store = store
 
     def collect(self):
+        """Prometheus collector protocol: the metrics, read now."""
         s = self.store.stat()
         for name in COUNTERS:
             c = CounterMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name} since start")
@@ -178,20 +149,3 @@ def build_server(store: KernelStore, config: ServerConfig) -> ServiceServer:
     server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])
     server.registry.register(StoreCollector(store))
     return server
-
-
-def serve_from_args(args) -> None:
-    """Entry point of ``warmserve cache serve``: run until SIGTERM/SIGINT, then drain."""
-    from services.log import configure_logging
-
-    configure_logging("kernel-cache", args.log_level)
-    store = KernelStore(args.root, max_bytes=args.max_bytes)
-    config = config_from_args(args, "kernel-cache", PROTECTED_METHODS)
-    server = build_server(store, config)
-    try:
-        server.start()
-    except OSError as e:
-        raise Unavailable(f"cannot serve on {config.host}:{config.port}: {e}") from e
-    log.info("kernel cache ready", extra={"root": str(store.root), "max_bytes": store.max_bytes,
-                                          "address": server.address, "swept": store.swept})
-    server.serve_forever()

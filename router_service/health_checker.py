@@ -3,7 +3,7 @@
 Each round (every ``health_interval_s`` seconds) first drops runners whose lease ran out, then
 asks every remaining runner ``Health.Check(service="warmserve.v1.Generation")`` concurrently with
 a ``health_timeout_s`` deadline. SERVING counts as a success; NOT_SERVING, an RPC error or a
-timeout as a failure; :meth:`services.router.registry.RunnerRegistry.record_result` turns the
+timeout as a failure; :meth:`router_service.registry.RunnerRegistry.record_result` turns the
 counts into ejection and re-admission.
 """
 
@@ -15,13 +15,12 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.router.channels import ChannelPool
-from services.router.config import RouterConfig
-from services.router.registry import RunnerRegistry
+from router_service.channels import ChannelPool
+from router_service.config import RouterConfig
+from router_service.registry import RunnerRegistry
+from services.generation_client import GENERATION_SERVICE
 
 log = logging.getLogger(__name__)
-
-GENERATION_SERVICE = "warmserve.v1.Generation"
 
 
 class HealthChecker:

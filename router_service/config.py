@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.address import parse_address
 from services.errors import InvalidArgument
 
+#: The routing policies (:mod:`router_service.policy`), named as on the command line; each is the
+#: ``RoutingPolicy`` enum value's name in lower case with dashes (``LEAST_OUTSTANDING``).
 POLICY_NAMES = ("least-outstanding", "round-robin", "prefix-affinity")
+DEFAULT_POLICY = "least-outstanding"
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class RouterConfig:
     """
 
     static_runners: tuple[str, ...] = ()
-    policy: str = "least-outstanding"
+    policy: str = DEFAULT_POLICY
     default_lease_s: float = 10.0
     min_lease_s: float = 0.5
     max_lease_s: float = 300.0
@@ -45,9 +49,7 @@ class RouterConfig:
         if self.policy not in POLICY_NAMES:
             raise InvalidArgument(f"unknown routing policy {self.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
         for addr in self.static_runners:
-            host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise InvalidArgument(f"runner address must be host:port, got {addr!r}")
+            parse_address(addr, what="runner address")
         if len(set(self.static_runners)) != len(self.static_runners):
             raise InvalidArgument("a static runner address is given twice")
         if not 0 < self.min_lease_s <= self.default_lease_s <= self.max_lease_s:

@@ -36,11 +36,13 @@ def handle_from_proto(msg: weights_pb2.SidecarHandle) -> SidecarHandle:
 
 
 def progress_to_proto(event: ProgressEvent) -> weights_pb2.PrepareProgress:
+    """The ``PrepareProgress`` message for one :class:`ProgressEvent`."""
     return weights_pb2.PrepareProgress(phase=event.phase, layers_done=event.layers_done,
                                        layers_total=event.layers_total, bytes_written=event.bytes_written,
                                        message=event.message)
 
 
 def progress_from_proto(msg: weights_pb2.PrepareProgress) -> ProgressEvent:
+    """The inverse of :func:`progress_to_proto`."""
     return ProgressEvent(phase=msg.phase, layers_done=msg.layers_done, layers_total=msg.layers_total,
                          bytes_written=msg.bytes_written, message=msg.message)

@@ -12,7 +12,7 @@ import pytest
 from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
-from services.stack import LocalStack, StackConfig, format_startup_report
+from warmserve.stack import LocalStack, StackConfig, format_startup_report
 
 
 def test_config_is_validated() -> None:
@@ -32,7 +32,7 @@ def test_ports_and_runner_command_line(tmp_path: Path) -> None:
     assert [stack.address(n) for n in ("router", "kernel-cache", "weights", "runner-0", "runner-1")] == [
         "127.0.0.1:50100", "127.0.0.1:50101", "127.0.0.1:50102", "127.0.0.1:50111", "127.0.0.1:50112"]
     argv = stack.runner_argv(1)
-    assert argv[1:5] == ["-m", "services.cli", "runner", "serve"]
+    assert argv[1:5] == ["-m", "warmserve.cli", "runner", "serve"]
     flags = dict(zip(argv[5::2], argv[6::2], strict=False))
     assert flags == {
         "--model": "smollm2-135m-instruct", "--runner-id": "runner-1", "--host": "127.0.0.1", "--port": "50112",

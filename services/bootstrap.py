@@ -18,6 +18,7 @@ Servicers stay thin: they validate, call a core object, and translate
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import logging
 import signal
@@ -33,14 +34,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from services.address import format_address
+from services.channel import MAX_MESSAGE_BYTES
 from services.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 #: Methods that never need a token: health checks and reflection.
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class ServerConfig:
     protected_methods: frozenset[str] | None = None
     max_workers: int = 64
     drain_grace_s: float = 30.0
-    max_message_bytes: int = 16 * MiB
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -229,10 +230,11 @@ class ServiceServer:
     @property
     def address(self) -> str:
         """``host:port`` clients should dial (valid after :meth:`start`)."""
-        return f"{self.config.host}:{self.port}"
+        return format_address(self.config.host, self.port)
 
     @property
     def service_names(self) -> list[str]:
+        """Full names of the registered services (health and reflection list them)."""
         return [name for _, _, name in self._registrations]
 
     def start(self) -> int:
@@ -340,6 +342,22 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An ``argparse`` ``type=`` accepting integers >= ``minimum`` (anything else is a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
+        return value
+
+    return parse
 
 
 def config_from_args(args, service: str, protected_methods: frozenset[str] | None = None) -> ServerConfig:

@@ -1,4 +1,5 @@
-"""The runner's ``Generation`` servicer: validates and translates, nothing more.
+"""The runner's ``Generation`` servicer: validates and translates (:mod:`runner_service.convert`),
+nothing more.
 
 ``Generate`` turns a ``GenerateRequest`` into an :meth:`LLMEngine.add_request` call and streams
 the engine's deltas back. Bad input is ``INVALID_ARGUMENT`` with one sentence (the runner keeps
@@ -13,15 +14,19 @@ scrape.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from runner_service.engine import LLMEngine, RequestOutput
-from runner_service.sampling_params import SamplingParams
+from runner_service.convert import (
+    output_to_proto,
+    prompt_from_proto,
+    sampling_from_proto,
+    startup_report_to_proto,
+)
+from runner_service.engine import LLMEngine
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.proto import generation_pb2, generation_pb2_grpc
 
@@ -29,60 +34,15 @@ from services.proto import generation_pb2, generation_pb2_grpc
 _POLL_S = 0.5
 
 
-def sampling_from_proto(sp: generation_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Map the proto's conventions (``max_tokens`` 0 = default, ``top_p`` 0 = unset) and validate.
-    Raises ``InvalidArgument``."""
-    if sp.max_tokens < 0:
-        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default {default_max_tokens}), got {sp.max_tokens}")
-    if not math.isfinite(sp.temperature) or not math.isfinite(sp.top_p):
-        raise InvalidArgument("temperature and top_p must be finite numbers")
-    return SamplingParams(
-        max_tokens=sp.max_tokens or default_max_tokens,
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p if sp.top_p != 0 else 1.0,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        logprobs=sp.logprobs,
-        ignore_eos=sp.ignore_eos,
-    )
-
-
-def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:
-    """``text=`` / ``messages=`` / ``token_ids=`` keyword for :meth:`LLMEngine.add_request`."""
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
-        return {"text": request.text}
-    if kind == "chat":
-        return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
-    if kind == "token_ids":
-        return {"token_ids": list(request.token_ids.ids)}
-    raise InvalidArgument("the request has no prompt (set text, chat or token_ids)")
-
-
-def _response(out: RequestOutput, runner_id: str) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
-                                          runner_id=runner_id)
-    for lp in out.logprobs:
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                         top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-    if out.finish_reason is not None:
-        msg.finish_reason = int(out.finish_reason)
-        msg.usage.prompt_tokens = out.prompt_tokens
-        msg.usage.completion_tokens = out.completion_tokens
-    return msg
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``warmserve.v1.Generation`` over one :class:`LLMEngine` (whose loop thread is running)."""
 
-    def __init__(self, engine: LLMEngine, runner_id: str, compile_mode: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, runner_id: str) -> None:
         self.engine = engine
         self.runner_id = runner_id
-        self.compile_mode = compile_mode or engine.config.compile
 
     def Generate(self, request, context):
+        """Run the request on the engine and stream its outputs."""
         try:
             if request.routing not in generation_pb2.RoutingPolicy.values():
                 raise InvalidArgument(f"routing {request.routing} is not a RoutingPolicy value")
@@ -103,22 +63,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     stream.cancel()
                     return
                 continue
-            yield _response(out, self.runner_id)
+            yield output_to_proto(out, self.runner_id)
             if out.finish_reason is not None:
                 return
 
     def ModelInfo(self, request, context):
+        """The model, the serving limits and the start-up report."""
         eng = self.engine
-        report = generation_pb2.StartupReport(
-            phases=[generation_pb2.StartupPhase(name=p.name, seconds=p.seconds, detail=p.detail)
-                    for p in eng.startup_report.phases],
-            total_seconds=eng.startup_report.total_seconds)
         return generation_pb2.ModelInfoResponse(
             runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.config.dtype,
             device=str(eng.device), vocab_size=eng.args.vocab_size, max_model_len=eng.max_model_len,
             block_size=eng.config.block_size, num_kv_blocks=eng.block_manager.num_usable_blocks,
-            max_num_seqs=eng.config.max_num_seqs, compile_mode=self.compile_mode,
-            sidecar_fingerprint=eng.sidecar_fingerprint, startup=report)
+            max_num_seqs=eng.config.max_num_seqs, compile_mode=eng.config.compile,
+            sidecar_fingerprint=eng.sidecar_fingerprint,
+            startup=startup_report_to_proto(eng.startup_report))
 
 
 class RunnerCollector:
@@ -130,6 +88,7 @@ class RunnerCollector:
         self._last: tuple[float, int] | None = None
 
     def collect(self):
+        """Prometheus collector protocol: the engine's metrics, read now."""
         s = self.engine.stats()
         now = time.monotonic()
         with self._lock:

@@ -9,7 +9,7 @@
   virtual nodes at ``blake2b(runner_id#i)``; a key goes to the first node clockwise whose runner
   is a candidate.
 
-Policies are called by :meth:`services.router.registry.RunnerRegistry.acquire` under its lock,
+Policies are called by :meth:`router_service.registry.RunnerRegistry.acquire` under its lock,
 with the READY candidates sorted by id (never empty).
 """
 
@@ -22,10 +22,10 @@ import struct
 import threading
 from collections.abc import Sequence
 
+from router_service.config import POLICY_NAMES, RouterConfig
+from router_service.registry import Chooser, Runner
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
-from services.router.config import RouterConfig
-from services.router.registry import Chooser, Runner
 
 
 def prompt_block_key(request: generation_pb2.GenerateRequest, *, block_tokens: int, block_bytes: int) -> bytes:
@@ -57,6 +57,7 @@ class LeastOutstanding:
         self._turn = itertools.count()
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request`` (this policy ignores the prompt)."""
         def choose(candidates: Sequence[Runner]) -> Runner:
             turn, n = next(self._turn), len(candidates)
             return min(enumerate(candidates), key=lambda ic: (
@@ -74,6 +75,7 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request`` (this policy ignores the prompt)."""
         def choose(candidates: Sequence[Runner]) -> Runner:
             return candidates[next(self._turn) % len(candidates)]
 
@@ -108,6 +110,7 @@ class PrefixAffinity:
         return ring[i % len(ring)][1]
 
     def chooser(self, request: generation_pb2.GenerateRequest) -> Chooser:
+        """The choice function for ``request``: the owner of its first prompt block."""
         key = prompt_block_key(request, block_tokens=self._block_tokens, block_bytes=self._block_bytes)
 
         def choose(candidates: Sequence[Runner]) -> Runner:
@@ -120,20 +123,15 @@ class PrefixAffinity:
 class PolicySet:
     """The three policies, and the choice between them per request."""
 
-    _BY_ENUM = {
-        generation_pb2.LEAST_OUTSTANDING: "least-outstanding",
-        generation_pb2.ROUND_ROBIN: "round-robin",
-        generation_pb2.PREFIX_AFFINITY: "prefix-affinity",
-    }
+    #: ``RoutingPolicy`` enum value -> policy name (``LEAST_OUTSTANDING`` -> ``least-outstanding``).
+    _BY_ENUM = {generation_pb2.RoutingPolicy.Value(name.upper().replace("-", "_")): name for name in POLICY_NAMES}
 
     def __init__(self, config: RouterConfig) -> None:
-        self._policies = {
-            "least-outstanding": LeastOutstanding(),
-            "round-robin": RoundRobin(),
-            "prefix-affinity": PrefixAffinity(replicas=config.ring_replicas,
-                                              block_tokens=config.prefix_block_tokens,
-                                              block_bytes=config.prefix_block_bytes),
-        }
+        policies = (LeastOutstanding(), RoundRobin(),
+                    PrefixAffinity(replicas=config.ring_replicas, block_tokens=config.prefix_block_tokens,
+                                   block_bytes=config.prefix_block_bytes))
+        self._policies = {policy.name: policy for policy in policies}
+        assert set(self._policies) == set(POLICY_NAMES), "POLICY_NAMES and the policy classes disagree"
         self.default = config.policy
 
     def for_request(self, request: generation_pb2.GenerateRequest) -> Chooser:

@@ -28,10 +28,10 @@ from collections.abc import Iterator
 
 import grpc
 
+from router_service.channels import ChannelPool
+from router_service.registry import Chooser, Runner, RunnerRegistry
 from services.errors import Unavailable, WarmserveError, from_rpc_error
 from services.proto import generation_pb2, generation_pb2_grpc
-from services.router.channels import ChannelPool
-from services.router.registry import Chooser, Runner, RunnerRegistry
 
 log = logging.getLogger(__name__)
 

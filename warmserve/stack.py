@@ -1,7 +1,7 @@
 """The local stack: kernel-cache, weights, N runners and the router as child processes.
 
 :class:`LocalStack` is what ``warmserve up``, ``warmserve demo`` and the end-to-end tests share.
-``start()`` launches ``python -m services.cli ...`` children on loopback, in dependency order:
+``start()`` launches ``python -m warmserve.cli ...`` children on loopback, in dependency order:
 
 1. kernel-cache (``base_port + 1``), weights (``base_port + 2``) and the router (``base_port``),
    waiting until each answers SERVING on ``grpc.health.v1``;
@@ -28,15 +28,25 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from router_service.client import list_runners
+from router_service.config import DEFAULT_POLICY
+from runner_service.config import COMPILE_MODES, DTYPES
+from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
+from services.table import format_table
+from weight_service.sources import BUNDLED_SMOLLM2
 
 ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
+#: The router's port; the other services' ports follow it (see :data:`_SERVICE_PORT_OFFSETS`).
+DEFAULT_BASE_PORT = 50050
 RUNNER_PORT_OFFSET = 11
+#: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
+_SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -52,13 +62,13 @@ class StackConfig:
     """
 
     runners: int = 2
-    model: str = "smollm2-135m-instruct"
-    base_port: int = 50050
+    model: str = BUNDLED_SMOLLM2
+    base_port: int = DEFAULT_BASE_PORT
     home: Path | None = None
     compile: str | None = None
     dtype: str | None = None
     max_num_seqs: int | None = None
-    policy: str = "least-outstanding"
+    policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     lease_seconds: float = 3.0
     health_interval_s: float = 0.5
@@ -73,9 +83,9 @@ class StackConfig:
             raise InvalidArgument(f"--runners must be >= 0, got {self.runners}")
         if self.base_port != 0 and not 1024 <= self.base_port <= 65535 - RUNNER_PORT_OFFSET - max(self.runners, 1) - 16:
             raise InvalidArgument(f"--base-port must be 0 (free ports) or leave room for the stack, got {self.base_port}")
-        if self.compile not in (None, "aoti", "inductor", "off"):
+        if self.compile is not None and self.compile not in COMPILE_MODES:
             raise InvalidArgument(f"unknown compile mode {self.compile!r}")
-        if self.dtype not in (None, "f32", "bf16"):
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgument(f"unknown dtype {self.dtype!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -86,7 +96,7 @@ class StackConfig:
 
     @classmethod
     def from_args(cls, args) -> StackConfig:
-        """From the ``up``/``demo`` flags of :mod:`services.stack_cli`."""
+        """From the ``up``/``demo`` flags of :mod:`warmserve.stack_cli`."""
         return cls(runners=args.runners, model=args.model, base_port=args.base_port,
                    home=Path(args.home).expanduser().resolve() if args.home else None,
                    compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs, policy=args.policy)
@@ -103,13 +113,14 @@ class ChildProcess:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready_s: float | None = None  # seconds from launch to SERVING
-    extra: dict = field(default_factory=dict)
 
     @property
     def running(self) -> bool:
+        """Launched and not exited yet."""
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
+        """The last ``lines`` lines of the child's log (for error messages)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -151,25 +162,24 @@ class LocalStack:
 
     # --- addresses ----------------------------------------------------------------------------
 
-    def _port(self, name: str, offset: int) -> int:
+    def port(self, name: str) -> int:
+        """The port of ``router``, ``kernel-cache``, ``weights`` or ``runner-I`` (a free one, chosen
+        once, when ``base_port`` is 0)."""
         if name not in self._ports:
+            offset = _SERVICE_PORT_OFFSETS.get(name)
+            if offset is None:
+                offset = RUNNER_PORT_OFFSET + int(name.removeprefix("runner-"))
             base = self.config.base_port
             self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
         return self._ports[name]
 
     def address(self, name: str) -> str:
         """``host:port`` of ``router``, ``kernel-cache``, ``weights`` or ``runner-I``."""
-        if name == ROUTER:
-            return f"{self.config.host}:{self._port(ROUTER, 0)}"
-        if name == KERNEL_CACHE:
-            return f"{self.config.host}:{self._port(KERNEL_CACHE, 1)}"
-        if name == WEIGHTS:
-            return f"{self.config.host}:{self._port(WEIGHTS, 2)}"
-        index = int(name.removeprefix("runner-"))
-        return f"{self.config.host}:{self._port(name, RUNNER_PORT_OFFSET + index)}"
+        return format_address(self.config.host, self.port(name))
 
     @property
     def router_address(self) -> str:
+        """``host:port`` of the router (the stack's Generation endpoint)."""
         return self.address(ROUTER)
 
     def endpoints(self) -> dict[str, str]:
@@ -181,11 +191,11 @@ class LocalStack:
     # --- commands -----------------------------------------------------------------------------
 
     def _cli(self, *args: str) -> list[str]:
-        return [self.config.python, "-m", "services.cli", *args]
+        return [self.config.python, "-m", "warmserve.cli", *args]
 
     def _service_argv(self, name: str) -> list[str]:
-        cfg, port = self.config, self.address(name).rpartition(":")[2]
-        common = ["--host", cfg.host, "--port", port, "--drain-grace", "5"]
+        cfg = self.config
+        common = ["--host", cfg.host, "--port", str(self.port(name)), "--drain-grace", "5"]
         if name == KERNEL_CACHE:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
         if name == WEIGHTS:
@@ -198,7 +208,7 @@ class LocalStack:
         cfg, name = self.config, f"runner-{index}"
         argv = self._cli(
             "runner", "serve", "--model", cfg.model, "--runner-id", name,
-            "--host", cfg.host, "--port", self.address(name).rpartition(":")[2], "--drain-grace", "5",
+            "--host", cfg.host, "--port", str(self.port(name)), "--drain-grace", "5",
             "--weights", self.address(WEIGHTS), "--kernel-cache", self.address(KERNEL_CACHE),
             "--router", self.address(ROUTER), "--sidecar-dir", str(self.home / "sidecars"))
         if cfg.compile is not None:
@@ -328,7 +338,7 @@ class LocalStack:
 
     def startup_report(self, index: int):
         """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
-        from services.client import GenerationClient
+        from services.generation_client import GenerationClient
 
         with GenerationClient(self.runners[index].address) as client:
             return client.model_info()
@@ -380,22 +390,6 @@ def _last_log_msg(child: ChildProcess) -> str:
 # --- reports and status ---------------------------------------------------------------------------
 
 
-def list_runners(router_address: str, timeout_s: float = 5.0):
-    """The router's ``ListRunners`` runners (``RunnerStatus`` messages)."""
-    import grpc
-
-    from services.channel import open_channel
-    from services.errors import from_rpc_error
-    from services.proto import router_pb2, router_pb2_grpc
-
-    with open_channel(router_address) as channel:
-        try:
-            return list(router_pb2_grpc.RouterControlStub(channel).ListRunners(
-                router_pb2.ListRunnersRequest(), timeout=timeout_s, wait_for_ready=True).runners)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
-
-
 def format_startup_report(info, title: str = "") -> str:
     """A ``ModelInfoResponse``'s start-up report as an aligned text block (seconds per phase)."""
     head = title or f"start-up report of {info.runner_id}"
@@ -418,7 +412,7 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO) 
     rows = [("service", "address", "health")]
     for name, addr in {"router": router_address, **services}.items():
         rows.append((name, addr, check_health(addr, timeout_s=2.0)))
-    _table(rows, out)
+    out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":
         return 1
     runners = list_runners(router_address)
@@ -432,14 +426,8 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO) 
     if len(table) == 1:
         out.write("no runners\n")
     else:
-        _table(table, out)
+        out.write(format_table(table) + "\n")
     return 0
-
-
-def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:

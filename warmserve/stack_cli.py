@@ -1,7 +1,7 @@
 """``warmserve up | generate | chat | status | demo``: the local stack and its clients.
 
 ``up`` starts kernel-cache, weights, N runners and the router as child processes (see
-:class:`services.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
+:class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
 (the router by default); ``status`` shows the router's runners and the health of each service;
 ``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
 """
@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_ROUTER = "127.0.0.1:50050"
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+from runner_service.config import COMPILE_MODES, DTYPES
+from services.address import format_address
+from warmserve.stack import DEFAULT_BASE_PORT
+from weight_service.sources import BUNDLED_SMOLLM2
+
+DEFAULT_ROUTER = format_address("127.0.0.1", DEFAULT_BASE_PORT)
+DEFAULT_MODEL = BUNDLED_SMOLLM2
 
 
 def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int, home_help: str,
@@ -22,13 +28,13 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
                    help=f"router port; kernel-cache +1, weights +2, runner i at +11+i; 0 = free ports "
                         f"(default {base_port})")
     p.add_argument("--home", default=None, help=home_help)
-    p.add_argument("--compile", choices=("aoti", "inductor", "off"), default=compile_mode,
+    p.add_argument("--compile", choices=COMPILE_MODES, default=compile_mode,
                    help=f"runner compile mode (default {compile_mode or 'the runner default'})")
-    p.add_argument("--dtype", choices=("f32", "bf16"), default=None, help="runner dtype (default: the runner's)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="runner dtype (default: the runner's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
-    p.add_argument("--policy", choices=("least-outstanding", "round-robin", "prefix-affinity"),
-                   default="least-outstanding", help="router policy")
+    p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                   help=f"router policy (default {DEFAULT_POLICY})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +49,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
-    _add_stack_args(up, runners=2, base_port=50050, home_help="state directory (default $WARMSERVE_HOME)")
+    _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT, home_help="state directory (default $WARMSERVE_HOME)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
@@ -74,19 +80,19 @@ def register(subparsers) -> None:
 
 
 def _stack_config(args: argparse.Namespace):
-    from services.stack import StackConfig
+    from warmserve.stack import StackConfig
 
     return StackConfig.from_args(args)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.stack import run_up
+    from warmserve.stack import run_up
 
     return run_up(_stack_config(args))
 
 
 def _sampling(args: argparse.Namespace):
-    from services.client import sampling_params
+    from services.generation_client import sampling_params
 
     return sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed)
@@ -95,7 +101,7 @@ def _sampling(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> int:
     import sys
 
-    from services.client import GenerationClient, chat_request, text_request
+    from services.generation_client import GenerationClient, chat_request, text_request
 
     if args.raw:
         request = text_request(args.prompt, _sampling(args))
@@ -112,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from services.client import GenerationClient, interactive_chat
+    from services.generation_client import GenerationClient, interactive_chat
 
     with GenerationClient(args.addr) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
@@ -122,7 +128,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import sys
 
-    from services.stack import print_status
+    from warmserve.stack import print_status
 
     services = {}
     for item in args.service:
@@ -136,6 +142,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from services.demo import run_demo
+    from warmserve.demo import run_demo
 
     return run_demo(_stack_config(args), max_tokens=args.max_tokens)

@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from services.client import GenerationClient, chat_request, sampling_params
-from services.stack import LocalStack, StackConfig, format_startup_report, print_status
+from services.generation_client import GenerationClient, chat_request, sampling_params
+from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status
 
 DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

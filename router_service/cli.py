@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+
 DEFAULT_PORT = 50050
-POLICIES = ("least-outstanding", "round-robin", "prefix-affinity")
 
 
 def register(subparsers) -> None:
@@ -19,13 +20,13 @@ def register(subparsers) -> None:
     sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
 
     serve = sub.add_parser("serve", help="run the router daemon")
-    from services.server import add_server_args
+    from services.bootstrap import add_server_args
 
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
                        help="a static runner host:port (repeatable); runners may also register themselves")
-    serve.add_argument("--policy", choices=POLICIES, default="least-outstanding",
-                       help="default routing policy (default least-outstanding)")
+    serve.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
+                       help=f"default routing policy (default {DEFAULT_POLICY})")
     serve.add_argument("--lease-seconds", type=float, default=10.0,
                        help="lease granted to registering runners when they ask for none (default 10)")
     serve.add_argument("--health-interval", type=float, default=1.0,
@@ -41,39 +42,17 @@ def register(subparsers) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.log import configure_logging
-    from services.router.config import RouterConfig
-    from services.router.server import RouterServer
-    from services.server import config_from_args
+    from router_service.daemon import serve_from_args
 
-    configure_logging("router", args.log_level)
-    config = RouterConfig(
-        static_runners=tuple(args.runner),
-        policy=args.policy,
-        default_lease_s=args.lease_seconds,
-        health_interval_s=args.health_interval,
-        eject_after=args.eject_after,
-    )
-    server = RouterServer(config, config_from_args(args, "router"))
-    server.start()
-    server.serve_forever()
+    serve_from_args(args)
     return 0
 
 
 def _drain(args: argparse.Namespace) -> int:
-    import grpc
+    from router_service.client import drain_runner
+    from services.errors import NotFound
 
-    from services.channel import open_channel
-    from services.errors import NotFound, from_rpc_error
-    from services.proto import router_pb2, router_pb2_grpc
-
-    with open_channel(args.addr, ready_timeout_s=5.0) as channel:
-        try:
-            resp = router_pb2_grpc.RouterControlStub(channel).Drain(
-                router_pb2.DrainRequest(runner_id=args.runner_id), timeout=5.0)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
-    if not resp.found:
+    if not drain_runner(args.addr, args.runner_id):
         raise NotFound(f"the router at {args.addr} knows no runner {args.runner_id!r}")
     print(f"draining {args.runner_id}")
     return 0

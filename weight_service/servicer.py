@@ -1,4 +1,5 @@
-"""The ``Weights`` gRPC servicer (thin: validate, call the core, translate errors) and the daemon.
+"""The ``Weights`` gRPC servicer (thin: validate, call the core, translate errors) and
+:func:`build_server`, which puts it behind the server bootstrap.
 
 - ``Prepare`` runs :func:`weight_service.prepare.prepare` in a worker thread and streams its
   progress events, then the handle (``files`` with names and sizes).
@@ -15,11 +16,11 @@ import queue
 import threading
 from pathlib import Path
 
+from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
-from services.server import ServerConfig, ServiceServer
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
-from weight_service.handle_proto import handle_to_proto, progress_to_proto
+from weight_service.convert import handle_to_proto, progress_to_proto
 from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state
 from weight_service.residency import probe_residency
 from weight_service.sidecar import WEIGHTS_FILE, InvalidSidecar, SidecarInfo, validate_sidecar
@@ -45,6 +46,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         self._sha_lock = threading.Lock()
 
     def Prepare(self, request, context):
+        """Prepare the sidecar, streaming progress events, then its handle."""
         dtype = request.dtype or "f32"
         cold_policy = request.cold_policy or "accept"
         events: queue.Queue = queue.Queue()
@@ -95,6 +97,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         return cached
 
     def Fetch(self, request, context):
+        """Stream every file of a sidecar, the first chunk carrying the handle."""
         if request.chunk_bytes > MAX_CHUNK_BYTES:
             abort_with(context, InvalidArgument(f"chunk_bytes may be at most {MAX_CHUNK_BYTES}"))
         chunk = request.chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -117,6 +120,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
                 f.close()
 
     def List(self, request, context):
+        """Every valid sidecar under the root, with its residency now."""
         return weights_pb2.ListSidecarsResponse(
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 

@@ -24,11 +24,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from router_service.config import RouterConfig
+from services.address import parse_address
 from services.errors import InvalidArgument
-from services.router.config import RouterConfig
 
 
 class RunnerState(enum.Enum):
+    """A runner's routing state (see the module docstring)."""
     READY = "READY"
     UNHEALTHY = "UNHEALTHY"
     DRAINING = "DRAINING"
@@ -114,9 +116,7 @@ class RunnerRegistry:
         """
         if not runner_id:
             raise InvalidArgument("runner_id is empty")
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"runner address must be host:port, got {address!r}")
+        parse_address(address, what="runner address")
         if lease_s < 0:
             raise InvalidArgument(f"lease_seconds must be >= 0, got {lease_s}")
         if max_num_seqs < 0:

@@ -1,0 +1,53 @@
+"""Convert the kernel cache's core objects to and from the ``warmserve.v1`` messages: an
+:class:`~kernel_cache_service.entry.EntryInfo` <-> ``EntryInfo``, a
+:class:`~kernel_cache_service.entry.PublishResult` <-> ``PublishResponse``."""
+
+from __future__ import annotations
+
+from kernel_cache_service.entry import EntryInfo, PublishResult
+from services.proto import kernel_cache_pb2 as pb
+
+
+def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
+    """:class:`EntryInfo` as the ``warmserve.v1.EntryInfo`` message."""
+    return pb.EntryInfo(
+        key=pb.ProgramKey(name=info.name, fingerprint=info.fingerprint),
+        size_bytes=info.size_bytes,
+        sha256=info.sha256,
+        created_unix_s=info.created,
+        last_access_unix_s=info.last_access,
+        producer=info.producer,
+        format=info.format,
+    )
+
+
+def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
+    """The inverse of :func:`entry_to_proto`."""
+    return EntryInfo(
+        name=msg.key.name,
+        fingerprint=msg.key.fingerprint,
+        size_bytes=msg.size_bytes,
+        sha256=msg.sha256,
+        created=msg.created_unix_s,
+        producer=msg.producer,
+        format=msg.format,
+        last_access=msg.last_access_unix_s,
+    )
+
+
+def publish_to_proto(result: PublishResult) -> pb.PublishResponse:
+    """:class:`PublishResult` as the ``warmserve.v1.PublishResponse`` message."""
+    return pb.PublishResponse(
+        status=pb.PublishResponse.Status.Value(result.status),
+        reason=result.reason,
+        entry=entry_to_proto(result.entry) if result.entry else None,
+    )
+
+
+def publish_from_proto(msg: pb.PublishResponse) -> PublishResult:
+    """The inverse of :func:`publish_to_proto`."""
+    return PublishResult(
+        status=pb.PublishResponse.Status.Name(msg.status),
+        reason=msg.reason,
+        entry=entry_from_proto(msg.entry) if msg.HasField("entry") else None,
+    )

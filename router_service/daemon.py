@@ -1,0 +1,24 @@
+"""``warmserve router serve``: a :class:`~router_service.servicer.RouterServer` built from the
+command-line flags, run until SIGTERM/SIGINT drains it."""
+
+from __future__ import annotations
+
+from router_service.config import RouterConfig
+from router_service.servicer import RouterServer
+from services.bootstrap import config_from_args
+from services.log import configure_logging
+
+
+def serve_from_args(args) -> None:
+    """Entry point of ``warmserve router serve``: run until SIGTERM/SIGINT, then drain."""
+    configure_logging("router", args.log_level)
+    config = RouterConfig(
+        static_runners=tuple(args.runner),
+        policy=args.policy,
+        default_lease_s=args.lease_seconds,
+        health_interval_s=args.health_interval,
+        eject_after=args.eject_after,
+    )
+    server = RouterServer(config, config_from_args(args, "router"))
+    server.start()
+    server.serve_forever()

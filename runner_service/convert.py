@@ -1,0 +1,64 @@
+"""Convert between the ``warmserve.v1.Generation`` messages and the runner's core objects: a
+request's sampling settings and prompt in, the engine's outputs and start-up report out."""
+
+from __future__ import annotations
+
+import math
+
+from runner_service.engine import RequestOutput, StartupReport
+from runner_service.sampling_params import SamplingParams
+from services.errors import InvalidArgument
+from services.proto import generation_pb2
+
+
+def sampling_from_proto(sp: generation_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Map the proto's conventions (``max_tokens`` 0 = default, ``top_p`` 0 = unset) and validate.
+    Raises ``InvalidArgument``."""
+    if sp.max_tokens < 0:
+        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default {default_max_tokens}), got {sp.max_tokens}")
+    if not math.isfinite(sp.temperature) or not math.isfinite(sp.top_p):
+        raise InvalidArgument("temperature and top_p must be finite numbers")
+    return SamplingParams(
+        max_tokens=sp.max_tokens or default_max_tokens,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p if sp.top_p != 0 else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        logprobs=sp.logprobs,
+        ignore_eos=sp.ignore_eos,
+    )
+
+
+def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:
+    """``text=`` / ``messages=`` / ``token_ids=`` keyword for :meth:`LLMEngine.add_request`."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return {"text": request.text}
+    if kind == "chat":
+        return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+    if kind == "token_ids":
+        return {"token_ids": list(request.token_ids.ids)}
+    raise InvalidArgument("the request has no prompt (set text, chat or token_ids)")
+
+
+def output_to_proto(out: RequestOutput, runner_id: str) -> generation_pb2.GenerateResponse:
+    """One streamed engine output as a ``GenerateResponse`` (usage only on the final one)."""
+    msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+                                          runner_id=runner_id)
+    for lp in out.logprobs:
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                         top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    if out.finish_reason is not None:
+        msg.finish_reason = int(out.finish_reason)
+        msg.usage.prompt_tokens = out.prompt_tokens
+        msg.usage.completion_tokens = out.completion_tokens
+    return msg
+
+
+def startup_report_to_proto(report: StartupReport) -> generation_pb2.StartupReport:
+    """The engine's start-up report (phases and total, in seconds) as the ``StartupReport`` message."""
+    return generation_pb2.StartupReport(
+        phases=[generation_pb2.StartupPhase(name=p.name, seconds=p.seconds, detail=p.detail) for p in report.phases],
+        total_seconds=report.total_seconds)

@@ -1,0 +1,36 @@
+"""warmserve: the tools on top of the services: the ``warmserve`` command line and the local stack.
+
+- ``cli.py`` — the ``warmserve`` dispatcher (each package's ``cli`` module adds its commands);
+- ``stack.py`` — :class:`~warmserve.stack.LocalStack`, every service as a child process;
+- ``stack_cli.py`` — ``warmserve up | generate | chat | status | demo``;
+- ``demo.py`` — ``warmserve demo`` (``make run``), the main job end to end.
+
+Packages depend on each other in one direction only, downward in this list (a package may import
+itself and the packages below it, never one above it or beside it; lazy, function-level imports
+included). ``tests/test_imports.py`` checks it against :data:`LAYERS`::
+
+    warmserve             the tools: CLI dispatcher, local stack, demo
+    router_service        the router: one Generation endpoint in front of many runners
+    runner_service        the runner: engine, model, KV cache, Generation servicer, registration
+    kernel_cache_service  compiled-program store     weight_service  weight sidecars
+    model_families        per-family model code (config, pack layout, forward) for weights and runner
+    services              shared plumbing: errors, logging, paths, addresses, channels, the
+                          server bootstrap, proto stubs, the Generation client, health probe
+
+So ``services`` imports no other package of the project; ``model_families`` only ``services``;
+``kernel_cache_service`` and ``weight_service`` only those two; ``runner_service`` uses everything
+below it (and registers itself with a router through the RouterControl stubs, not through
+``router_service``); ``router_service`` relays to runners through the Generation stubs;
+``warmserve`` launches them all. (``model_families`` arrives with the model-family refactor; a
+layer whose package is absent constrains nothing.)
+"""
+
+#: The package layers, lowest first; a package may import only its own layer's package and lower layers.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("services",),
+    ("model_families",),
+    ("kernel_cache_service", "weight_service"),
+    ("runner_service",),
+    ("router_service",),
+    ("warmserve",),
+)
