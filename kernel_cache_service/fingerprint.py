@@ -1,6 +1,6 @@
 """Program fingerprints: the key half that says *which* compiled program an artifact is.
 
-A program fingerprint (DESIGN.md, "Program fingerprint") is the sha256 of two parts:
+A program fingerprint (``docs/architecture.md``, "Program fingerprint") is the sha256 of two parts:
 
 - the **code fingerprint**: for every source module/file, the sha256 of its canonical AST
   (``ast.dump`` without line/column attributes, so formatting and comments do not matter; a file

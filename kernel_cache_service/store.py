@@ -13,7 +13,7 @@ share one root. Layout under ``root``::
     trash/    evicted entries being deleted
     quarantine/  entries found corrupt, kept for inspection (removed by ``evict(all=True)``)
 
-Mechanisms (DESIGN.md, "Publish"):
+Mechanisms (``docs/architecture.md``, "Kernel-cache store and publish protocol"):
 
 - **Atomic publish**: bytes stream into ``tmp/<owned dir>/blob`` while being counted and hashed
   (never held in memory); size and sha256 are checked against what the sender announced; the
