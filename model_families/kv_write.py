@@ -3,12 +3,11 @@
 Why an op and not ``index_copy_`` inline: when a step that writes the KV pool in place is
 compiled (``torch.export`` + AOTInductor, or ``torch.compile``), functionalization turns the
 in-place write into "copy the pool, scatter into the copy, copy it back", and Inductor's
-re-inplacing pass does not undo that for a layer slice of a graph input. Measured on this CPU
-(4 SmolLM2-sized layers, batch 8, a 3 MiB pool per layer): every step then copied the whole K and
-V pools twice and the compiled step was ~1.8x *slower* than eager. A custom op that declares
-``mutates_args=("cache",)`` is kept as one opaque in-place call on the caller's tensor (Inductor
-re-inplaces ``auto_functionalized`` ops), so the compiled step writes ``B`` rows and no more;
-with it the compiled step is faster than eager (see ``bench/decode.py``).
+re-inplacing pass does not undo that for a layer slice of a graph input, so every compiled step
+would copy the whole K and V pools. A custom op that declares ``mutates_args=("cache",)`` is
+kept as one opaque in-place call on the caller's tensor (Inductor re-inplaces
+``auto_functionalized`` ops), so the compiled step writes ``B`` rows and no more (measured
+effect: ``docs/benchmarks.md``).
 
 Loading an AOTInductor package that calls this op needs the op registered in the process: import
 this module first (:mod:`model_families.ops` and :mod:`runner_service.programs` do).

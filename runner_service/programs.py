@@ -30,15 +30,14 @@ Modes (``--compile``)
 ---------------------
 - ``aoti`` (the default choice): ``torch.export`` + ``torch._inductor.aoti_compile_and_package``
   with ``aot_inductor.package_constants_in_so=False``: the ``.pt2`` package holds the generated
-  code and the shared library, not the weights (3.7 MiB for SmolLM2 instead of 540 MiB). At load
-  the model's own tensors are handed over by reference (``load_constants(user_managed=True)``),
-  so a warm launch maps one copy of the weights and loads the program in well under a second;
-  nothing is compiled: the package's ``.so`` is dlopened, and the vector-ISA probe that
-  ``aoti_load_package`` would build with g++ is skipped (see :class:`AotiProgram`; the ISA and
+  code and the shared library, not the weights. At load the model's own tensors are handed
+  over by reference (``load_constants(user_managed=True)``), so a warm launch maps one copy of
+  the weights and compiles nothing: the package's ``.so`` is dlopened, and the vector-ISA probe
+  that ``aoti_load_package`` would build with g++ is skipped (see :class:`AotiProgram`; the ISA and
   CPU flags are part of the fingerprint instead).
 - ``inductor``: ``torch.compile(fullgraph=True, dynamic=True)`` with the Inductor cache
   directory (FX graph cache: generated C++ and built ``.so`` files) as the artifact. A warm
-  launch still re-traces with Dynamo (seconds per graph) but does not run the C++ compiler.
+  launch still re-traces with Dynamo (every graph) but does not run the C++ compiler.
   New shapes met after start-up (e.g. batch 1 with a wider block table) may compile at run time.
 - ``off``: nothing installed; :meth:`ModelRunner.decode_step` runs eager.
 
@@ -216,9 +215,9 @@ class AotiProgram:
 
     def __init__(self, package: Path, module: nn.Module, device: torch.device) -> None:
         # torch._inductor.aoti_load_package does this plus a device-information check that probes
-        # the CPU's vector ISA by *building* small programs with g++ (seconds, and a C++ compiler
-        # on the warm path; the ISA and CPU flags are in the fingerprint instead). Using the
-        # loader directly also avoids importing torch._dynamo/_inductor (~1 s) on a warm start.
+        # the CPU's vector ISA by *building* small programs with g++ (a C++ compiler on the warm
+        # path; the ISA and CPU flags are in the fingerprint instead). Using the loader directly
+        # also avoids importing torch._dynamo/_inductor on a warm start.
         loader_cls = torch._C._aoti.AOTIModelPackageLoader
         meta = loader_cls.load_metadata_from_package(str(package), "model")
         if meta.get("AOTI_DEVICE_KEY") != device.type:
@@ -240,7 +239,8 @@ class AotiProgram:
 
 def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path) -> Path:
     """Export ``module`` at ``example`` with ``dynamic`` shapes and AOTI-compile it to the
-    ``.pt2`` file ``package`` (weights not included). Invokes the C++ compiler (tens of seconds)."""
+    ``.pt2`` file ``package`` (weights not included). Invokes the C++ compiler (slow; see
+    ``docs/benchmarks.md``)."""
     with torch.no_grad():
         exported = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
     torch._inductor.aoti_compile_and_package(exported, package_path=str(package),

@@ -3,7 +3,7 @@
 Each package contributes its subcommands through a ``register(subparsers)`` function in its own
 ``cli`` module (listed in :data:`COMMAND_MODULES`), so this file stays a dispatcher. Those modules
 import heavy dependencies (torch, the engine) inside their handlers, never at import time, so
-``warmserve cache ls`` starts in a fraction of a second.
+``warmserve cache ls`` does not pay for importing torch.
 
 Exit codes: 0 success; 2 bad usage or input (argparse, :class:`services.errors.InvalidArgument`);
 1 a failed operation (any other :class:`services.errors.WarmserveError`, or an ``OSError``

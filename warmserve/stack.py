@@ -58,7 +58,7 @@ class StackConfig:
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
-    core oversubscribe the CPU and OpenMP barriers then stall decode (measured ~10x slower).
+    core oversubscribe the CPU and OpenMP barriers then stall decode (see ``docs/benchmarks.md``).
     """
 
     runners: int = 2

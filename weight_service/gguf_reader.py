@@ -87,9 +87,9 @@ def hf_architecture(gguf_arch: str) -> str:
 
 
 def gguf_architecture(path: Path) -> str:
-    """``general.architecture`` read from the metadata header alone (milliseconds, unlike a full
-    ``GGUFReader`` which parses every token string). Raises ``InvalidArgument`` for a file that is
-    not GGUF v2/v3 or lacks the key."""
+    """``general.architecture`` read from the metadata header alone (a full ``GGUFReader``
+    parses every token string first). Raises ``InvalidArgument`` for a file that is not GGUF
+    v2/v3 or lacks the key."""
     try:
         with open(path, "rb") as f:
             magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
@@ -130,9 +130,9 @@ def _skip_value(f, vtype: int) -> None:
 
 
 class GGUFCheckpoint:
-    """A GGUF file as a :class:`weight_service.checkpoint.Checkpoint` (reading costs ~3 s for a
-    49k-token vocabulary). Raises ``InvalidArgument`` for an unsupported architecture, a
-    frequency-table rope (``rope_freqs``), or a missing tensor."""
+    """A GGUF file as a :class:`weight_service.checkpoint.Checkpoint` (opening it parses every
+    token string of the vocabulary; cost: ``docs/benchmarks.md``). Raises ``InvalidArgument`` for
+    an unsupported architecture, a frequency-table rope (``rope_freqs``), or a missing tensor."""
 
     def __init__(self, path: Path) -> None:
         import gguf
