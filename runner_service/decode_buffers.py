@@ -24,7 +24,7 @@ buffer                shape                                 row ``i`` of a decod
 ``logits_indices``    [max_num_seqs]                        row whose logits come ``i``-th (``i``)
 ====================  ===================================  ========================================
 
-On an accelerator the rows are written into pinned host mirrors and the active prefix is copied
+On an accelerator the rows are written into host mirrors (pinned on CUDA) and the active prefix is copied
 to the device tensors with ``non_blocking=True``; on the CPU the mirrors are the tensors.
 """
 

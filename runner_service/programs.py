@@ -37,7 +37,8 @@ Modes (``--compile``)
   CPU flags are part of the fingerprint instead).
 - ``inductor``: ``torch.compile(fullgraph=True, dynamic=True)`` with the Inductor cache
   directory (FX graph cache: generated C++ and built ``.so`` files) as the artifact. A warm
-  launch still re-traces with Dynamo (every graph) but does not run the C++ compiler.
+  launch still re-traces with Dynamo (every graph) and does not rebuild the graphs' C++ code,
+  but Inductor still runs a small ``g++`` probe (with no working compiler the runner goes eager).
   New shapes met after start-up (e.g. batch 1 with a wider block table) may compile at run time.
 - ``off``: nothing installed; :meth:`ModelRunner.decode_step` runs eager.
 

@@ -20,7 +20,7 @@ class SamplingParams:
     - ``top_k``: keep the k most likely tokens (0 = no limit).
     - ``top_p``: keep the smallest most-likely set whose probability reaches ``top_p``, in (0, 1].
     - ``seed``: seeds this request's own ``torch.Generator`` so its samples do not depend on
-      what else is in the batch; ``None`` draws a seed from the engine's generator.
+      what else is in the batch; ``None`` draws a fresh random seed (``secrets.randbits(63)``) per request.
     - ``stop``: strings that end generation; the matched text is not returned.
     - ``stop_token_ids``: token ids that end generation (the token is returned).
     - ``logprobs``: top-n log-probabilities to return per generated token (0..20).

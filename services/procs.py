@@ -1,16 +1,45 @@
-"""Child-process helpers shared by benchmarks and tests that run daemons as subprocesses.
+"""Child-process helpers shared by the local stack, benchmarks and tests that run daemons as
+subprocesses.
 
 Daemons log JSON lines (:mod:`services.log`); :func:`wait_for_log_record` waits for the one that
 says they are ready, and :func:`stop_process` is the SIGTERM → grace → SIGKILL shutdown.
+:func:`die_with_parent` lets a child ask for SIGTERM when its launcher dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+
+#: Set by a launcher (:mod:`warmserve.stack`) to its pid in a child's environment.
+PARENT_PID_ENV = "WARMSERVE_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child whose environment names its launcher (:data:`PARENT_PID_ENV`): have the kernel
+    send this process SIGTERM when the launcher dies (``prctl(PR_SET_PDEATHSIG)``, Linux; a no-op
+    where unavailable), and SIGTERM it now if the launcher is already gone.
+
+    The child does this itself at start-up instead of the launcher doing it in a ``preexec_fn``:
+    a ``preexec_fn`` forces ``fork()``, and a forked copy of a process running gRPC's pollers can
+    abort in gRPC's fork handler before it reaches ``exec`` (``Check failed:
+    wakeup_fd_->Wakeup().ok()``); without one, ``subprocess`` uses ``vfork``, which runs no fork
+    handlers."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def wait_for_log_record(proc: subprocess.Popen, log_path: Path, msg: str, timeout_s: float = 60.0) -> dict:

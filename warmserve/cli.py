@@ -17,6 +17,7 @@ import importlib
 import sys
 
 from services.errors import WarmserveError
+from services.procs import die_with_parent
 
 COMMAND_MODULES = (
     "kernel_cache_service.cli",
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the process exit code."""
+    die_with_parent()  # a child of `warmserve up`: stop when it does
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

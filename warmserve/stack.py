@@ -19,7 +19,6 @@ seconds, then SIGKILLs stragglers. Children also get SIGTERM if this process die
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -38,6 +37,7 @@ from runner_service.config import COMPILE_MODES, DTYPES
 from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
+from services.procs import PARENT_PID_ENV
 from services.table import format_table
 from weight_service.sources import BUNDLED_SMOLLM2
 
@@ -47,7 +47,6 @@ DEFAULT_BASE_PORT = 50050
 RUNNER_PORT_OFFSET = 11
 #: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
 _SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -131,13 +130,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stderr_progress(message: str) -> None:
@@ -225,11 +217,12 @@ class LocalStack:
 
     def _launch(self, child: ChildProcess) -> ChildProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, WARMSERVE_HOME=str(self.home), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, WARMSERVE_HOME=str(self.home), PYTHONUNBUFFERED="1",
+                   **{PARENT_PID_ENV: str(os.getpid())})
         with open(child.log_path, "ab") as log:
             child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                           cwd=Path(__file__).resolve().parent.parent,
-                                          preexec_fn=_die_with_parent, start_new_session=True)
+                                          start_new_session=True)  # no preexec_fn: see die_with_parent
         child.started_at = time.monotonic()
         child.ready_s = None
         return child
