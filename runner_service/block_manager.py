@@ -12,9 +12,8 @@ declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`):
 - **Key.** Full block ``i`` of a token history is keyed by a hash chain,
   ``key_i = hash_block(key_{i-1}, token_ids[i*bs:(i+1)*bs])`` with ``key_{-1} = b""`` and
   :func:`hash_block` = SHA-256 over the parent key and the block's token ids (little-endian
-  int64). A block's
-  K/V depend only on the tokens up to its end and their positions, so equal histories may share
-  it. Only full blocks are keyed.
+  int64). A block's K/V depend only on the tokens up to its end and their positions, so equal
+  histories may share it. Only full blocks are keyed.
 - **Identity (collisions never share).** A cache entry keeps its block's token ids and its parent
   entry (the entry of block ``i - 1``; ``None`` for block 0). A lookup accepts an entry only when
   the key, the token ids and the parent entry (object identity) all match, so by induction an
@@ -23,7 +22,9 @@ declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`):
 - **Registration.** After a step, the blocks a sequence has completely filled and computed are
   registered (:meth:`BlockManager.cache_full_blocks`, called by the scheduler when computed
   tokens advance). A block whose history is already cached in another block (two sequences
-  computed the same prefix in one step) stays uncached; so do the blocks after a collision.
+  computed the same prefix in one step) stays uncached; so do the blocks after a collision or
+  after a parent entry that has been evicted. An entry whose parent was evicted can never be hit
+  again; the next registration under its key replaces it.
 - **Lookup.** :meth:`BlockManager.allocate_cached_prefix`, for a sequence holding no blocks (new
   or preempted): the longest run of leading full blocks found in the cache is taken (ref count
   +1) and ``num_computed_tokens`` jumps past it. At least one token is always left to compute
@@ -188,7 +189,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
         seq.block_table.clear()
-        seq.num_cached_blocks = 0
+        seq.cache_resolved_blocks = 0
         seq.cache_parent = None
         seq.cache_broken = False
 
@@ -220,7 +221,7 @@ class BlockManager:
             self._ref[block] += 1
             seq.block_table.append(block)
         seq.num_computed_tokens = len(hits) * bs
-        seq.num_cached_blocks = len(hits)
+        seq.cache_resolved_blocks = len(hits)
         seq.cache_parent = parent
         seq.cache_broken = False
         return len(hits) * bs
@@ -238,11 +239,11 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        if seq.num_cached_blocks >= full:
+        if seq.cache_resolved_blocks >= full:
             return
         keys = self._block_keys(seq, full)
         parent = seq.cache_parent
-        for i in range(seq.num_cached_blocks, full):
+        for i in range(seq.cache_resolved_blocks, full):
             if parent is not None and not parent.alive:
                 seq.cache_broken = True  # the history's cached prefix was evicted: stop here
                 break
@@ -262,7 +263,7 @@ class BlockManager:
                 self._entry_of[block] = entry
             # else: the same history is cached in another block; ours stays uncached
             parent = entry
-            seq.num_cached_blocks = i + 1
+            seq.cache_resolved_blocks = i + 1
         seq.cache_parent = parent
 
     def reset_prefix_cache(self) -> int:

@@ -52,7 +52,7 @@ class Sequence:
         # blocks of token_ids (memoised), how many leading blocks of block_table are resolved
         # against the cache, the cache entry of the last of them, and whether the chain broke.
         self.block_hashes: list[bytes] = []
-        self.num_cached_blocks = 0
+        self.cache_resolved_blocks = 0
         self.cache_parent: object | None = None
         self.cache_broken = False
 

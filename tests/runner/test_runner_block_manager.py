@@ -304,3 +304,34 @@ def test_random_alloc_free_preempt_keeps_counts_exact_and_never_shares_wrong_blo
         bm.free(s)
     check_accounting(bm, [])
     assert bm.num_free_blocks == 24
+
+
+def test_an_entry_whose_history_was_evicted_is_replaced_and_never_hit():
+    bm = BlockManager(8, 2)  # 7 usable blocks
+    x, y = _tseq([1, 2, 3], "x"), _tseq([1, 2, 3], "y")
+    for s in (x, y):  # the same first block, computed by both in one step
+        bm.allocate(s, 3)
+        s.num_computed_tokens = 2
+    for s in (x, y):
+        bm.cache_full_blocks(s)
+    assert bm.is_cached(x.block_table[0]) and not bm.is_cached(y.block_table[0])
+    y.num_computed_tokens = 3
+    y.token_ids.append(4)
+    bm.allocate(y, 4)
+    y.num_computed_tokens = 4
+    bm.cache_full_blocks(y)  # y's second block is cached after x's first block (its twin)
+    assert bm.is_cached(y.block_table[1]) and bm.num_cached_blocks == 2
+    bm.free(x)  # x's block is evictable; a filler evicts it: y's cached block loses its history
+    filler = _tseq([9] * 10)
+    bm.allocate(filler, 10)
+    assert bm.num_evictions == 1 and bm.num_cached_blocks == 1
+    bm.free(filler)
+    z = _compute(bm, _tseq([1, 2, 3, 4, 5]))
+    assert z.block_table[1] != y.block_table[1]  # the unreachable entry was not hit...
+    assert bm.is_cached(z.block_table[1]) and not bm.is_cached(y.block_table[1])  # ...but replaced
+    check_accounting(bm, [y, z])
+    w = _tseq([1, 2, 3, 4, 0])
+    assert bm.allocate_cached_prefix(w) == 4 and w.block_table == z.block_table[:2]
+    bm.free(y)
+    check_accounting(bm, [z, w])
+    assert bm.num_evictable_blocks == 0 and bm.num_free_blocks == 4
