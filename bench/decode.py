@@ -15,11 +15,18 @@
    through :mod:`runner_service.programs`, using a kernel-cache directory (``--kernel-cache-dir``,
    default a temp dir: the first run compiles, later runs with the same dir hit). Skipped with
    ``--no-compiled``.
+4. Prefix caching: time to first token (add the chat request, step the engine until its first
+   token is out) of a request with a shared ~1,000-token system prompt (the first request: the
+   prompt is not cached) vs a second request with the same system prompt and a different user
+   message, on an eager engine with prefix caching on and on one with it off. Each run starts
+   from an empty prefix cache; medians over ``--runs`` after one unmeasured warm-up round.
+   Skipped with ``--no-prefix-caching``; ``--prefix-caching-only`` runs only this figure.
 
 All contenders run in this one process with the same torch thread count (``--threads``; on a
 shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process takes a core).
 
-Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--threads 1] [--no-compiled]``.
+Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--threads 1] [--no-compiled]
+[--no-hf] [--no-prefix-caching | --prefix-caching-only]``.
 """
 
 from __future__ import annotations
@@ -156,6 +163,74 @@ def host_prepare_us(batch: int, steps: int = 512, block_size: int = 16) -> dict:
             "row_builds_per_step": round(buf.row_builds / steps, 3)}
 
 
+# -- 4. prefix caching ------------------------------------------------------------------------
+
+SYSTEM_SENTENCES = [
+    "You are the front-desk assistant of the Harbour Street public library.",
+    "Answer politely and briefly, and always cite the section of this guide you rely on.",
+    "Opening hours are nine to six on weekdays and ten to four on Saturdays; the library is closed on Sundays.",
+    "Members may borrow up to twelve items at a time for three weeks, renewable twice unless reserved.",
+    "Late returns cost twenty cents per item per day, capped at the replacement price of the item.",
+    "The reading room on the second floor is silent; group study rooms must be booked a day ahead.",
+    "Children under ten must be accompanied by an adult in every area except the picture-book corner.",
+    "Printing costs ten cents per black-and-white page and fifty cents per colour page.",
+    "Lost cards are replaced once for free; later replacements cost two dollars each.",
+    "Interlibrary loans take about two weeks and are free for members in good standing.",
+]
+USER_MESSAGES = ["Can I borrow fifteen books at once?", "How much does colour printing cost?",
+                 "Is the library open on Sunday?", "My card is lost, what should I do?",
+                 "How long does an interlibrary loan take?", "Can my eight-year-old stay alone upstairs?"]
+
+
+def system_prompt(engine: LLMEngine, tokens: int = 1000) -> str:
+    """A system prompt of about ``tokens`` tokens: the guide's sentences, numbered, repeated."""
+    parts: list[str] = []
+    while not parts or len(engine.tokenize(text=" ".join(parts))) < tokens:
+        parts.append(f"({len(parts) + 1}) {SYSTEM_SENTENCES[len(parts) % len(SYSTEM_SENTENCES)]}")
+    return " ".join(parts)
+
+
+def ttft_s(engine: LLMEngine, messages: list[dict]) -> float:
+    """Seconds from adding a greedy chat request to its first token (engine stepped here)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    stream = engine.add_request(params, messages=messages)
+    while stream.queue.empty():
+        engine.step()
+    dt = time.perf_counter() - t0
+    engine.run_until_done()
+    return dt
+
+
+def prefix_caching_ttft(sidecar: Path, dtype: str, runs: int) -> dict:
+    """Figure 4: time to first token of a first and a second request sharing a ~1,000-token system
+    prompt, prefix caching on vs off (milliseconds, medians over ``runs``)."""
+    out: dict = {"ttft_ms": {}}
+    for caching in (True, False):
+        cfg = EngineConfig(max_num_seqs=2, max_model_len=2048, dtype=dtype, enable_prefix_caching=caching)
+        engine = LLMEngine.from_sidecar(sidecar, cfg, model="smollm2-135m-instruct")
+        system = system_prompt(engine)
+        out["system_prompt_tokens"] = len(engine.tokenize(text=system))
+        first, second = [], []
+        for r in range(runs + 1):  # round 0 warms up
+            engine.block_manager.reset_prefix_cache()
+            a, b = USER_MESSAGES[(2 * r) % len(USER_MESSAGES)], USER_MESSAGES[(2 * r + 1) % len(USER_MESSAGES)]
+            t1 = ttft_s(engine, [{"role": "system", "content": system}, {"role": "user", "content": a}])
+            saved = engine.block_manager.prefix_hit_tokens
+            t2 = ttft_s(engine, [{"role": "system", "content": system}, {"role": "user", "content": b}])
+            if r:
+                first.append(t1)
+                second.append(t2)
+                out.setdefault("second_tokens_saved", {})["on" if caching else "off"] = (
+                    engine.block_manager.prefix_hit_tokens - saved)
+        engine.close()
+        f, s = statistics.median(first) * 1e3, statistics.median(second) * 1e3
+        out["ttft_ms"]["on" if caching else "off"] = {"first": round(f, 1), "second": round(s, 1),
+                                                      "first_over_second": round(f / s, 2)}
+    out["second_on_vs_off"] = round(out["ttft_ms"]["off"]["second"] / out["ttft_ms"]["on"]["second"], 2)
+    return out
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -179,9 +254,13 @@ def main() -> int:
     parser.add_argument("--compile-mode", choices=("aoti", "inductor"), default="aoti")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled comparison")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="skip the prefix-caching figure")
+    parser.add_argument("--prefix-caching-only", action="store_true", help="run only the prefix-caching figure")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every contender (default: torch's choice)")
     args = parser.parse_args()
+    if args.no_prefix_caching and args.prefix_caching_only:
+        parser.error("--no-prefix-caching and --prefix-caching-only exclude each other")
     if args.threads:
         torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="warmserve-bench-decode-")
@@ -190,47 +269,51 @@ def main() -> int:
     report: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "tokens": args.tokens,
                     "runs": args.runs, "torch_threads": torch.get_num_threads(), "decode_tps": {}}
 
-    eager = _engine(sidecar, "off", None, args.dtype)
-    report["startup_eager"] = eager.startup_report.line()
-    for b in BATCHES:
-        warmserve_decode_tps(eager, b, 4)  # first-shape warm-up
-        report["decode_tps"].setdefault("warmserve_eager", {})[b] = _median_tps(
-            lambda b=b: warmserve_decode_tps(eager, b, args.tokens), args.runs)
-    eager.close()
-
-    report["host_prepare"] = [host_prepare_us(b) for b in (8, 32)]
-
-    if args.no_compiled:
-        report["compiled"] = "skipped (--no-compiled)"
-    else:
-        kc = args.kernel_cache_dir or str(Path(tmp.name) / "kernel-cache")
-        t0 = time.perf_counter()
-        compiled = _engine(sidecar, args.compile_mode, kc, args.dtype)
-        report["compiled_startup_s"] = round(time.perf_counter() - t0, 2)
-        report["compiled_startup"] = compiled.startup_report.line()
-        programs = next(p for p in compiled.startup_report.phases if p.name == "programs")
-        if not compiled.runner.decode_programs:
-            report["compiled"] = f"unavailable: {programs.detail}; only eager reported"
-        else:
-            for b in BATCHES:
-                warmserve_decode_tps(compiled, b, 4)
-                report["decode_tps"].setdefault(f"warmserve_{args.compile_mode}", {})[b] = _median_tps(
-                    lambda b=b: warmserve_decode_tps(compiled, b, args.tokens), args.runs)
-        compiled.close()
-
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        gguf = bundled_smollm2_path()
-        dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+    if not args.prefix_caching_only:
+        eager = _engine(sidecar, "off", None, args.dtype)
+        report["startup_eager"] = eager.startup_report.line()
         for b in BATCHES:
-            hf_decode_tps(hf, tok, b, 4)
-            report["decode_tps"].setdefault("transformers", {})[b] = _median_tps(
-                lambda b=b: hf_decode_tps(hf, tok, b, args.tokens), args.runs)
+            warmserve_decode_tps(eager, b, 4)  # first-shape warm-up
+            report["decode_tps"].setdefault("warmserve_eager", {})[b] = _median_tps(
+                lambda b=b: warmserve_decode_tps(eager, b, args.tokens), args.runs)
+        eager.close()
+
+        report["host_prepare"] = [host_prepare_us(b) for b in (8, 32)]
+
+        if args.no_compiled:
+            report["compiled"] = "skipped (--no-compiled)"
+        else:
+            kc = args.kernel_cache_dir or str(Path(tmp.name) / "kernel-cache")
+            t0 = time.perf_counter()
+            compiled = _engine(sidecar, args.compile_mode, kc, args.dtype)
+            report["compiled_startup_s"] = round(time.perf_counter() - t0, 2)
+            report["compiled_startup"] = compiled.startup_report.line()
+            programs = next(p for p in compiled.startup_report.phases if p.name == "programs")
+            if not compiled.runner.decode_programs:
+                report["compiled"] = f"unavailable: {programs.detail}; only eager reported"
+            else:
+                for b in BATCHES:
+                    warmserve_decode_tps(compiled, b, 4)
+                    report["decode_tps"].setdefault(f"warmserve_{args.compile_mode}", {})[b] = _median_tps(
+                        lambda b=b: warmserve_decode_tps(compiled, b, args.tokens), args.runs)
+            compiled.close()
+
+        if not args.no_hf:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            gguf = bundled_smollm2_path()
+            dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, padding_side="left")
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            for b in BATCHES:
+                hf_decode_tps(hf, tok, b, 4)
+                report["decode_tps"].setdefault("transformers", {})[b] = _median_tps(
+                    lambda b=b: hf_decode_tps(hf, tok, b, args.tokens), args.runs)
+
+    if not args.no_prefix_caching:
+        report["prefix_caching"] = prefix_caching_ttft(sidecar, args.dtype, args.runs)
 
     tps = report["decode_tps"]
     if "transformers" in tps:
@@ -240,17 +323,28 @@ def main() -> int:
     if key in tps:
         report["compiled_vs_eager"] = {b: round(tps[key][b] / tps["warmserve_eager"][b], 2) for b in BATCHES}
     print(json.dumps(report, indent=2))
-    print()
-    print(f"| decode tokens/s ({args.dtype}, greedy, {args.tokens} tokens) | " + " | ".join(
-        f"batch {b}" for b in BATCHES) + " |")
-    print("|---|" + "---:|" * len(BATCHES))
-    for name, row in tps.items():
-        print(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in BATCHES) + " |")
-    print()
-    print("| host prepare per decode step | persistent buffers (us) | rebuild each step (us) | ratio |")
-    print("|---|---:|---:|---:|")
-    for h in report["host_prepare"]:
-        print(f"| batch {h['batch']} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
+    if tps:
+        print()
+        print(f"| decode tokens/s ({args.dtype}, greedy, {args.tokens} tokens) | " + " | ".join(
+            f"batch {b}" for b in BATCHES) + " |")
+        print("|---|" + "---:|" * len(BATCHES))
+        for name, row in tps.items():
+            print(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in BATCHES) + " |")
+    if "host_prepare" in report:
+        print()
+        print("| host prepare per decode step | persistent buffers (us) | rebuild each step (us) | ratio |")
+        print("|---|---:|---:|---:|")
+        for h in report["host_prepare"]:
+            print(f"| batch {h['batch']} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
+    if "prefix_caching" in report:
+        pc = report["prefix_caching"]
+        print()
+        print(f"| time to first token, shared {pc['system_prompt_tokens']}-token system prompt (ms) "
+              "| first request | second request | first / second |")
+        print("|---|---:|---:|---:|")
+        for mode in ("on", "off"):
+            t = pc["ttft_ms"][mode]
+            print(f"| prefix caching {mode} | {t['first']} | {t['second']} | {t['first_over_second']}x |")
     if isinstance(report.get("compiled"), str):
         print(f"\ncompiled: {report['compiled']}")
     tmp.cleanup()

@@ -15,7 +15,9 @@ pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_shapes` (the ONE statem
                               :meth:`~ModelFamily.layer_tensors`, :attr:`~ModelFamily.pack_version`
 weights                       :meth:`~ModelFamily.load_weights` (checked against
                               :meth:`~ModelFamily.tensor_shapes`), :meth:`~ModelFamily.random_weights`
-KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns
+KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns;
+                              :attr:`~ModelFamily.supports_prefix_caching` (may full blocks be
+                              shared across requests by their token history)
 forward                       :meth:`~ModelFamily.build_model` -> a :class:`FamilyModel` (prefill
                               and decode are one ``forward``)
 decode program                :meth:`~ModelFamily.decode_module` (what AOTInductor compiles and
@@ -212,12 +214,20 @@ class ModelFamily(ABC):
     ``architectures`` (HF architecture names it serves), ``pack_version`` (changes whenever the
     sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
     ``config_class`` (a :class:`FamilyConfig` subclass).
+
+    ``supports_prefix_caching`` (default ``True``): the runner may reuse a full KV block across
+    requests whose token histories agree up to the block's end (automatic prefix caching,
+    :mod:`runner_service.block_manager`). True when a block's content in every pool depends only
+    on the tokens up to the block's end and their positions (Llama: K/V of each token). A family
+    whose blocks hold state that depends on anything else (rolling or compressed state updated
+    by later tokens, per-request inputs) sets it ``False``; the engine then never shares blocks.
     """
 
     name: ClassVar[str]
     architectures: ClassVar[frozenset[str]]
     pack_version: ClassVar[str]
     config_class: ClassVar[type[FamilyConfig]]
+    supports_prefix_caching: ClassVar[bool] = True
 
     # -- config ----------------------------------------------------------------------------
 

@@ -47,6 +47,9 @@ def register(subparsers) -> None:
     serve.add_argument("--runner-id", default=None, help="name reported to clients and the router")
     serve.add_argument("--router", default=None, metavar="ADDR", help="register with this router")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | npu[:N] (default auto)")
+    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="do not reuse KV blocks across requests that share a prompt prefix "
+                            "(default: reuse them when the model family supports it)")
     serve.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads for torch ops (default: torch's choice)")
     add_server_args(serve, default_port=DEFAULT_PORT)

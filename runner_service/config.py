@@ -39,6 +39,9 @@ class EngineConfig:
     - ``num_threads``: CPU threads for torch ops (``torch.set_num_threads``, process-wide);
       ``None`` keeps torch's default. On a shared, oversubscribed host 1 thread avoids OpenMP
       barrier stalls.
+    - ``enable_prefix_caching``: reuse full KV blocks across requests that share a token prefix
+      (:mod:`runner_service.block_manager`); on by default, and effective only for a model family
+      that declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`.
     """
 
     max_num_seqs: int = 32
@@ -54,6 +57,7 @@ class EngineConfig:
     runner_id: str = "runner-0"
     warmup: bool = True
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -34,6 +34,7 @@ def engine_config_from_args(args) -> EngineConfig:
         compile=args.compile,
         device=args.device,
         num_threads=args.threads,
+        enable_prefix_caching=args.prefix_caching,
         runner_id=args.runner_id or "runner",
     )
 

@@ -177,13 +177,16 @@ class LLMEngine:
         cache_specs = self.model_family.cache_specs(args, config.block_size)
         num_blocks = self._num_kv_blocks(cache_specs)
         self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        #: Prefix caching is on when the config asks for it and the family supports it.
+        self.prefix_caching = config.enable_prefix_caching and self.model_family.supports_prefix_caching
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), args.eos_token_ids)
         self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
                                   self.model_family)
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
-                                    f"{self.kv.nbytes / 2**20:.1f} MiB")
+                                    f"{self.kv.nbytes / 2**20:.1f} MiB, "
+                                    f"prefix caching {'on' if self.prefix_caching else 'off'}")
 
         t0 = time.perf_counter()
         self._phase("programs", t0, self._load_programs())
@@ -448,13 +451,23 @@ class LLMEngine:
 
     # -- introspection -----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Counts for metrics and the router: running, waiting, kv_blocks_used, kv_blocks_total,
-        generated_tokens_total (approximate when read from another thread)."""
+    def stats(self) -> dict[str, int | float]:
+        """Counts for metrics and the router (approximate when read from another thread):
+        running, waiting, kv_blocks_used, kv_blocks_total, generated_tokens_total, and the
+        prefix cache's: prefix_caching (1 on, 0 off), prefix_cache_queried_tokens (tokens of the
+        sequences looked up when scheduled for prefill, preempted ones again), prefix_cache_tokens_saved
+        (those found cached, so not computed), prefix_cache_hit_rate (saved / queried),
+        prefix_cache_blocks (blocks holding cached K/V, in use or evictable)."""
+        bm = self.block_manager
         return {
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
-            "kv_blocks_used": self.block_manager.num_used_blocks,
-            "kv_blocks_total": self.block_manager.num_usable_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_usable_blocks,
             "generated_tokens_total": self.generated_tokens_total,
+            "prefix_caching": int(bm.enable_prefix_caching),
+            "prefix_cache_queried_tokens": bm.prefix_queried_tokens,
+            "prefix_cache_tokens_saved": bm.prefix_hit_tokens,
+            "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "prefix_cache_blocks": bm.num_cached_blocks,
         }

@@ -5,7 +5,9 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
 - a **prefill** batch: waiting sequences in arrival order, each with a chunk of its uncomputed
   tokens, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` resident sequences; a
   chunk shorter than the rest (budget or free blocks ran out) ends the batch, so at most the
-  last sequence of a batch is partly prefilled; or
+  last sequence of a batch is partly prefilled. A sequence that holds no blocks (new or
+  preempted) first takes the longest cached prefix of its tokens from the prefix cache
+  (:meth:`BlockManager.allocate_cached_prefix`), so its chunk starts after the hit; or
 - a **decode** batch: every running sequence, one token each. When a sequence needs a new block
   and none is free, a partly prefilled waiting sequence gives its blocks back, else the youngest
   running sequence is *preempted*: its blocks are freed and it goes back to the front of the
@@ -13,7 +15,8 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
 
 After the model ran a batch and the engine sampled, :meth:`Scheduler.postprocess` is the one
 place a sequence is updated (nano-vllm's ``Scheduler.postprocess``, vLLM's
-``update_from_output``): computed tokens advance, a completed prefill starts running, the
+``update_from_output``): computed tokens advance (blocks they fill join the prefix cache), a
+completed prefill starts running, the
 sampled token is appended, and stop token / EOS / stop string / length finish the sequence and
 free its blocks.
 
@@ -170,11 +173,17 @@ class Scheduler:
             is_new = not seq.block_table
             if is_new and resident >= self.max_num_seqs:
                 break
+            hit = bm.allocate_cached_prefix(seq) if is_new else 0
             n = min(seq.num_uncomputed_tokens, budget)
             fit = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
             n = min(n, fit)
             if n <= 0:
+                if hit:  # not scheduled after all: give the hit back
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
                 break
+            if is_new and bm.enable_prefix_caching:
+                bm.record_lookup(seq.num_tokens, hit)
             bm.allocate(seq, seq.num_computed_tokens + n)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
@@ -211,12 +220,14 @@ class Scheduler:
         return batch
 
     def on_step_done(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Advance ``num_computed_tokens`` after the model ran ``batch``; sequences whose prefill
-        completed move to ``running``. Returns the sequences that now sample a token (those of
+        """Advance ``num_computed_tokens`` after the model ran ``batch`` and register the blocks
+        that are now full and computed in the prefix cache; sequences whose prefill completed
+        move to ``running``. Returns the sequences that now sample a token (those of
         :meth:`ScheduledBatch.sampling_rows`). The first half of :meth:`postprocess`."""
         sampling = [batch.seqs[i] for i in batch.sampling_rows()]
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
         for seq in sampling:
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)

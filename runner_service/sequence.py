@@ -4,7 +4,8 @@
 the leading tokens whose K/V are in the cache; a prefill step computes a chunk of the rest, a
 decode step computes the last token (position ``num_tokens - 1``) and samples the next one. A
 preempted sequence loses its blocks and ``num_computed_tokens`` drops to 0: it is recomputed
-(prompt and generated tokens) by later prefill steps.
+(prompt and generated tokens) by later prefill steps, starting after whatever prefix of it the
+prefix cache still holds (:mod:`runner_service.block_manager`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        # Prefix-cache progress, owned by the block manager: the hash-chain keys of the full
+        # blocks of token_ids (memoised), how many leading blocks of block_table are resolved
+        # against the cache, the cache entry of the last of them, and whether the chain broke.
+        self.block_hashes: list[bytes] = []
+        self.cache_resolved_blocks = 0
+        self.cache_parent: object | None = None
+        self.cache_broken = False
 
     @property
     def num_tokens(self) -> int:

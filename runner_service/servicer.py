@@ -9,7 +9,8 @@ sequence, which frees its KV blocks.
 
 Metrics (:class:`RunnerCollector`, registered in the ``ServiceServer``'s registry): running and
 waiting sequences, KV blocks used/total, generated tokens (counter) and tokens/s since the last
-scrape.
+scrape; the prefix cache's queried tokens and tokens saved (counters), hit rate, cached blocks
+and whether it is on.
 """
 
 from __future__ import annotations
@@ -100,7 +101,19 @@ class RunnerCollector:
             ("warmserve_runner_kv_blocks_used", "KV cache blocks in use", s["kv_blocks_used"]),
             ("warmserve_runner_kv_blocks_total", "KV cache blocks usable", s["kv_blocks_total"]),
             ("warmserve_runner_tokens_per_second", "generated tokens per second since the last scrape", rate),
+            ("warmserve_runner_prefix_caching_enabled", "1 when prefix caching is on", s["prefix_caching"]),
+            ("warmserve_runner_prefix_cache_hit_rate",
+             "prefix-cache hit tokens / queried tokens since start", s["prefix_cache_hit_rate"]),
+            ("warmserve_runner_prefix_cache_blocks", "KV blocks holding prefix-cached K/V (in use or evictable)",
+             s["prefix_cache_blocks"]),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("warmserve_runner_generated_tokens", "generated tokens",
-                                  value=s["generated_tokens_total"])
+        for name, doc, value in (
+            ("warmserve_runner_generated_tokens", "generated tokens", s["generated_tokens_total"]),
+            ("warmserve_runner_prefix_cache_queried_tokens",
+             "tokens looked up in the prefix cache when sequences were scheduled for prefill",
+             s["prefix_cache_queried_tokens"]),
+            ("warmserve_runner_prefix_cache_tokens_saved",
+             "prompt tokens found in the prefix cache (prefill not computed)", s["prefix_cache_tokens_saved"]),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)

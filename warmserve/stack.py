@@ -53,7 +53,8 @@ _SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
 class StackConfig:
     """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
 
-    ``compile``/``dtype``/``max_num_seqs`` of ``None`` leave the runner's defaults. ``home`` of
+    ``compile``/``dtype``/``max_num_seqs`` of ``None`` leave the runner's defaults;
+    ``prefix_caching=False`` passes ``--no-prefix-caching`` to every runner. ``home`` of
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
@@ -67,6 +68,7 @@ class StackConfig:
     compile: str | None = None
     dtype: str | None = None
     max_num_seqs: int | None = None
+    prefix_caching: bool = True
     policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     lease_seconds: float = 3.0
@@ -98,7 +100,8 @@ class StackConfig:
         """From the ``up``/``demo`` flags of :mod:`warmserve.stack_cli`."""
         return cls(runners=args.runners, model=args.model, base_port=args.base_port,
                    home=Path(args.home).expanduser().resolve() if args.home else None,
-                   compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs, policy=args.policy)
+                   compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                   prefix_caching=args.prefix_caching, policy=args.policy)
 
 
 @dataclass
@@ -209,6 +212,8 @@ class LocalStack:
             argv += ["--dtype", cfg.dtype]
         if cfg.max_num_seqs is not None:
             argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
+        if not cfg.prefix_caching:
+            argv.append("--no-prefix-caching")
         threads = cfg.runner_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.runners))
         argv += ["--threads", str(threads)]
         return argv + list(cfg.runner_args)

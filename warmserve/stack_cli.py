@@ -33,6 +33,8 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
     p.add_argument("--dtype", choices=DTYPES, default=None, help="runner dtype (default: the runner's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="runners do not reuse KV blocks across requests sharing a prompt prefix")
     p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help=f"router policy (default {DEFAULT_POLICY})")
 

@@ -27,6 +27,8 @@ class LlamaFamily(ModelFamily):
     architectures = ARCHITECTURES
     pack_version = _pack.PACK_VERSION
     config_class = LlamaConfig
+    #: A token's K/V depend only on the tokens up to it and their positions.
+    supports_prefix_caching = True
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
                        ) -> LlamaConfig:

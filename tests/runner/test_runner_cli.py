@@ -84,3 +84,13 @@ def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
                          timeout=120)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_prefix_caching_is_on_by_default_and_off_with_the_flag():
+    from runner_service.daemon import engine_config_from_args
+    from warmserve.cli import build_parser
+
+    parser = build_parser()
+    on = engine_config_from_args(parser.parse_args(["runner", "serve", "--model", "m"]))
+    off = engine_config_from_args(parser.parse_args(["runner", "serve", "--model", "m", "--no-prefix-caching"]))
+    assert on.enable_prefix_caching is True and off.enable_prefix_caching is False

@@ -134,3 +134,37 @@ def test_kv_exhaustion_64_concurrent_requests_complete_by_preemption(engine, smo
         assert tiny.block_manager.num_free_blocks == baseline
     assert all(r.finish_reason is FinishReason.LENGTH and r.completion_tokens == 6 for r in results)
     assert [r.token_ids for r in results] == expected
+
+
+SYSTEM_PROMPT = ("You are a meticulous museum guide. Answer in one or two sentences, name the period of every "
+                 "object you mention, never invent facts, and when you are unsure say so plainly. The museum "
+                 "has three wings: antiquities, medieval arms and armour, and modern design.")
+
+
+def test_chats_sharing_a_system_prompt_hit_the_prefix_cache_and_match_transformers(engine, smollm2_sidecar,
+                                                                                  hf_model, hf_tokenizer):
+    chats = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+             for question in ("Where are the swords?", "What is the oldest object here?")]
+    prompts = [_hf_chat_ids(hf_tokenizer, m) for m in chats]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
+    assert shared > 48
+    before = engine.stats()
+    got = []
+    for ids in prompts:  # one after the other: the second finds the system prompt cached
+        stream = engine.add_request(GREEDY_32, token_ids=ids)
+        engine.run_until_done()
+        got.append(stream.result(timeout=0).token_ids)
+    after = engine.stats()
+    saved = after["prefix_cache_tokens_saved"] - before["prefix_cache_tokens_saved"]
+    assert saved >= shared // 16 * 16  # at least the shared full blocks of the second request
+    off_cfg = EngineConfig(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=64 << 20, warmup=False,
+                           enable_prefix_caching=False)
+    with LLMEngine.from_sidecar(smollm2_sidecar, off_cfg) as off:
+        streams = [off.add_request(GREEDY_32, token_ids=ids) for ids in prompts]
+        off.run_until_done()
+        assert [s.result(timeout=0).token_ids for s in streams] == got
+        assert off.stats()["prefix_cache_tokens_saved"] == 0
+    for ids, tokens in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        assert tokens == ref

@@ -1,13 +1,16 @@
 """Scheduler: chunked prefill within the token budget, max_num_seqs, preemption by
-free-then-recompute, and no deadlock or leak under a tiny KV cache (simulated model: every
-sampling sequence appends one token)."""
+free-then-recompute, prefix-cache hits for new and preempted sequences, and no deadlock or leak
+under a tiny KV cache (simulated model: every sampling sequence appends one token; a simulated
+KV cache, :mod:`kv_sim`, checks every position a step reads holds its own history)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from kv_sim import SimKV, check_accounting
 
+from runner_service import block_manager
 from runner_service.block_manager import BlockManager
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import Scheduler
@@ -19,12 +22,16 @@ def _seq(rid, prompt_len, max_tokens, max_model_len=1024):
     return Sequence(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0), max_model_len)
 
 
-def _step(sched, finished):
-    """One simulated engine step; returns the batch."""
+def _step(sched, finished, sim=None, next_token=lambda seq: 3):
+    """One simulated engine step (the model computes each chunk in ``sim`` when given); returns
+    the batch."""
     batch = sched.schedule()
     assert batch, "no progress"
+    if sim is not None:
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_tokens, strict=True):
+            sim.step(seq, start, n)
     for seq in sched.on_step_done(batch):
-        seq.token_ids.append(3)
+        seq.token_ids.append(next_token(seq))
         if seq.num_tokens >= seq.max_total_tokens:
             sched.finish(seq, FinishReason.LENGTH)
             finished.append(seq)
@@ -32,9 +39,7 @@ def _step(sched, finished):
 
 
 def _check_invariants(bm, sched):
-    held = [b for s in [*sched.running, *sched.waiting] for b in s.block_table]
-    assert len(held) == len(set(held)) == bm.num_used_blocks
-    assert 0 not in held
+    check_accounting(bm, [*sched.running, *sched.waiting])
     assert len(sched.running) + sum(1 for s in sched.waiting if s.block_table) <= sched.max_num_seqs
     for s in sched.running:
         assert s.num_computed_tokens == s.num_tokens - 1 or s.num_computed_tokens == s.num_tokens
@@ -95,22 +100,36 @@ def test_decode_preempts_the_youngest_and_recomputes_it():
     assert bm.num_free_blocks == 4
 
 
+@pytest.mark.parametrize("caching", ["off", "sha256", "constant-hash"])
 @pytest.mark.parametrize("seed", range(4))
-def test_tiny_cache_many_requests_all_complete_without_leaks(seed):
+def test_tiny_cache_many_requests_all_complete_without_leaks(seed, caching, monkeypatch):
+    if caching == "constant-hash":  # every key collides: blocks must still never be mixed up
+        monkeypatch.setattr(block_manager, "hash_block", lambda parent, token_ids: b"k")
     rng = random.Random(seed)
-    bm = BlockManager(13, 4)  # 12 usable blocks = 48 tokens
+    bm = BlockManager(13, 4, enable_prefix_caching=caching != "off")  # 12 usable blocks = 48 tokens
+    sim = SimKV(bm)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=rng.choice([5, 16, 64]))
-    seqs = [_seq(f"r{i}", rng.randint(1, 30), rng.randint(1, 17)) for i in range(40)]
+    # Prompts share prefixes (a few bases, cut anywhere) so that blocks are shared and evicted.
+    bases = [[rng.randint(2, 4) for _ in range(30)] for _ in range(3)]
+    seqs = []
+    for i in range(40):
+        prompt = rng.choice(bases)[:rng.randint(0, 28)] + [rng.randint(2, 9) for _ in range(rng.randint(1, 4))]
+        seqs.append(Sequence(f"r{i}", prompt[:30], SamplingParams(max_tokens=rng.randint(1, 17), temperature=0),
+                             1024))
     finished = []
     steps = 0
+
+    def next_token(seq):  # a deterministic "model": the next token depends on the history
+        return 2 + sum(seq.token_ids) % 3
+
     for s in seqs:
         sched.check_fits(s)
         sched.add(s)
         if rng.random() < 0.3:
-            _step(sched, finished)
+            _step(sched, finished, sim, next_token)
             steps += 1
     while sched.has_work():
-        _step(sched, finished)
+        _step(sched, finished, sim, next_token)
         _check_invariants(bm, sched)
         steps += 1
         assert steps < 20000
@@ -118,6 +137,40 @@ def test_tiny_cache_many_requests_all_complete_without_leaks(seed):
     assert all(s.num_tokens == s.max_total_tokens for s in seqs)
     assert bm.num_free_blocks == 12 and bm.num_used_blocks == 0
     assert sched.num_preemptions > 0
+    if caching == "sha256":
+        assert bm.prefix_hit_tokens > 0 and bm.prefix_queried_tokens >= bm.prefix_hit_tokens
+    if caching == "off":
+        assert bm.prefix_queried_tokens == 0 and bm.num_cached_blocks == 0
+    if caching == "constant-hash":
+        assert bm.num_cached_blocks <= 1
+
+
+def test_a_cached_prefix_is_skipped_and_its_chunk_starts_after_the_hit():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    first = Sequence("first", list(range(10, 30)), SamplingParams(max_tokens=2), 1024)
+    sched.add(first)
+    _step(sched, [])
+    second = Sequence("second", list(range(10, 26)) + [1, 2, 3], SamplingParams(max_tokens=2), 1024)
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == [second] and batch.starts == [16] and batch.num_tokens == [3]
+    assert second.block_table[:4] == first.block_table[:4]
+    assert (bm.prefix_queried_tokens, bm.prefix_hit_tokens) == (20 + 19, 16)
+
+
+def test_a_preempted_sequence_recomputes_only_what_the_cache_lost():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    s = Sequence("s", list(range(10, 19)), SamplingParams(max_tokens=10), 1024)
+    sched.add(s)
+    for _ in range(5):  # prefill 9 tokens, then 4 decode steps: 13 tokens, 12 of them computed
+        _step(sched, [])
+    assert s.num_tokens == 14 and s.num_computed_tokens == 13
+    sched.preempt(s)
+    assert s.block_table == [] and s.num_computed_tokens == 0 and bm.num_used_blocks == 0
+    batch = sched.schedule()
+    assert batch.starts == [12] and batch.num_tokens == [2]  # blocks 0-2 (12 tokens) were still cached
 
 
 def test_partial_prefills_holding_blocks_do_not_deadlock():

@@ -196,3 +196,16 @@ def test_model_info_health_and_metrics(served):
     assert reg.get_sample_value("warmserve_runner_running_sequences") == 0
     assert reg.get_sample_value("warmserve_runner_waiting_sequences") == 0
     assert reg.get_sample_value("warmserve_runner_tokens_per_second") >= 0
+    # prefix caching: the same prompt twice, the second finds its full blocks cached
+    assert reg.get_sample_value("warmserve_runner_prefix_caching_enabled") == 1
+    text = "Quartz metronomes tick beside violet harbours while seventeen ravens audit the lighthouse"
+    n = len(engine.tokenizer.encode(text))
+    queried = reg.get_sample_value("warmserve_runner_prefix_cache_queried_tokens_total")
+    saved = reg.get_sample_value("warmserve_runner_prefix_cache_tokens_saved_total")
+    for _ in range(2):
+        list(stub.Generate(pb.GenerateRequest(text=text, sampling=_greedy(2))))
+    assert reg.get_sample_value("warmserve_runner_prefix_cache_queried_tokens_total") == queried + 2 * n
+    assert reg.get_sample_value("warmserve_runner_prefix_cache_tokens_saved_total") == saved + (n - 1) // 4 * 4
+    rate = reg.get_sample_value("warmserve_runner_prefix_cache_hit_rate")
+    assert rate == pytest.approx(engine.stats()["prefix_cache_hit_rate"]) and 0 < rate < 1
+    assert reg.get_sample_value("warmserve_runner_prefix_cache_blocks") >= (n - 1) // 4

@@ -41,6 +41,17 @@ def test_ports_and_runner_command_line(tmp_path: Path) -> None:
         "--max-num-seqs": "8", "--threads": "3"}
 
 
+def test_no_prefix_caching_reaches_every_runner(tmp_path: Path) -> None:
+    from warmserve.cli import build_parser
+
+    for argv, flagged in ((["up"], False), (["up", "--no-prefix-caching"], True)):
+        config = StackConfig.from_args(build_parser().parse_args(argv))
+        assert config.prefix_caching is not flagged
+        stack = LocalStack(StackConfig(runners=2, base_port=0, home=tmp_path, prefix_caching=config.prefix_caching),
+                           progress=None)
+        assert [("--no-prefix-caching" in stack.runner_argv(i)) for i in range(2)] == [flagged, flagged]
+
+
 def test_runner_threads_default_splits_the_cores_between_runners(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     for runners, threads in ((1, "8"), (2, "4"), (3, "2"), (16, "1")):
