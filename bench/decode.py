@@ -11,11 +11,15 @@
    (:meth:`DecodeBuffers.fill` on a live set of sequences whose block tables grow) vs building
    the step's tensors from Python lists each step (what nano-vllm's ``prepare_decode`` does).
    Microseconds, median over a 512-step trajectory (block size 16, contexts 200..700 tokens).
-3. Steady-state decode with ``--compile off`` vs compiled (``--compile-mode``, default ``aoti``)
+3. The decode program alone (``*_program`` rows): the same batch sizes at about the served runs'
+   mean context, calling the installed decode callable on the persistent buffers with no
+   scheduling, sampling or detokenizing; ``served_over_program`` is the served rate over it
+   (1.0 = the serving path costs nothing).
+4. Steady-state decode with ``--compile off`` vs compiled (``--compile-mode``, default ``aoti``)
    through :mod:`runner_service.programs`, using a kernel-cache directory (``--kernel-cache-dir``,
    default a temp dir: the first run compiles, later runs with the same dir hit). Skipped with
    ``--no-compiled``.
-4. Prefix caching: time to first token (add the chat request, step the engine until its first
+5. Prefix caching: time to first token (add the chat request, step the engine until its first
    token is out) of a request with a shared ~1,000-token system prompt (the first request: the
    prompt is not cached) vs a second request with the same system prompt and a different user
    message, on an eager engine with prefix caching on and on one with it off. Each run starts
@@ -52,6 +56,8 @@ from weight_service.prepare import prepare  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
 BATCHES = (1, 8, 32)
+#: About the token count of a chat-less prompt below (for the program-only rate's context).
+PROMPT_TOKENS = 12
 PROMPTS = [
     "The history of the printing press begins",
     "Write a short poem about autumn leaves falling",
@@ -87,6 +93,30 @@ def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int) -> float:
             decode_s += dt
             decode_tokens += n
     return decode_tokens / decode_s
+
+
+def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
+    """Tokens/s of the decode program alone (what ``engine.runner.decode_fn`` runs: compiled or
+    eager), without scheduling, sampling or detokenizing: ``batch`` rows, each decoding position
+    ``context - 1`` over its own blocks, filled once into the persistent buffers; median of
+    ``steps`` calls. The served rate over this rate is the serving path's share of a step. Run
+    it on an idle engine: it writes K/V into blocks it does not own, so it empties the prefix
+    cache first."""
+    engine.block_manager.reset_prefix_cache()
+    runner = engine.runner
+    bs = runner.block_size
+    per_seq = -(-context // bs)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+    runner.buffers.fill([100 + i for i in range(batch)], [context - 1] * batch, tables)
+    fn, views = runner.decode_fn(batch), runner.decode_views(batch, per_seq)
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps + 2):
+            t0 = time.perf_counter()
+            fn(*views)
+            times.append(time.perf_counter() - t0)
+    runner.buffers.fill([], [], [])
+    return batch / statistics.median(times[2:])
 
 
 def hf_decode_tps(model, tokenizer, batch: int, tokens: int) -> float:
@@ -276,6 +306,8 @@ def main() -> int:
             warmserve_decode_tps(eager, b, 4)  # first-shape warm-up
             report["decode_tps"].setdefault("warmserve_eager", {})[b] = _median_tps(
                 lambda b=b: warmserve_decode_tps(eager, b, args.tokens), args.runs)
+            report["decode_tps"].setdefault("warmserve_eager_program", {})[b] = round(
+                program_tps(eager, b, PROMPT_TOKENS + args.tokens // 2), 1)
         eager.close()
 
         report["host_prepare"] = [host_prepare_us(b) for b in (8, 32)]
@@ -296,6 +328,8 @@ def main() -> int:
                     warmserve_decode_tps(compiled, b, 4)
                     report["decode_tps"].setdefault(f"warmserve_{args.compile_mode}", {})[b] = _median_tps(
                         lambda b=b: warmserve_decode_tps(compiled, b, args.tokens), args.runs)
+                    report["decode_tps"].setdefault(f"warmserve_{args.compile_mode}_program", {})[b] = round(
+                        program_tps(compiled, b, PROMPT_TOKENS + args.tokens // 2), 1)
             compiled.close()
 
         if not args.no_hf:
@@ -319,6 +353,10 @@ def main() -> int:
     if "transformers" in tps:
         report["speedup_vs_transformers"] = {b: round(tps["warmserve_eager"][b] / tps["transformers"][b], 2)
                                              for b in BATCHES}
+    for name in ("warmserve_eager", f"warmserve_{args.compile_mode}"):
+        if f"{name}_program" in tps:
+            report.setdefault("served_over_program", {})[name] = {
+                b: round(tps[name][b] / tps[f"{name}_program"][b], 3) for b in BATCHES}
     key = f"warmserve_{args.compile_mode}"
     if key in tps:
         report["compiled_vs_eager"] = {b: round(tps[key][b] / tps["warmserve_eager"][b], 2) for b in BATCHES}
