@@ -28,8 +28,12 @@ def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: f
                     top_k: int = 0, seed: int | None = None) -> generation_pb2.SamplingParams:
     """``SamplingParams`` (temperature 0 = greedy). Raises ``InvalidArgument`` for values the
     runner would refuse anyway, so the CLI can say so before dialing."""
-    if max_tokens <= 0:
-        raise InvalidArgument(f"--max-tokens must be > 0, got {max_tokens}")
+    if not 0 < max_tokens < 2**31:
+        raise InvalidArgument(f"--max-tokens must be in [1, 2^31), got {max_tokens}")
+    if not 0 <= top_k < 2**31:
+        raise InvalidArgument(f"--top-k must be in [0, 2^31), got {top_k}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise InvalidArgument(f"--seed must be in [0, 2^64), got {seed}")
     if temperature < 0:
         raise InvalidArgument(f"--temperature must be >= 0, got {temperature}")
     if not 0 <= top_p <= 1:
@@ -41,16 +45,27 @@ def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: f
     return params
 
 
+def _valid_text(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{what} is not valid UTF-8 text ({e.reason} at character {e.start})") from None
+    return text
+
+
 def text_request(text: str, sampling: generation_pb2.SamplingParams | None = None, *,
                  routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
-    """A raw-text request (no chat template)."""
-    return generation_pb2.GenerateRequest(text=text, sampling=sampling, routing=routing)
+    """A raw-text request (no chat template). Raises ``InvalidArgument`` for text that is not
+    valid Unicode (e.g. undecodable bytes from a command line)."""
+    return generation_pb2.GenerateRequest(text=_valid_text(text, "the prompt"), sampling=sampling, routing=routing)
 
 
 def chat_request(messages: Sequence[tuple[str, str]], sampling: generation_pb2.SamplingParams | None = None, *,
                  routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
     """A chat request from ``(role, content)`` pairs; the runner applies the model's template."""
-    chat = generation_pb2.ChatPrompt(messages=[generation_pb2.ChatMessage(role=r, content=c) for r, c in messages])
+    chat = generation_pb2.ChatPrompt(messages=[
+        generation_pb2.ChatMessage(role=_valid_text(r, "a chat role"), content=_valid_text(c, "a chat message"))
+        for r, c in messages])
     return generation_pb2.GenerateRequest(chat=chat, sampling=sampling, routing=routing)
 
 

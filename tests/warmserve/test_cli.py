@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from warmserve.cli import main
 
 
@@ -17,3 +19,16 @@ def test_busy_port_is_a_failed_operation_exit_1(capsys) -> None:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"warmserve: error: cannot bind 127.0.0.1:{port}" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seed", "-1", "Hi"], "--seed must be in [0, 2^64), got -1"),
+    (["--seed", str(2**64), "Hi"], "--seed must be in [0, 2^64)"),
+    (["--max-tokens", str(2**31), "Hi"], "--max-tokens must be in [1, 2^31)"),
+    (["--raw", "\udcff\udcfe"], "the prompt is not valid UTF-8 text"),
+])
+def test_generate_bad_sampling_values_are_usage_errors_before_dialing(capsys, argv, message) -> None:
+    # port 9 (discard) on loopback: nothing listens, so reaching the network would fail differently
+    assert main(["generate", "--addr", "127.0.0.1:9", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"warmserve: error: {message}" in err
