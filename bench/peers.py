@@ -387,10 +387,11 @@ class WarmserveServer(Server):
         self._stub = None
 
     def command(self):
-        """``python -m services.cli runner serve --model smollm2-135m-instruct --compile aoti ...``."""
+        """``python -m warmserve.cli runner serve --model smollm2-135m-instruct --compile aoti ...``
+        (``services.cli`` in checkouts from before the package split)."""
         for d in ("home", "kernel-cache", "sidecars", "inductor"):
             (self.state / d).mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "services.cli", "runner", "serve", "--model", MODEL,
+        cmd = [sys.executable, "-m", cli_module(self.checkout), "runner", "serve", "--model", MODEL,
                "--compile", self.args.warmserve_compile, "--dtype", self.dtype, "--threads", str(self.args.threads),
                "--host", HOST, "--port", str(self.port), "--max-num-seqs", str(self.args.max_concurrency),
                "--max-model-len", str(self.args.max_model_len), "--kv-cache-bytes", str(KV_CACHE_BYTES),
@@ -702,6 +703,15 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def cli_module(checkout: Path) -> str | None:
+    """The module that runs the ``warmserve`` CLI in ``checkout``: ``warmserve.cli``, or
+    ``services.cli`` before the package split; ``None`` when neither exists."""
+    for module in ("warmserve.cli", "services.cli"):
+        if (checkout / (module.replace(".", "/") + ".py")).is_file():
+            return module
+    return None
+
+
 def parse_args(argv=None):
     """Command-line flags (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -739,8 +749,8 @@ def parse_args(argv=None):
     args.max_model_len = max(512, -(-(args.tokens + 64) // 128) * 128)
     if args.warmserve_ref:
         ref = Path(args.warmserve_ref).resolve()
-        if not (ref / "services" / "cli.py").is_file():
-            p.error(f"--warmserve-ref {ref} is not a warmserve checkout (no services/cli.py)")
+        if cli_module(ref) is None:
+            p.error(f"--warmserve-ref {ref} is not a warmserve checkout (no warmserve/cli.py or services/cli.py)")
         args.warmserve_ref = ref
     return args
 
