@@ -87,13 +87,13 @@ class ToyFamily(ModelFamily):
         V, H = config.vocab_size, config.hidden_size
         return {"embed": (V, H), "layers.up": (1, H, H), "head": (V, H)}
 
-    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
         return {"embed": ckpt.tensor("toy.embed"), "head": ckpt.tensor("toy.head")}
 
-    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
+    def layer_tensors(self, ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
         return {"layers.up": ckpt.tensor(f"toy.layers.{layer}.up")}
 
-    def load_weights(self, config, tensors, dtype, device) -> ToyWeights:
+    def load_weights(self, config, tensors, dtype, device, weights_dtype="f32") -> ToyWeights:
         return ToyWeights(**{n.removeprefix("layers."): tensors[n].to(device=device, dtype=dtype)
                              for n in self.tensor_shapes(config)})
 
