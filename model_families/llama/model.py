@@ -18,8 +18,8 @@ Paged attention: K/V of the step's tokens are written into the block pools in pl
 (:func:`model_families.ops.paged_attention`).
 
 Matrices are float tensors or weight-only quantized ones (int4 / int8 sidecars): every matmul is
-:func:`model_families.ops.linear` and the token lookup :func:`model_families.ops.embedding`,
-which dispatch on the weight's kind (Python-level, so the traced graph holds the right kernel).
+:func:`model_families.ops.linear`, which dispatches on the weight's kind (Python-level, so the
+traced graph holds the right kernel).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from model_families.llama.pack import tensor_shapes, tensor_specs
 from model_families.ops import (
     QuantizedWeight,
     apply_rope,
-    embedding,
     linear,
     paged_attention,
     quantized_weight,
@@ -178,7 +177,7 @@ class LlamaModel(FamilyModel):
         slots = slot_mapping.reshape(-1)
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
-        h = embedding(input_ids, self.embed_tokens)
+        h = F.embedding(input_ids, self.embed_tokens)
         for i in range(c.num_hidden_layers):
             x = rms_norm(h, self.input_norm[i], eps)
             qkv = linear(x, self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None)

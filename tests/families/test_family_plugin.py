@@ -163,6 +163,10 @@ def test_a_family_registered_from_a_test_is_packed_and_served_end_to_end(toy_fam
         assert text.result(timeout=5).text.split() == [f"w{t}" for t in _greedy_reference(ckpt, [9], 3, eos=None)]
     finally:
         engine.close()
+    # a float-only family: no quantized layout, and `auto` falls back to f32
+    with pytest.raises(InvalidArgument, match="toy-bigram family packs weights dtypes f32, bf16, not 'int4'"):
+        prepare(str(ckpt), dtype="int4", root=tmp_path / "sidecars")
+    assert prepare(str(ckpt), dtype="auto", root=tmp_path / "sidecars").path == handle.path
     # the family is known to the registry only while registered
     model_families.unregister_family("toy-bigram")
     with pytest.raises(InvalidArgument, match="ToyBigramForCausalLM"):
