@@ -181,9 +181,10 @@ class LLMEngine:
                         f"{weights.nbytes() / 2**20:.0f} MiB {self.dtype_name} on {self.device}")
         self.weights = weights
         if weights.quantization and self.dtype == torch.float32 and self.device.type == "cpu":
-            log.warning("%s weights with float32 compute run PyTorch's reference CPU kernels, several times "
-                        "slower than bf16 (--dtype bf16 or auto on a CPU with AVX512-BF16/AMX)",
-                        weights.quantization, extra={"runner_id": config.runner_id})
+            log.warning("%s weights with float32 compute are dequantized matrix by matrix at every step: exact, "
+                        "but slower than a float32 model; bf16 compute runs the weight-only kernels (--dtype bf16, "
+                        "or auto on a CPU with AVX512-BF16/AMX)", weights.quantization,
+                        extra={"runner_id": config.runner_id})
 
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
