@@ -38,7 +38,8 @@ rows write there and padding block-table entries point at it).
 Weights dtypes (:data:`WEIGHTS_DTYPES`): the sidecar of a float dtype (``f32``, ``bf16``) holds
 every tensor in it; a quantized one (``int8``, ``int4``) holds the matrices the family chooses as
 weight-only quantized parts (``NAME.qweight``, ``NAME.scales``, ``NAME.zeros``: the formats of
-:mod:`model_families.quant`) and everything else in float32. Which dtypes a family packs is
+:mod:`model_families.quant`) and the rest in the float dtypes its layout states (Llama:
+bfloat16 token tables, float32 norms and biases). Which dtypes a family packs is
 :attr:`ModelFamily.weights_dtypes`; a family that states only a float layout
 (:meth:`ModelFamily.tensor_shapes`) packs ``f32`` and ``bf16``.
 """

@@ -25,15 +25,17 @@ real weights, since ``m`` and ``8 d`` are float16 values of similar magnitude; i
 to nearest otherwise). ``(q - 8) * d`` is exact, so a decoded value is the single rounding of
 ``q d + m``: the same float32 GGUF's own dequantization gives.
 
-Rules for float weights (a float checkpoint asked for int4/int8, a GGUF type with no exact
-mapping, a tied head):
+Rules for float weights (a float checkpoint asked for int4/int8, or a GGUF type with no exact
+mapping, dequantized first):
 
 - int4, asymmetric min/max per group of 32: ``scale = (max - min) / 15``,
   ``q = clamp(round((w - min) / scale), 0, 15)``, ``zero = min + 8 scale`` (GGUF's Q4_1 rule; a
   constant group gets ``scale = 0``, ``zero = min``);
 - int8, symmetric per output row: ``scale = max|w| / 127``, ``q = clamp(round(w / scale), -127, 127)``
   (an all-zero row gets ``scale = 0``). PyTorch's int8 weight-only matmul takes one scale per
-  output row, so GGUF Q8_0 (one scale per 32 values) is *requantized* with this rule.
+  output row, so GGUF Q8_0 (one scale per 32 values) is *requantized* with this rule, as is
+  anything else asked for int8 (a Q4_1 file's int8 sidecar: one scale per row cannot hold Q4_1's
+  per-32 min and scale, so it is an approximation of the GGUF, not a copy).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ replaced) holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_con
 ``config.json``. The weights dtype (:data:`WEIGHTS_DTYPES`: ``f32``, ``bf16``, ``int8``,
 ``int4``) picks the family's layout (:meth:`model_families.family.ModelFamily.tensor_specs`):
 float sidecars hold every tensor in that dtype, quantized ones hold uint8/int8 codes with
-float32 scales (and zeros) next to float32 norms (:mod:`model_families.quant`).
+float32 scales (and zeros) next to the float tensors the layout keeps (:mod:`model_families.quant`).
 
 ``model.safetensors`` is a standard safetensors file (8-byte little-endian header length, JSON
 header padded with spaces to a multiple of 8, then the tensor bytes, contiguous, in header order)
