@@ -2,7 +2,9 @@
 
 1. Decode throughput (tokens/s, greedy, float32 unless ``--dtype bf16``) at batch 1, 8 and 32:
    warmserve's engine (``--compile off``) vs transformers ``generate`` on the same weights
-   (transformers loads the same GGUF, dequantized to the same dtype). Both decode ``--tokens``
+   (transformers loads the same GGUF, dequantized to the same dtype). ``--weights-dtype``
+   picks warmserve's sidecar (default f32: the dequantized model; ``int4`` keeps the GGUF's Q4_1
+   weights quantized and, with ``--dtype bf16``, runs PyTorch's int4 kernel). Both decode ``--tokens``
    tokens per sequence with EOS ignored. warmserve: total wall time of the decode steps
    (prefill steps excluded; sampling and detokenization included) -> B * steps / seconds.
    transformers: ``generate(max_new_tokens=N)`` minus ``generate(max_new_tokens=1)`` (its prefill
@@ -29,8 +31,8 @@
 All contenders run in this one process with the same torch thread count (``--threads``; on a
 shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process takes a core).
 
-Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--threads 1] [--no-compiled]
-[--no-hf] [--no-prefix-caching | --prefix-caching-only]``.
+Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
+[--no-compiled] [--no-hf] [--no-prefix-caching | --prefix-caching-only]``.
 """
 
 from __future__ import annotations
@@ -278,7 +280,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per sequence (default 32)")
     parser.add_argument("--runs", type=int, default=3, help="runs per median (default 3)")
-    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
+    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="compute dtype (default f32)")
+    parser.add_argument("--weights-dtype", choices=("f32", "bf16", "int8", "int4"), default="f32",
+                        help="warmserve's sidecar dtype (default f32)")
     parser.add_argument("--sidecar-dir", default=None, help="sidecar root (default: a temp dir)")
     parser.add_argument("--kernel-cache-dir", default=None, help="kernel cache for compiled programs")
     parser.add_argument("--compile-mode", choices=("aoti", "inductor"), default="aoti")
@@ -295,8 +299,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="warmserve-bench-decode-")
     root = Path(args.sidecar_dir or Path(tmp.name) / "sidecars")
-    sidecar = prepare(str(bundled_smollm2_path()), dtype=args.dtype, root=root).path
-    report: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "tokens": args.tokens,
+    sidecar = prepare(str(bundled_smollm2_path()), dtype=args.weights_dtype, root=root).path
+    report: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "weights_dtype": args.weights_dtype,
+                    "tokens": args.tokens,
                     "runs": args.runs, "torch_threads": torch.get_num_threads(), "decode_tps": {}}
 
     if not args.prefix_caching_only:
@@ -363,8 +368,8 @@ def main() -> int:
     print(json.dumps(report, indent=2))
     if tps:
         print()
-        print(f"| decode tokens/s ({args.dtype}, greedy, {args.tokens} tokens) | " + " | ".join(
-            f"batch {b}" for b in BATCHES) + " |")
+        title = f"decode tokens/s ({args.weights_dtype} weights, {args.dtype} compute, greedy, {args.tokens} tokens)"
+        print(f"| {title} | " + " | ".join(f"batch {b}" for b in BATCHES) + " |")
         print("|---|" + "---:|" * len(BATCHES))
         for name, row in tps.items():
             print(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in BATCHES) + " |")

@@ -10,11 +10,12 @@ config (one schema)           :attr:`~ModelFamily.config_class`, :meth:`~ModelFa
                               (HF ``config.json`` semantics; the GGUF reader translates its
                               metadata to the same dict), :meth:`~ModelFamily.config_from_dict`
                               (the sidecar's stored ``config.json``)
-pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_shapes` (the ONE statement of the
-                              layout), :meth:`~ModelFamily.global_tensors`,
-                              :meth:`~ModelFamily.layer_tensors`, :attr:`~ModelFamily.pack_version`
+pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_specs` (the ONE statement of the
+                              layout, per weights dtype), :meth:`~ModelFamily.global_tensors`,
+                              :meth:`~ModelFamily.layer_tensors`, :attr:`~ModelFamily.pack_version`,
+                              :attr:`~ModelFamily.weights_dtypes`
 weights                       :meth:`~ModelFamily.load_weights` (checked against
-                              :meth:`~ModelFamily.tensor_shapes`), :meth:`~ModelFamily.random_weights`
+                              :meth:`~ModelFamily.tensor_specs`), :meth:`~ModelFamily.random_weights`
 KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns;
                               :attr:`~ModelFamily.supports_prefix_caching` (may full blocks be
                               shared across requests by their token history)
@@ -35,6 +36,14 @@ row; every integer tensor int64)::
 ``[layers, num_blocks, *block_shape]``, mutated in place. Slot ``s`` of a pool is row
 ``s % block_size`` of block ``s // block_size``; block 0 is the runner's scratch block (padding
 rows write there and padding block-table entries point at it).
+
+Weights dtypes (:data:`WEIGHTS_DTYPES`): the sidecar of a float dtype (``f32``, ``bf16``) holds
+every tensor in it; a quantized one (``int8``, ``int4``) holds the matrices the family chooses as
+weight-only quantized parts (``NAME.qweight``, ``NAME.scales``, ``NAME.zeros``: the formats of
+:mod:`model_families.quant`) and the rest in the float dtypes its layout states (Llama:
+bfloat16 token tables, float32 norms and biases). Which dtypes a family packs is
+:attr:`ModelFamily.weights_dtypes`; a family that states only a float layout
+(:meth:`ModelFamily.tensor_shapes`) packs ``f32`` and ``bf16``.
 """
 
 from __future__ import annotations
@@ -50,7 +59,34 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from model_families import quant
+from model_families.ops import QuantizedWeight
 from services.errors import InvalidArgument
+
+#: Sidecar weights dtypes: float ones, then weight-only quantized ones.
+WEIGHTS_DTYPES = ("f32", "bf16", "int8", "int4")
+#: The float weights dtypes and their torch dtypes.
+FLOAT_WEIGHTS: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One sidecar tensor: full shape and dtype (float32, bfloat16, uint8 or int8)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def float_specs(shapes: Mapping[str, tuple[int, ...]], weights_dtype: str) -> dict[str, TensorSpec]:
+    """Every tensor of a float layout in the float ``weights_dtype``."""
+    dtype = FLOAT_WEIGHTS[weights_dtype]
+    return {name: TensorSpec(tuple(shape), dtype) for name, shape in shapes.items()}
+
+
+def quantized_specs(name: str, shape: tuple[int, ...], fmt: str) -> dict[str, TensorSpec]:
+    """The parts of the float matrix ``name`` ``[..., N, K]`` stored as ``fmt`` (``int4`` /
+    ``int8``, :mod:`model_families.quant`); ``InvalidArgument`` when the shape does not fit."""
+    return {n: TensorSpec(s, d) for n, (s, d) in quant.part_specs(name, tuple(shape), fmt).items()}
 
 
 class Checkpoint(Protocol):
@@ -59,7 +95,10 @@ class Checkpoint(Protocol):
 
     ``tensor`` returns a float32 / bfloat16 / float16 CPU tensor and raises ``InvalidArgument``
     for a name the checkpoint lacks; ``has`` says whether it holds a name; ``config`` is the
-    family config the reader built (:meth:`ModelFamily.config_from_hf`).
+    family config the reader built (:meth:`ModelFamily.config_from_hf`). A reader whose format
+    stores int4 groups (GGUF Q4_0/Q4_1) may also offer ``int4_groups(name)`` ->
+    :class:`model_families.quant.Int4Groups` or ``None``: the exact codes, scales and zeros,
+    in HF layout (see :func:`model_families.quant.checkpoint_parts`).
     """
 
     config: FamilyConfig
@@ -136,30 +175,52 @@ class CacheSpec:
 
 class FamilyWeights:
     """Mixin for a family's weights dataclass: tensor fields (``None`` allowed for optional
-    ones). Tensors that share storage (a tied head) stay shared through :meth:`to`."""
+    ones) or weight-only quantized matrices (:class:`model_families.ops.QuantizedWeight`).
+    Weights that are one object (a tied head) stay one object through :meth:`to`."""
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Field name -> tensor, ``None`` fields left out, shared tensors listed under each name."""
+    def entries(self) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """Field name -> tensor or quantized weight, ``None`` fields left out."""
         return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}  # type: ignore[arg-type]
 
-    def to(self, dtype: torch.dtype, device: torch.device) -> FamilyWeights:
-        """A copy in ``dtype`` on ``device`` (``self`` when every tensor already is); tensors that
-        were one object stay one object."""
-        items = self.tensors()
-        if all(t.dtype == dtype and t.device == device for t in items.values()):
-            return self
-        done: dict[int, torch.Tensor] = {}
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor, ``None`` fields left out, a quantized weight's tensors as
+        ``field.buffer``, shared tensors listed under each name."""
         out = {}
-        for name, t in items.items():
-            if id(t) not in done:
-                done[id(t)] = t.to(device=device, dtype=dtype)
-            out[name] = done[id(t)]
+        for name, w in self.entries().items():
+            if isinstance(w, QuantizedWeight):
+                out.update({f"{name}.{part}": t for part, t in w.tensors().items()})
+            else:
+                out[name] = w
+        return out
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> FamilyWeights:
+        """A copy with float tensors in ``dtype`` on ``device`` (``self`` when they already
+        are); quantized weights keep their codes and convert their scales
+        (:meth:`~model_families.ops.QuantizedWeight.converted`); weights that were one object
+        stay one object."""
+        items = self.entries()
+        if self.dtype == dtype and all(t.device == device for t in self.tensors().values()):
+            return self
+        done: dict[int, torch.Tensor | QuantizedWeight] = {}
+        out = {}
+        for name, w in items.items():
+            if id(w) not in done:
+                done[id(w)] = (w.converted(dtype, device) if isinstance(w, QuantizedWeight)
+                               else w.to(device=device, dtype=dtype))
+            out[name] = done[id(w)]
         return type(self)(**out)
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the first tensor (all share it)."""
-        return next(iter(self.tensors().values())).dtype
+        """The compute dtype: that of the float tensors (all share it; a quantized weight's
+        scales included)."""
+        return next(t.dtype for t in self.tensors().values() if t.is_floating_point())
+
+    @property
+    def quantization(self) -> str:
+        """``"int4"`` when some weight is int4, else ``"int8"`` when some is int8, else ``""``."""
+        formats = {w.format for w in self.entries().values() if isinstance(w, QuantizedWeight)}
+        return next((f for f in ("int4", "int8") if f in formats), "")
 
     @property
     def device(self) -> torch.device:
@@ -213,7 +274,8 @@ class ModelFamily(ABC):
     Class attributes: ``name`` (the sidecar's ``warmserve.family``, e.g. ``"llama"``),
     ``architectures`` (HF architecture names it serves), ``pack_version`` (changes whenever the
     sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
-    ``config_class`` (a :class:`FamilyConfig` subclass).
+    ``config_class`` (a :class:`FamilyConfig` subclass), ``weights_dtypes`` (the sidecar weights
+    dtypes it packs, a subset of :data:`WEIGHTS_DTYPES`; float-only by default).
 
     ``supports_prefix_caching`` (default ``True``): the runner may reuse a full KV block across
     requests whose token histories agree up to the block's end (automatic prefix caching,
@@ -227,6 +289,7 @@ class ModelFamily(ABC):
     architectures: ClassVar[frozenset[str]]
     pack_version: ClassVar[str]
     config_class: ClassVar[type[FamilyConfig]]
+    weights_dtypes: ClassVar[tuple[str, ...]] = ("f32", "bf16")
     supports_prefix_caching: ClassVar[bool] = True
 
     # -- config ----------------------------------------------------------------------------
@@ -246,41 +309,66 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def tensor_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
-        """Every sidecar tensor name to its full shape; stacked ones lead with the layer count
-        and are named ``layers.*``. The one statement of the layout: the packer writes it, the
-        sidecar validator checks it and :meth:`load_weights` reads it."""
+        """The float layout: every sidecar tensor name to its full shape; stacked ones lead with
+        the layer count and are named ``layers.*``."""
 
-    def stacked_names(self, config: FamilyConfig) -> list[str]:
+    def tensor_specs(self, config: FamilyConfig, weights_dtype: str) -> dict[str, TensorSpec]:
+        """Every sidecar tensor name to its shape and dtype in a ``weights_dtype`` sidecar. The
+        one statement of the layout: the packer writes it, the sidecar validator checks it and
+        :meth:`load_weights` reads it. Default (a float-only family): :meth:`tensor_shapes` in
+        the float dtype. Raises ``InvalidArgument`` for a dtype the family does not pack (or a
+        config it cannot pack in it)."""
+        self.check_weights_dtype(weights_dtype)
+        return float_specs(self.tensor_shapes(config), weights_dtype)
+
+    def check_weights_dtype(self, weights_dtype: str) -> str:
+        """``weights_dtype`` if this family packs it, else ``InvalidArgument``."""
+        if weights_dtype not in self.weights_dtypes:
+            raise InvalidArgument(f"the {self.name} family packs weights dtypes {', '.join(self.weights_dtypes)}, "
+                                  f"not {weights_dtype!r}")
+        return weights_dtype
+
+    def stacked_names(self, config: FamilyConfig, weights_dtype: str = "f32") -> list[str]:
         """The names whose first dim is the layer index (``layers.*``)."""
-        return [n for n in self.tensor_shapes(config) if n.startswith("layers.")]
+        return [n for n in self.tensor_specs(config, weights_dtype) if n.startswith("layers.")]
 
     @abstractmethod
-    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-        """The tensors that are not per layer, at their full shapes."""
+    def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        """The tensors that are not per layer, at their full shapes, for a ``weights_dtype``
+        sidecar (float tensors in any float dtype: the packer casts them; quantized parts in
+        their stored dtype)."""
 
     @abstractmethod
-    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
-        """Layer ``layer``'s slice of each stacked tensor (its shape without the leading dim)."""
+    def layer_tensors(self, ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s slice of each stacked tensor (its shape without the leading dim),
+        as :meth:`global_tensors`."""
 
     # -- runner ----------------------------------------------------------------------------
 
     @abstractmethod
     def load_weights(self, config: FamilyConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device) -> FamilyWeights:
-        """The runner's weights from sidecar tensors (zero-copy when dtype and device match).
-        Raises ``InvalidArgument`` for a missing name or a shape that differs from
-        :meth:`tensor_shapes`."""
+                     device: torch.device, weights_dtype: str = "f32") -> FamilyWeights:
+        """The runner's weights, computing in ``dtype``, from the tensors of a ``weights_dtype``
+        sidecar (float tensors zero-copy when dtype and device match; quantized matrices built
+        once for the kernels, :func:`model_families.ops.quantized_weight`). Raises
+        ``InvalidArgument`` for a missing name or a shape that differs from
+        :meth:`tensor_specs`."""
 
     def random_weights(self, config: FamilyConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
-                       device: torch.device | str = "cpu") -> FamilyWeights:
-        """Random weights (normal, std 0.02; ``*norm`` tensors near 1) in the sidecar layout, for
+                       device: torch.device | str = "cpu", weights_dtype: str = "f32") -> FamilyWeights:
+        """Random weights (normal, std 0.02; ``*norm`` tensors near 1) in the sidecar layout of
+        ``weights_dtype`` (quantized ones by the rules of :mod:`model_families.quant`), for
         tests of the serving path."""
         g = torch.Generator().manual_seed(seed)
         tensors = {}
         for name, shape in self.tensor_shapes(config).items():
             t = torch.randn(shape, generator=g)
             tensors[name] = 1.0 + 0.1 * t if name.endswith("norm") else 0.02 * t
-        return self.load_weights(config, tensors, dtype, torch.device(device))
+        specs = self.tensor_specs(config, weights_dtype)
+        for name in [n for n in tensors if n not in specs]:  # stored quantized: NAME.qweight, ...
+            fmt = "int4" if f"{name}.zeros" in specs else "int8"
+            tensors.update({f"{name}.{part}": t for part, t in quant.quantize_parts(tensors.pop(name), fmt).items()})
+        return self.load_weights(config, tensors, dtype, torch.device(device), weights_dtype)
 
     @abstractmethod
     def cache_specs(self, config: FamilyConfig, block_size: int) -> tuple[CacheSpec, ...]:

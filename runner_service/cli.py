@@ -9,7 +9,7 @@ Heavy imports (torch, the engine) happen inside the handler, never at import tim
 
 from __future__ import annotations
 
-from runner_service.config import COMPILE_MODES, DTYPES
+from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
 
 DEFAULT_PORT = 50061
 
@@ -30,7 +30,12 @@ def register(subparsers) -> None:
     cache = serve.add_mutually_exclusive_group()
     cache.add_argument("--kernel-cache", default=None, metavar="ADDR", help="kernel-cache service address")
     cache.add_argument("--kernel-cache-dir", default=None, metavar="DIR", help="local kernel-cache directory")
-    serve.add_argument("--dtype", choices=DTYPES, default="f32", help="compute dtype (default f32)")
+    serve.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="compute and KV-cache dtype (default auto: bf16 on a CPU with AVX512-BF16 or AMX, "
+                            "else f32)")
+    serve.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
+                       help="the weight sidecar's dtype; int4/int8 keep the weights quantized (default auto: the "
+                            "checkpoint's own, int4 for a Q4_0/Q4_1 GGUF)")
     serve.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="compiled decode programs (default off: eager)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=32,

@@ -15,8 +15,11 @@ if TYPE_CHECKING:
 
 #: ``--compile`` choices: eager, ``torch.compile`` with Inductor, AOTInductor packages.
 COMPILE_MODES = ("off", "inductor", "aoti")
-#: ``--dtype`` choices (compute and KV dtype).
-DTYPES = ("f32", "bf16")
+#: ``--dtype`` choices (compute and KV dtype; ``auto``: :func:`runner_service.device.resolve_dtype`).
+DTYPES = ("auto", "f32", "bf16")
+#: ``--weights-dtype`` choices (the sidecar's; ``auto``: the checkpoint's own, see
+#: :mod:`weight_service.prepare`).
+WEIGHTS_DTYPES = ("auto", "f32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,9 @@ class EngineConfig:
     - ``block_size``: tokens per KV block.
     - ``kv_cache_bytes``: bytes for K and V of all layers; ``None`` = ``kv_cache_memory_fraction``
       of the device's free memory, capped at what ``max_num_seqs`` full-length sequences need.
-    - ``dtype``: compute and KV dtype, ``"f32"`` or ``"bf16"``.
+    - ``dtype``: compute and KV dtype, ``"f32"``, ``"bf16"`` or ``"auto"`` (bf16 where the
+      device computes it natively, :func:`runner_service.device.resolve_dtype`). The library
+      default stays ``"f32"``; the runner CLI defaults to ``auto``.
     - ``compile``: ``"off"`` (eager), ``"inductor"`` or ``"aoti"`` (programs from
       :mod:`runner_service.programs`).
     - ``device``: ``"auto"``, ``"cpu"``, ``"cuda[:N]"`` or ``"npu[:N]"``.

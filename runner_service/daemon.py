@@ -39,28 +39,29 @@ def engine_config_from_args(args) -> EngineConfig:
     )
 
 
-def obtain_sidecar(model: str, dtype: str, *, weights: str | None, sidecar_dir: str | None,
+def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidecar_dir: str | None,
                    token: str | None = None) -> tuple[Path, StartupPhase]:
-    """Prepare the sidecar locally (``weight_service.prepare``) or, with ``weights``, have the
-    weight service prepare it and fetch it into ``sidecar_dir``. Returns its directory and the
-    timed ``sidecar`` phase (state and residency as the detail)."""
+    """Prepare the ``weights_dtype`` sidecar (``auto`` is resolved by whoever prepares it)
+    locally (``weight_service.prepare``) or, with ``weights``, have the weight service prepare it
+    and fetch it into ``sidecar_dir``. Returns its directory and the timed ``sidecar`` phase
+    (state, weights dtype and residency as the detail)."""
     t0 = time.perf_counter()
     root = Path(sidecar_dir) if sidecar_dir else default_sidecar_root()
     if weights:
         from weight_service.client import WeightsClient
 
         client = WeightsClient(weights, token=token)
-        handle = client.prepare(model, dtype=dtype)
+        handle = client.prepare(model, dtype=weights_dtype)
         path = client.fetch(handle, root)
         where = f"from {weights}"
     else:
         from weight_service.prepare import prepare
 
-        handle = prepare(model, dtype=dtype, root=root)
+        handle = prepare(model, dtype=weights_dtype, root=root)
         path = handle.path
         where = "local"
     resident = "" if handle.residency is None else f", {handle.residency * 100:.0f}% resident"
-    detail = f"sidecar {handle.state} {where}{resident}, {handle.size_bytes / 2**20:.0f} MiB"
+    detail = f"sidecar {handle.state} {where}{resident}, {handle.dtype}, {handle.size_bytes / 2**20:.0f} MiB"
     return Path(path), StartupPhase("sidecar", time.perf_counter() - t0, detail)
 
 
@@ -74,8 +75,8 @@ def serve_from_args(args) -> int:
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
     server_config = config_from_args(args, "runner")
-    path, phase = obtain_sidecar(args.model, args.dtype, weights=args.weights, sidecar_dir=args.sidecar_dir,
-                                 token=server_config.token)
+    path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
+                                 sidecar_dir=args.sidecar_dir, token=server_config.token)
     kernel_cache = args.kernel_cache or args.kernel_cache_dir
     engine = LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
     registration = None

@@ -25,6 +25,30 @@ def torch_dtype(name: str) -> torch.dtype:
         raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {name!r}") from e
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 (as PyTorch's CPU
+    capability probe reports them)."""
+    try:
+        caps = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):  # an older or non-x86 build: be conservative
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The compute dtype for ``--dtype name`` on ``device``: ``f32``/``bf16`` as given; ``auto``
+    is bf16 on a CPU with AVX512-BF16 or AMX (:func:`cpu_has_fast_bf16`) and on a CUDA device
+    that supports it, f32 elsewhere. Raises ``InvalidArgument`` for any other name."""
+    if name != "auto":
+        torch_dtype(name)
+        return name
+    if device.type == "cpu":
+        return "bf16" if cpu_has_fast_bf16() else "f32"
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "f32"
+    return "f32"
+
+
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False

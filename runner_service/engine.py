@@ -32,7 +32,7 @@ from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
 from runner_service.block_manager import BlockManager
 from runner_service.config import EngineConfig
 from runner_service.detokenizer import IncrementalDetokenizer
-from runner_service.device import free_memory_bytes, select_device, torch_dtype
+from runner_service.device import free_memory_bytes, resolve_dtype, select_device, torch_dtype
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.sampler import Sampler, TokenLogprobs
@@ -146,12 +146,17 @@ class LLMEngine:
         model: the source name reported by ``ModelInfo``; ``sidecar_fingerprint`` likewise.
         startup: phases already spent by the caller (e.g. preparing the sidecar).
         kernel_cache: kernel-cache service address or directory, for compiled programs.
+        weights_dtype: the sidecar's weights dtype, reported by ``ModelInfo`` (default: the
+            weights' quantization, or their float dtype).
+
+    ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
+    device), ``dtype`` its torch dtype.
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, config: EngineConfig,
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
                  family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
-                 kernel_cache: str | None = None) -> None:
+                 kernel_cache: str | None = None, weights_dtype: str = "") -> None:
         self.args = args
         self.model_family = family or family_for_config(args)
         self.family = self.model_family.name
@@ -164,14 +169,22 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
-        self.dtype = torch_dtype(config.dtype)
+        self.dtype_name = resolve_dtype(config.dtype, self.device)
+        self.dtype = torch_dtype(self.dtype_name)
         self.max_model_len = config.resolved_max_model_len(args)
+        self.weights_dtype = weights_dtype or weights.quantization or str(weights.dtype).removeprefix("torch.")
 
         if weights.dtype != self.dtype or weights.device != self.device:
             t0 = time.perf_counter()
             weights = weights.to(self.dtype, self.device)
-            self._phase("weights_to_device", t0, f"{weights.nbytes() / 2**20:.0f} MiB {config.dtype} on {self.device}")
+            self._phase("weights_to_device", t0,
+                        f"{weights.nbytes() / 2**20:.0f} MiB {self.dtype_name} on {self.device}")
         self.weights = weights
+        if weights.quantization and self.dtype == torch.float32 and self.device.type == "cpu":
+            log.warning("%s weights with float32 compute are dequantized matrix by matrix at every step: exact, "
+                        "but slower than a float32 model; bf16 compute runs the weight-only kernels (--dtype bf16, "
+                        "or auto on a CPU with AVX512-BF16/AMX)", weights.quantization,
+                        extra={"runner_id": config.runner_id})
 
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
@@ -221,15 +234,15 @@ class LLMEngine:
         sidecar = load_sidecar(Path(path))
         family = get_family(sidecar.metadata.get("warmserve.family", "llama"))
         args = family.config_from_dict(sidecar.config)
-        device, dtype = select_device(config.device), torch_dtype(config.dtype)
-        weights = family.load_weights(args, sidecar.tensors, dtype, device)
+        device = select_device(config.device)
+        dtype = torch_dtype(resolve_dtype(config.dtype, device))
+        weights = family.load_weights(args, sidecar.tensors, dtype, device, sidecar.weights_dtype)
         tokenizer = Tokenizer.from_dir(path)
         fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
-        phases = [*startup, StartupPhase("weights", time.perf_counter() - t0,
-                                         detail or f"sidecar {Path(path).name}, {weights.nbytes() / 2**20:.0f} MiB")]
+        phases = [*startup, StartupPhase("weights", time.perf_counter() - t0, detail or (
+            f"sidecar {Path(path).name} ({sidecar.weights_dtype}), {weights.nbytes() / 2**20:.0f} MiB"))]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
-                   family=family, startup=phases,
-                   kernel_cache=kernel_cache)
+                   family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype)
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))

@@ -34,7 +34,12 @@ Modes (``--compile``)
   over by reference (``load_constants(user_managed=True)``), so a warm launch maps one copy of
   the weights and compiles nothing: the package's ``.so`` is dlopened, and the vector-ISA probe
   that ``aoti_load_package`` would build with g++ is skipped (see :class:`AotiProgram`; the ISA and
-  CPU flags are part of the fingerprint instead).
+  CPU flags are part of the fingerprint instead). Inductor may create small constants of its
+  own that are no buffer of the module (its lowering of the int4 matmul turns the group size
+  into an int64 scalar tensor); without packaged constants those would be missing at load, so
+  :func:`compile_aoti` records them (at most :data:`MAX_OWN_CONSTANT_NUMEL` elements each) into
+  the package as ``warmserve/inductor_constants.json`` and :class:`AotiProgram` hands them over
+  with the module's.
 - ``inductor``: ``torch.compile(fullgraph=True, dynamic=True)`` with the Inductor cache
   directory (FX graph cache: generated C++ and built ``.so`` files) as the artifact. A warm
   launch still re-traces with Dynamo (every graph) and does not rebuild the graphs' C++ code,
@@ -51,8 +56,9 @@ The artifact key is ``(name, fingerprint)``: ``name`` = ``"<family>.decode.<mode
 (``llama.decode.aoti``), fingerprint = :func:`kernel_cache_service.fingerprint.program_fingerprint`
 over the traced sources (the family's :meth:`~model_families.family.ModelFamily.program_sources`
 and this file), the layout (block size, max model length, max batch, max blocks per sequence,
-which dims are dynamic, the KV pools), the family, its pack version and config, dtype, device and
-compile options. An ``UNKNOWN`` fingerprint is compiled locally and never fetched or published.
+which dims are dynamic, the KV pools, the weights' buffer names and dtypes: float and int4 /
+int8 weights trace different kernels), the family, its pack version and config, dtype, device
+and compile options. An ``UNKNOWN`` fingerprint is compiled locally and never fetched or published.
 A MISS compiles and publishes; a HIT whose bytes fail to load (corrupt entry that passed the
 sha256 check, e.g. published broken) is evicted, recompiled and republished. A corrupt entry the
 store detects is quarantined there and reads as a MISS.
@@ -61,10 +67,12 @@ store detects is quarantined there and reads as a MISS.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +98,10 @@ MODES = tuple(m for m in COMPILE_MODES if m != "off")
 
 #: Inductor options the AOTI package is built with (part of the fingerprint).
 AOTI_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+#: Where in a package :func:`compile_aoti` stores the constants Inductor created itself.
+OWN_CONSTANTS_ENTRY = "warmserve/inductor_constants.json"
+#: The largest Inductor-created constant (elements) recorded; a larger one fails the compile.
+MAX_OWN_CONSTANT_NUMEL = 64
 
 
 # ------------------------------------------------------------------------------------- report
@@ -191,6 +203,7 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) 
         "max_blocks_per_seq": runner.max_blocks_per_seq,
         "dynamic": ["num_blocks", "batch", "blocks"],
         "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in runner.kv.specs],
+        "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(_constants(runner.decode_module).items())},
     }
     options = {"mode": mode, "device": runner.device.type}
     if mode == "aoti":
@@ -224,7 +237,8 @@ class AotiProgram:
         if meta.get("AOTI_DEVICE_KEY") != device.type:
             raise RuntimeError(f"the package was built for {meta.get('AOTI_DEVICE_KEY')!r}, not {device.type!r}")
         self._loader = loader_cls(str(package), "model", False, 1, -1 if device.index is None else device.index)
-        constants = _constants(module)
+        self._own = read_own_constants(package)  # kept alive: the program holds their pointers
+        constants = {**self._own, **_constants(module)}
         wanted = self._loader.get_constant_fqns()
         missing = sorted(set(wanted) - set(constants))
         if missing:
@@ -240,13 +254,58 @@ class AotiProgram:
 
 def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path) -> Path:
     """Export ``module`` at ``example`` with ``dynamic`` shapes and AOTI-compile it to the
-    ``.pt2`` file ``package`` (weights not included). Invokes the C++ compiler (slow; see
-    ``docs/benchmarks.md``)."""
+    ``.pt2`` file ``package`` (weights not included; the small constants Inductor creates itself
+    are, see the module docstring). Invokes the C++ compiler (slow; see ``docs/benchmarks.md``)."""
     with torch.no_grad():
         exported = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
-                                             inductor_configs=dict(AOTI_INDUCTOR_CONFIGS))
+    own: dict[str, torch.Tensor] = {}
+    with _recording_own_constants(own):
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
+                                                 inductor_configs=dict(AOTI_INDUCTOR_CONFIGS))
+    if own:
+        with zipfile.ZipFile(package, "a") as z:
+            root = z.namelist()[0].split("/", 1)[0]  # a .pt2 archive keeps everything under one folder
+            z.writestr(f"{root}/{OWN_CONSTANTS_ENTRY}", json.dumps(
+                {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "values": t.flatten().tolist()}
+                 for n, t in own.items()}))
     return package
+
+
+@contextlib.contextmanager
+def _recording_own_constants(out: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Record into ``out`` the tensor constants Inductor's lowerings add by value (no name given:
+    not a module buffer) while compiling. Raises ``RuntimeError`` for one larger than
+    :data:`MAX_OWN_CONSTANT_NUMEL` elements (the package would need real weight storage)."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.add_tensor_constant
+
+    def add_tensor_constant(self, data, name=None):
+        box = original(self, data, name)
+        if name is None:
+            if data.numel() > MAX_OWN_CONSTANT_NUMEL:
+                raise RuntimeError(f"Inductor created a {tuple(data.shape)} constant; only small ones can be "
+                                   "recorded in a package without weights")
+            out[box.get_name()] = data.detach().cpu().clone()
+        return box
+
+    GraphLowering.add_tensor_constant = add_tensor_constant
+    try:
+        yield
+    finally:
+        GraphLowering.add_tensor_constant = original
+
+
+def read_own_constants(package: Path) -> dict[str, torch.Tensor]:
+    """The Inductor-created constants :func:`compile_aoti` recorded in ``package`` (empty when
+    none)."""
+    with zipfile.ZipFile(package) as z:
+        entry = next((n for n in z.namelist() if n.endswith("/" + OWN_CONSTANTS_ENTRY)), None)
+        if entry is None:
+            return {}
+        data = json.loads(z.read(entry))
+    return {n: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+            for n, v in data.items()}
 
 
 # ------------------------------------------------------------------------------------- Inductor

@@ -72,7 +72,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The model, the serving limits and the start-up report."""
         eng = self.engine
         return generation_pb2.ModelInfoResponse(
-            runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.config.dtype,
+            runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.dtype_name,
+            weights_dtype=eng.weights_dtype,
             device=str(eng.device), vocab_size=eng.args.vocab_size, max_model_len=eng.max_model_len,
             block_size=eng.config.block_size, num_kv_blocks=eng.block_manager.num_usable_blocks,
             max_num_seqs=eng.config.max_num_seqs, compile_mode=eng.config.compile,

@@ -57,6 +57,22 @@ def smollm2_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
     return prepare(str(smollm2_gguf), dtype="f32", root=root).path
 
 
+@pytest.fixture(scope="session")
+def smollm2_int4_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
+    """Directory of the int4 sidecar of the bundled SmolLM2 (Q4_1 blocks kept as int4 groups)."""
+    from weight_service.prepare import prepare
+
+    return prepare(str(smollm2_gguf), dtype="int4", root=tmp_path_factory.mktemp("sidecars-int4")).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
+    """Directory of the int8 sidecar of the bundled SmolLM2 (Q4_1 requantized per row, ~20 s)."""
+    from weight_service.prepare import prepare
+
+    return prepare(str(smollm2_gguf), dtype="int8", root=tmp_path_factory.mktemp("sidecars-int8")).path
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a test module's torch ops on one thread (restored afterwards): on this shared 2-core

@@ -90,3 +90,62 @@ def write_word_tokenizer(directory: Path, vocab: int) -> None:
         "bos_token": {"content": "w1"}, "eos_token": "w2", "add_bos_token": True,
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     }))
+
+
+def _llamacpp_permute(w, n_head: int):
+    """llama.cpp's ``convert_hf_to_gguf.py`` ``LlamaModel.permute`` (HF -> GGUF q/k row order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, *, matrix_type: str = "Q4_1", embed_type: str = "Q8_0", layers=2, hidden=64,
+                    heads=4, kv_heads=2, intermediate=96, vocab=64, seed=0) -> dict[str, torch.Tensor]:
+    """A tiny Llama GGUF as llama.cpp writes one: the layer matrices in ``matrix_type``, the
+    token embedding in ``embed_type`` (tied head), norms in F32, q/k rows permuted, a byte-level
+    vocabulary of single characters. Returns the HF-layout float state dict it was quantized
+    from."""
+    import gguf
+    import numpy as np
+
+    sd = tiny_state_dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hidden // heads,
+                         intermediate=intermediate, vocab=vocab, tied=True, seed=seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(ord("!") + i) for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name: str, t: torch.Tensor, kind: str) -> None:
+        arr = t.float().numpy()
+        qtype = gguf.GGMLQuantizationType[kind]
+        data = arr if kind == "F32" else gguf.quants.quantize(arr, qtype)
+        w.add_tensor(name, data, raw_dtype=None if kind == "F32" else qtype)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"], embed_type)
+    put("output_norm.weight", sd["model.norm.weight"], "F32")
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], "F32")
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], "F32")
+        for g, h in names.items():
+            m = sd[p + h + ".weight"]
+            if g in ("attn_q", "attn_k"):
+                m = torch.from_numpy(np.ascontiguousarray(_llamacpp_permute(m.numpy(), heads if g == "attn_q" else kv_heads)))
+            put(f"blk.{i}.{g}.weight", m, matrix_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sd

@@ -33,7 +33,7 @@ from typing import TextIO
 
 from router_service.client import list_runners
 from router_service.config import DEFAULT_POLICY
-from runner_service.config import COMPILE_MODES, DTYPES
+from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
 from services.address import format_address
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
@@ -53,8 +53,8 @@ _SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
 class StackConfig:
     """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
 
-    ``compile``/``dtype``/``max_num_seqs`` of ``None`` leave the runner's defaults;
-    ``prefix_caching=False`` passes ``--no-prefix-caching`` to every runner. ``home`` of
+    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs`` of ``None`` leave the runner's
+    defaults; ``prefix_caching=False`` passes ``--no-prefix-caching`` to every runner. ``home`` of
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
@@ -67,6 +67,7 @@ class StackConfig:
     home: Path | None = None
     compile: str | None = None
     dtype: str | None = None
+    weights_dtype: str | None = None
     max_num_seqs: int | None = None
     prefix_caching: bool = True
     policy: str = DEFAULT_POLICY
@@ -88,6 +89,8 @@ class StackConfig:
             raise InvalidArgument(f"unknown compile mode {self.compile!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgument(f"unknown dtype {self.dtype!r}")
+        if self.weights_dtype is not None and self.weights_dtype not in WEIGHTS_DTYPES:
+            raise InvalidArgument(f"unknown weights dtype {self.weights_dtype!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.runner_threads is not None and self.runner_threads < 1:
@@ -100,8 +103,8 @@ class StackConfig:
         """From the ``up``/``demo`` flags of :mod:`warmserve.stack_cli`."""
         return cls(runners=args.runners, model=args.model, base_port=args.base_port,
                    home=Path(args.home).expanduser().resolve() if args.home else None,
-                   compile=args.compile, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   prefix_caching=args.prefix_caching, policy=args.policy)
+                   compile=args.compile, dtype=args.dtype, weights_dtype=args.weights_dtype,
+                   max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching, policy=args.policy)
 
 
 @dataclass
@@ -210,6 +213,8 @@ class LocalStack:
             argv += ["--compile", cfg.compile]
         if cfg.dtype is not None:
             argv += ["--dtype", cfg.dtype]
+        if cfg.weights_dtype is not None:
+            argv += ["--weights-dtype", cfg.weights_dtype]
         if cfg.max_num_seqs is not None:
             argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
         if not cfg.prefix_caching:
@@ -392,7 +397,8 @@ def format_startup_report(info, title: str = "") -> str:
     """A ``ModelInfoResponse``'s start-up report as an aligned text block (seconds per phase)."""
     head = title or f"start-up report of {info.runner_id}"
     lines = [f"{head}: {info.startup.total_seconds:.2f} s total",
-             f"  model {info.model} ({info.family}, {info.dtype}, {info.device}, compile {info.compile_mode}, "
+             f"  model {info.model} ({info.family}, {info.weights_dtype or '?'} weights, {info.dtype} compute, "
+             f"{info.device}, compile {info.compile_mode}, "
              f"{info.num_kv_blocks} KV blocks x {info.block_size} tokens)"]
     width = max((len(p.name) for p in info.startup.phases), default=0)
     for p in info.startup.phases:

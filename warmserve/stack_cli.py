@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
-from runner_service.config import COMPILE_MODES, DTYPES
+from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
 from services.address import format_address
 from warmserve.stack import DEFAULT_BASE_PORT
 from weight_service.sources import BUNDLED_SMOLLM2
@@ -30,7 +30,9 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
     p.add_argument("--home", default=None, help=home_help)
     p.add_argument("--compile", choices=COMPILE_MODES, default=compile_mode,
                    help=f"runner compile mode (default {compile_mode or 'the runner default'})")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="runner dtype (default: the runner's)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="runner compute dtype (default: the runner's)")
+    p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default=None,
+                   help="runner weight-sidecar dtype (default: the runner's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -50,3 +50,17 @@ def source_architecture(source: ResolvedSource) -> str:
     from weight_service.safetensors_reader import read_hf_config
 
     return read_hf_config(source.path)["_architecture"]
+
+
+def native_weights_dtype(source: ResolvedSource) -> str:
+    """The weights dtype ``auto`` resolves to: the one that keeps the checkpoint's own storage
+    (GGUF: :func:`weight_service.gguf_reader.gguf_weights_dtype`, int4 for Q4_0/Q4_1 files;
+    safetensors: :func:`weight_service.safetensors_reader.safetensors_weights_dtype`), read from
+    headers only. Raises ``InvalidArgument`` when they cannot be read."""
+    if source.kind == "gguf":
+        from weight_service.gguf_reader import gguf_weights_dtype
+
+        return gguf_weights_dtype(source.path)
+    from weight_service.safetensors_reader import safetensors_weights_dtype
+
+    return safetensors_weights_dtype(source.path)

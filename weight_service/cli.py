@@ -14,6 +14,7 @@ DEFAULT_PORT = 50052
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
     from services.bootstrap import add_server_args
+    from weight_service.sidecar import DTYPE_CHOICES
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
     wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)
@@ -25,7 +26,9 @@ def register(subparsers) -> None:
     prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")
     prepack.add_argument("source", metavar="SOURCE",
                          help="a safetensors directory, a .gguf file, or smollm2-135m-instruct")
-    prepack.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="packed dtype (default f32)")
+    prepack.add_argument("--weights-dtype", "--dtype", dest="dtype", choices=DTYPE_CHOICES, default="auto",
+                         help="packed weights dtype; int4/int8 keep the matrices quantized (default auto: the "
+                              "checkpoint's own, int4 for a Q4_0/Q4_1 GGUF, as `runner serve` asks for)")
     prepack.add_argument("--out", default=None, help="sidecar root directory (default $WARMSERVE_HOME/sidecars)")
     prepack.add_argument("--force", action="store_true", help="repack even when a valid sidecar exists")
     prepack.add_argument("--cold-policy", choices=("accept", "reject"), default="accept",

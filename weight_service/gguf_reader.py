@@ -5,11 +5,17 @@
   (:meth:`model_families.family.ModelFamily.config_from_hf`).
 - Tensors are dequantized with ``gguf.quants.dequantize`` to float32 numpy arrays; GGUF lists
   dims innermost first, so a ``[in, out]`` GGUF shape is the ``[out, in]`` HF matrix.
+- Q4_0/Q4_1 matrices are also offered as they are stored (:meth:`GGUFCheckpoint.int4_groups`):
+  each 32-value block (Q4_0: f16 ``d`` + 16 bytes; Q4_1: f16 ``d``, f16 ``m`` + 16 bytes; value
+  ``j`` in the low nibble of byte ``j``, value ``j + 16`` in its high nibble, as
+  ``gguf.quants``) becomes one int4 group of :mod:`model_families.quant` with integer operations
+  only: ``q`` unchanged, ``scale = d``, ``zero = 0`` (Q4_0) or ``m + 8 d`` (Q4_1).
 - llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the rows
   of ``attn_q``/``attn_k`` of Llama-architecture files from HF's rotate-half rotary layout to the
   interleaved-pairs layout: ``w.reshape(n_head, 2, d // 2, in).swapaxes(1, 2)`` with
   ``d = rows // n_head``. :func:`unpermute_rotary` applies the inverse (``n_head`` is the
-  attention head count for q and the KV head count for k). Qwen2 files are not permuted.
+  attention head count for q and the KV head count for k). Qwen2 files are not permuted. The
+  permutation moves whole rows, so quantized rows (codes, scales, zeros) move as units.
 - The tokenizer comes from the ``tokenizer.*`` metadata (:mod:`weight_service.tokenizer_export`).
 """
 
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from model_families import family_for_architecture
+from model_families.quant import INT4_GROUP, Int4Groups
 from services.errors import InvalidArgument
 
 #: GGUF ``general.architecture`` to the HF architecture, and whether q/k rows are permuted.
@@ -56,6 +63,8 @@ _GLOBAL_NAMES = {
 # GGUF metadata value types (gguf spec): sizes of the fixed-width ones, in bytes.
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+# ggml tensor types (gguf.GGMLQuantizationType) the reader and `auto` care about.
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -69,8 +78,9 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation. ``w``: ``[n_head * d, in]`` (or ``[n_head * d]`` for
-    a bias), float32; returns the same shape in HF rotate-half order."""
+    """Undo llama.cpp's q/k row permutation. ``w``: ``[n_head * d, ...]`` (a matrix, a bias, or
+    per-row codes / scales / zeros of a quantized matrix), any dtype; returns the same shape with
+    the rows in HF rotate-half order."""
     rows = w.shape[0]
     if rows % (2 * n_head):
         raise InvalidArgument(f"cannot unpermute {rows} rows over {n_head} heads")
@@ -86,25 +96,61 @@ def hf_architecture(gguf_arch: str) -> str:
     return _ARCHITECTURES[gguf_arch][0]
 
 
-def gguf_architecture(path: Path) -> str:
-    """``general.architecture`` read from the metadata header alone (a full ``GGUFReader``
-    parses every token string first). Raises ``InvalidArgument`` for a file that is not GGUF
-    v2/v3 or lacks the key."""
+def _scan_header(path: Path, *, tensors: bool) -> tuple[str | None, dict[str, int]]:
+    """``(general.architecture, {tensor name: ggml type})`` from the header alone (a full
+    ``GGUFReader`` parses every token string first); tensor infos are read only when
+    ``tensors``. Raises ``InvalidArgument`` for a file that is not GGUF v2/v3."""
+    arch, types = None, {}
     try:
         with open(path, "rb") as f:
             magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
             if magic != b"GGUF" or version not in (2, 3):
                 raise InvalidArgument(f"{path} is not a GGUF v2/v3 file")
-            _tensors, kv_count = struct.unpack("<QQ", f.read(16))
+            n_tensors, kv_count = struct.unpack("<QQ", f.read(16))
             for _ in range(kv_count):
                 key = _read_str(f)
                 vtype = struct.unpack("<I", f.read(4))[0]
                 if key == "general.architecture" and vtype == _STRING:
-                    return _read_str(f)
-                _skip_value(f, vtype)
+                    arch = _read_str(f)
+                    if not tensors:
+                        return arch, types
+                else:
+                    _skip_value(f, vtype)
+            for _ in range(n_tensors if tensors else 0):
+                name = _read_str(f)
+                (n_dims,) = struct.unpack("<I", f.read(4))
+                f.seek(8 * n_dims, 1)
+                ttype, _offset = struct.unpack("<IQ", f.read(12))
+                types[name] = ttype
     except (OSError, struct.error, UnicodeDecodeError) as e:
         raise InvalidArgument(f"cannot read GGUF header of {path}: {e}") from e
-    raise InvalidArgument(f"{path} has no general.architecture")
+    return arch, types
+
+
+def gguf_architecture(path: Path) -> str:
+    """``general.architecture`` read from the metadata header alone. Raises ``InvalidArgument``
+    for a file that is not GGUF v2/v3 or lacks the key."""
+    arch, _ = _scan_header(path, tensors=False)
+    if arch is None:
+        raise InvalidArgument(f"{path} has no general.architecture")
+    return arch
+
+
+def gguf_weights_dtype(path: Path) -> str:
+    """The sidecar weights dtype that keeps what the file stores in its layer matrices (the 2-D
+    ``blk.*`` tensors), read from the header alone: ``int4`` when they are all Q4_0/Q4_1,
+    ``int8`` when all Q8_0, ``bf16`` when all BF16, else ``f32`` (F32, F16 and any other or
+    mixed quantization: dequantized exactly)."""
+    _, types = _scan_header(path, tensors=True)
+    kinds = {t for name, t in types.items() if name.startswith("blk.") and name.endswith(".weight")
+             and not name.endswith("norm.weight")}
+    if kinds and kinds <= {_Q4_0, _Q4_1}:
+        return "int4"
+    if kinds == {_Q8_0}:
+        return "int8"
+    if kinds == {_BF16}:
+        return "bf16"
+    return "f32"
 
 
 def _read_str(f) -> str:
@@ -214,6 +260,34 @@ class GGUFCheckpoint:
             heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
             arr = unpermute_rotary(arr, heads)
         return torch.from_numpy(np.ascontiguousarray(arr).copy())
+
+    def int4_groups(self, name: str) -> Int4Groups | None:
+        """The int4 groups of a Q4_0/Q4_1 matrix exactly as stored (see the module docstring), in
+        HF layout (q/k rows un-permuted); ``None`` for any other tensor type. Codes and scales are
+        moved and reinterpreted, never rounded; only Q4_1's ``zero = m + 8 d`` is an addition
+        (in float64, then float32: exact for real weights)."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise InvalidArgument(f"{self.path} has no tensor for {name}")
+        kind = int(t.tensor_type)
+        if kind not in (_Q4_0, _Q4_1):
+            return None
+        rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+        header = 2 if kind == _Q4_0 else 4
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // INT4_GROUP, header + INT4_GROUP // 2)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+        nibbles = blocks[..., header:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+        scales = d.astype(np.float32)
+        if kind == _Q4_0:
+            zeros = np.zeros_like(scales)
+        else:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+            zeros = (m.astype(np.float64) + 8 * d.astype(np.float64)).astype(np.float32)
+        if self._permuted and (".q_proj." in name or ".k_proj." in name):
+            heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+            q, scales, zeros = (unpermute_rotary(a, heads) for a in (q, scales, zeros))
+        return Int4Groups(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scales, zeros)))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """``tokenizer.json`` and ``tokenizer_config.json`` built from the metadata."""

@@ -16,15 +16,17 @@ from pathlib import Path
 
 import torch
 
-from weight_service.sidecar import DTYPES, WEIGHTS_FILE, validate_sidecar
+from weight_service.sidecar import ST_DTYPES, TORCH_DTYPES, WEIGHTS_FILE, validate_sidecar
 
 
 @dataclass
 class LoadedSidecar:
     """A mapped sidecar.
 
-    ``tensors``: packed name -> CPU tensor view (dtype float32 or bfloat16, shapes per the family
-    spec, e.g. ``layers.qkv_proj`` ``[L, (nh + 2*nkv)*hd, H]``); ``config``: the architecture
+    ``tensors``: packed name -> CPU tensor view (dtype and shape per the family's layout for the
+    sidecar's weights dtype, e.g. ``layers.qkv_proj`` float32 ``[L, (nh + 2*nkv)*hd, H]``, or
+    ``layers.qkv_proj.qweight`` uint8 ``[L, (nh + 2*nkv)*hd, H/2]`` in an int4 sidecar);
+    ``weights_dtype``: the sidecar's (``f32``, ``bf16``, ``int8``, ``int4``); ``config``: the architecture
     config dict; ``metadata``: the safetensors ``__metadata__`` (all ``str``); ``path``: the
     sidecar directory.
     """
@@ -33,6 +35,7 @@ class LoadedSidecar:
     config: dict
     metadata: dict[str, str]
     path: Path
+    weights_dtype: str = "f32"
     _mapping: mmap.mmap | None = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -61,8 +64,6 @@ def load_sidecar(path: Path) -> LoadedSidecar:
     with the reason when it is invalid.
     """
     info = validate_sidecar(Path(path))
-    torch_dtype = DTYPES[info.dtype][0]
-    elem = DTYPES[info.dtype][2]
     with open(Path(path) / WEIGHTS_FILE, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     tensors: dict[str, torch.Tensor] = {}
@@ -70,8 +71,9 @@ def load_sidecar(path: Path) -> LoadedSidecar:
         # torch warns that the buffer is not writable: that is the point of a read-only mapping.
         warnings.filterwarnings("ignore", message=".*not writable.*")
         for name, e in info.tensors.items():
-            count = (e.end - e.begin) // elem
-            t = torch.frombuffer(mapping, dtype=torch_dtype, count=count, offset=info.data_start + e.begin)
+            dtype = TORCH_DTYPES[e.dtype]
+            count = (e.end - e.begin) // ST_DTYPES[dtype][1]
+            t = torch.frombuffer(mapping, dtype=dtype, count=count, offset=info.data_start + e.begin)
             tensors[name] = t.view(e.shape)
     return LoadedSidecar(tensors=tensors, config=info.config.to_dict(), metadata=info.metadata,
-                         path=Path(path), _mapping=mapping)
+                         path=Path(path), weights_dtype=info.dtype, _mapping=mapping)

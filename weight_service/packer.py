@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
-from model_families.family import ModelFamily
+from model_families.family import ModelFamily, TensorSpec
 from services.errors import FailedPrecondition, InvalidArgument
 from weight_service.checkpoint import open_checkpoint
 from weight_service.progress import ProgressEvent
 from weight_service.sidecar import (
     CONFIG_FILE,
-    DTYPES,
     FORMAT_VERSION,
     WEIGHTS_FILE,
     build_header,
@@ -44,9 +43,14 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> memoryview:
+    """The bytes of ``t`` as the layout stores it: float tensors cast to the spec's float dtype;
+    integer parts (quantized codes) must already be in the spec's dtype (a cast would be a
+    silent float detour)."""
     if tuple(t.shape) != tuple(shape):
         raise FailedPrecondition(f"checkpoint tensor for {name} has shape {list(t.shape)}, "
                                  f"the family's layout expects {list(shape)}")
+    if not dtype.is_floating_point and t.dtype != dtype:
+        raise FailedPrecondition(f"the family packed {name} as {t.dtype}, its layout stores {dtype}")
     t = t.to(dtype).contiguous()
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
@@ -60,7 +64,9 @@ def _current_fingerprint(source: ResolvedSource) -> str | None:
 
 def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, directory: Path,
                  progress: Progress | None = None) -> None:
-    """Pack ``source`` with ``family``'s pack spec in ``dtype`` (``"f32"``/``"bf16"``) into ``directory``.
+    """Pack ``source`` with ``family``'s pack spec in the weights dtype ``dtype`` (``"f32"``,
+    ``"bf16"``, ``"int8"``, ``"int4"``; its layout is
+    :meth:`~model_families.family.ModelFamily.tensor_specs`) into ``directory``.
 
     Publishes ``config.json``, the tokenizer files and ``model.safetensors`` (last) with
     mkstemp + fsync + chmod + ``os.replace``. Raises ``FailedPrecondition`` when the checkpoint's
@@ -68,7 +74,6 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
     ``InvalidArgument`` for an unreadable or unsupported checkpoint. Callers hold the sidecar lock.
     """
     emit = progress or (lambda _e: None)
-    torch_dtype = DTYPES[dtype][0]
     source_fp = source_fingerprint(source)
     emit(ProgressEvent("read", message=f"reading {source.path.name}"))
     ckpt = open_checkpoint(source)
@@ -76,8 +81,8 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
     try:
         config = ckpt.config
         layers = config.num_hidden_layers
-        shapes = family.tensor_shapes(config)
-        names_fp = names_fingerprint(shapes)
+        specs: dict[str, TensorSpec] = family.tensor_specs(config, dtype)
+        names_fp = names_fingerprint(specs)
         metadata = {
             "warmserve.format_version": FORMAT_VERSION,
             "warmserve.family": family.name,
@@ -88,7 +93,7 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
             "warmserve.names_fingerprint": names_fp,
             "warmserve.source": str(source.path),
         }
-        prefix, entries, total = build_header(shapes, dtype, metadata)
+        prefix, entries, total = build_header(specs, metadata)
         directory.mkdir(parents=True, exist_ok=True)
         for name, data in ckpt.tokenizer_files().items():
             temps[name] = write_temp_file(directory, name, data)
@@ -101,14 +106,14 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
             os.ftruncate(fd, total)
             _pwrite_all(fd, memoryview(prefix), 0)
             base, written = len(prefix), 0
-            for name, t in family.global_tensors(ckpt).items():
-                data = _tensor_bytes(t, torch_dtype, shapes[name], name)
+            for name, t in family.global_tensors(ckpt, dtype).items():
+                data = _tensor_bytes(t, specs[name].dtype, specs[name].shape, name)
                 _pwrite_all(fd, data, base + entries[name].begin)
                 written += len(data)
             emit(ProgressEvent("pack", 0, layers, written, "global tensors"))
             for layer in range(layers):
-                for name, t in family.layer_tensors(ckpt, layer).items():
-                    data = _tensor_bytes(t, torch_dtype, shapes[name][1:], f"{name}[{layer}]")
+                for name, t in family.layer_tensors(ckpt, layer, dtype).items():
+                    data = _tensor_bytes(t, specs[name].dtype, specs[name].shape[1:], f"{name}[{layer}]")
                     _pwrite_all(fd, data, base + entries[name].begin + layer * len(data))
                     written += len(data)
                 emit(ProgressEvent("pack", layer + 1, layers, written))

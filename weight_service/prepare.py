@@ -1,5 +1,11 @@
 """``prepare()``: make sure a valid sidecar exists for (source, dtype) and say how warm it is.
 
+``dtype`` is the sidecar's weights dtype (``f32``, ``bf16``, ``int8``, ``int4``) or ``auto``:
+the checkpoint's own (:func:`weight_service.checkpoint.native_weights_dtype`: int4 for a
+Q4_0/Q4_1 GGUF, bf16 for a bfloat16 safetensors checkpoint, f32 otherwise), or f32 when the
+family does not pack that one. It is resolved before anything else, so the sidecar directory and
+the handle always name the concrete dtype.
+
 Under the sidecar's file lock (one pack per sidecar across processes; a second caller waits and
 then finds the published result):
 
@@ -26,7 +32,7 @@ from model_families import family_for_architecture
 from model_families.family import ModelFamily
 from services.errors import InvalidArgument
 from services.paths import default_sidecar_root
-from weight_service.checkpoint import source_architecture
+from weight_service.checkpoint import native_weights_dtype, source_architecture
 from weight_service.packer import pack_sidecar
 from weight_service.progress import ProgressEvent
 from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
@@ -54,7 +60,8 @@ class SidecarHandle:
     ``path`` is the sidecar directory; ``size_bytes`` the size of ``model.safetensors`` in bytes;
     ``residency`` the resident fraction in ``[0, 1]`` or ``None`` when unknown; ``state`` one of
     ``"HOT"``, ``"COLD"``, ``"BUILT"``, ``"REBUILT"``; ``family`` the model family (``"llama"``);
-    ``dtype`` ``"f32"``/``"bf16"``; ``source`` the checkpoint path; ``seconds`` the time the call took.
+    ``dtype`` the weights dtype (``"f32"``, ``"bf16"``, ``"int8"``, ``"int4"``; never ``auto``);
+    ``source`` the checkpoint path; ``seconds`` the time the call took.
     """
 
     path: Path
@@ -87,27 +94,43 @@ def sidecar_lock(root: Path, name: str) -> FileLock:
     return FileLock(str(locks / f"{name}.lock"))
 
 
-def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource, ModelFamily, Path]:
-    """Resolve ``source`` and pick its model family; returns ``(source, family, sidecar directory)``
-    where the directory is ``root / "<slug>-<path hash>-<family>-<dtype>"`` (it may not exist).
-    Raises ``InvalidArgument`` for a bad source or dtype or an unsupported architecture."""
+def resolve_weights_dtype(dtype: str, src: ResolvedSource, family: ModelFamily) -> str:
+    """``dtype``, or for ``auto`` the checkpoint's own weights dtype (f32 when ``family`` does
+    not pack it). Raises ``InvalidArgument`` for a dtype ``family`` does not pack."""
+    check_dtype(dtype)
+    if dtype == "auto":
+        native = native_weights_dtype(src)
+        return native if native in family.weights_dtypes else "f32"
+    return family.check_weights_dtype(dtype)
+
+
+def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource, ModelFamily, str, Path]:
+    """Resolve ``source``, pick its model family and resolve ``dtype``
+    (:func:`resolve_weights_dtype`); returns ``(source, family, weights dtype, sidecar
+    directory)`` where the directory is ``root / "<slug>-<path hash>-<family>-<dtype>"`` (it may
+    not exist). Raises ``InvalidArgument`` for a bad source or dtype or an unsupported
+    architecture."""
     check_dtype(dtype)
     src = resolve_source(source)
     family = family_for_architecture(source_architecture(src))
-    return src, family, Path(root) / sidecar_dir_name(src.slug, src.path_hash, family.name, dtype)
+    dtype = resolve_weights_dtype(dtype, src, family)
+    return src, family, dtype, Path(root) / sidecar_dir_name(src.slug, src.path_hash, family.name, dtype)
 
 
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
             cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None
             ) -> SidecarHandle:
-    """Return a valid sidecar for ``source`` in ``dtype``, packing it when needed.
+    """Return a valid sidecar for ``source`` in the weights dtype ``dtype`` (or ``auto``, see
+    the module docstring), packing it when needed.
 
     ``source``: safetensors directory, ``.gguf`` file or ``"smollm2-135m-instruct"``.
     ``root``: the sidecar root (default ``services.paths.default_sidecar_root()``).
     ``force``: repack even when valid. ``cold_policy``: ``"accept"`` or ``"reject"``.
     ``progress``: called with :class:`ProgressEvent` s (at least one "validate" event).
 
-    Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint;
+    Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint
+    (or one the dtype's layout cannot hold, e.g. int4 of a matrix whose width is not a multiple
+    of 32);
     ``FailedPrecondition`` when the checkpoint changed during packing (nothing published).
     """
     start = time.perf_counter()
@@ -116,7 +139,7 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
         raise InvalidArgument(f"cold policy must be one of {', '.join(COLD_POLICIES)}, got {cold_policy!r}")
     emit = progress or (lambda _e: None)
     root = Path(root) if root is not None else default_sidecar_root()
-    src, family, directory = locate_sidecar(source, dtype, root)
+    src, family, dtype, directory = locate_sidecar(source, dtype, root)
     root.mkdir(parents=True, exist_ok=True)
     name = directory.name
 

@@ -10,6 +10,7 @@ a runner needs.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -32,6 +33,23 @@ def read_hf_config(directory: Path) -> dict:
         raise InvalidArgument(f"{path} names no architecture (architectures is empty)")
     data["_architecture"] = archs[0]
     return data
+
+
+def safetensors_weights_dtype(directory: Path) -> str:
+    """``bf16`` when every matrix (2-D tensor) of the checkpoint is stored in bfloat16, else
+    ``f32`` (float32, float16: kept exactly), read from the shards' headers alone. Raises
+    ``InvalidArgument`` for an unreadable shard."""
+    kinds = set()
+    for shard in safetensors_shards(Path(directory)):
+        try:
+            with open(shard, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, ValueError) as e:
+            raise InvalidArgument(f"cannot read the header of {shard}: {e}") from e
+        kinds |= {v.get("dtype") for k, v in header.items()
+                  if k != "__metadata__" and isinstance(v, dict) and len(v.get("shape", ())) == 2}
+    return "bf16" if kinds == {"BF16"} else "f32"
 
 
 class SafetensorsCheckpoint:

@@ -79,7 +79,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             return find_sidecar(self.root, request.fingerprint)
         if not request.source:
             raise InvalidArgument("Fetch needs a fingerprint, or a source and dtype")
-        _src, _spec, directory = locate_sidecar(request.source, request.dtype or "f32", self.root)
+        _src, _family, _dtype, directory = locate_sidecar(request.source, request.dtype or "f32", self.root)
         try:
             return validate_sidecar(directory, source_fingerprint=source_fingerprint(_src))
         except InvalidSidecar as e:

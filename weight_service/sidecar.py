@@ -1,8 +1,12 @@
 """The sidecar format: file names, header, fingerprints, validation and atomic publish.
 
 A sidecar is a directory ``<root>/<source-slug>-<sha256(abs source path)[:12]>-<family>-<dtype>/``
-(keyed by source, family and dtype, not by fingerprint, so a stale one is found and replaced)
-holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_config.json``, ``config.json``.
+(keyed by source, family and weights dtype, not by fingerprint, so a stale one is found and
+replaced) holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_config.json``,
+``config.json``. The weights dtype (:data:`WEIGHTS_DTYPES`: ``f32``, ``bf16``, ``int8``,
+``int4``) picks the family's layout (:meth:`model_families.family.ModelFamily.tensor_specs`):
+float sidecars hold every tensor in that dtype, quantized ones hold uint8/int8 codes with
+float32 scales (and zeros) next to the float tensors the layout keeps (:mod:`model_families.quant`).
 
 ``model.safetensors`` is a standard safetensors file (8-byte little-endian header length, JSON
 header padded with spaces to a multiple of 8, then the tensor bytes, contiguous, in header order)
@@ -14,9 +18,9 @@ whose ``__metadata__`` holds (all strings): ``warmserve.format_version``, ``warm
 Fingerprints (sha256 hex):
 
 - ``names_fingerprint`` = sha256 of the sorted packed tensor names, one per line;
-- ``fingerprint`` = sha256 over format version, family, pack-spec version, dtype,
+- ``fingerprint`` = sha256 over format version, family, pack-spec version, weights dtype,
   ``source_fingerprint`` (:func:`weight_service.sources.source_fingerprint`) and
-  ``names_fingerprint``.
+  ``names_fingerprint``: an int4 and an f32 sidecar of one checkpoint differ in both.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 
 from model_families import get_family
-from model_families.family import FamilyConfig
+from model_families.family import WEIGHTS_DTYPES, FamilyConfig, TensorSpec
 from services.errors import FailedPrecondition, InvalidArgument
 from services.fsmode import default_file_mode
 
@@ -45,11 +49,18 @@ CONFIG_FILE = "config.json"
 SIDECAR_FILES = (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, WEIGHTS_FILE)
 TEMP_PREFIX = ".tmp-"
 
-#: dtype name -> (torch dtype, safetensors dtype string, bytes per element).
-DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
-    "f32": (torch.float32, "F32", 4),
-    "bf16": (torch.bfloat16, "BF16", 2),
+#: What ``prepare`` accepts: a weights dtype, or ``auto`` (the checkpoint's own, see
+#: :func:`weight_service.checkpoint.native_weights_dtype`).
+DTYPE_CHOICES = ("auto", *WEIGHTS_DTYPES)
+#: torch dtype -> (safetensors dtype string, bytes per element), for the dtypes a layout uses.
+ST_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    torch.float32: ("F32", 4),
+    torch.bfloat16: ("BF16", 2),
+    torch.uint8: ("U8", 1),
+    torch.int8: ("I8", 1),
 }
+#: safetensors dtype string -> torch dtype.
+TORCH_DTYPES: dict[str, torch.dtype] = {code: dt for dt, (code, _) in ST_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 << 20
 _REQUIRED_KEYS = ("format_version", "family", "dtype", "config", "fingerprint",
                   "source_fingerprint", "names_fingerprint", "source")
@@ -59,11 +70,20 @@ class InvalidSidecar(FailedPrecondition):
     """A sidecar failed validation; the message is the reason (one sentence)."""
 
 
-def check_dtype(dtype: str) -> str:
-    """Return ``dtype`` if it is ``"f32"`` or ``"bf16"``; else ``InvalidArgument``."""
-    if dtype not in DTYPES:
-        raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+def check_dtype(dtype: str, *, auto: bool = True) -> str:
+    """Return ``dtype`` if it is a weights dtype (or ``"auto"`` when ``auto``); else
+    ``InvalidArgument`` naming the choices."""
+    choices = DTYPE_CHOICES if auto else WEIGHTS_DTYPES
+    if dtype not in choices:
+        raise InvalidArgument(f"dtype must be one of {', '.join(choices)}, got {dtype!r}")
     return dtype
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    n = ST_DTYPES[spec.dtype][1]
+    for d in spec.shape:
+        n *= d
+    return n
 
 
 def sidecar_dir_name(slug: str, path_hash: str, family: str, dtype: str) -> str:
@@ -94,18 +114,16 @@ class TensorEntry:
     end: int
 
 
-def build_header(shapes: dict[str, tuple[int, ...]], dtype: str, metadata: dict[str, str]
+def build_header(specs: dict[str, TensorSpec], metadata: dict[str, str]
                  ) -> tuple[bytes, dict[str, TensorEntry], int]:
     """The file prefix (length + JSON header, padded to 8 bytes), the tensor entries (laid out
-    contiguously in sorted name order) and the total file size in bytes."""
-    _, st_dtype, size = DTYPES[dtype]
+    contiguously in sorted name order, each in its spec's dtype) and the total file size in
+    bytes."""
     entries: dict[str, TensorEntry] = {}
     offset = 0
-    for name in sorted(shapes):
-        nbytes = size
-        for d in shapes[name]:
-            nbytes *= d
-        entries[name] = TensorEntry(st_dtype, tuple(shapes[name]), offset, offset + nbytes)
+    for name in sorted(specs):
+        nbytes = _nbytes(specs[name])
+        entries[name] = TensorEntry(ST_DTYPES[specs[name].dtype][0], tuple(specs[name].shape), offset, offset + nbytes)
         offset += nbytes
     header = {"__metadata__": dict(metadata)}
     header.update({n: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
@@ -195,21 +213,21 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
         raise InvalidSidecar(f"{weights} has format version {meta['warmserve.format_version']}, "
                              f"this build reads {FORMAT_VERSION}")
     dtype = meta["warmserve.dtype"]
-    if dtype not in DTYPES:
+    if dtype not in WEIGHTS_DTYPES:
         raise InvalidSidecar(f"{weights} has unknown dtype {dtype!r}")
     try:
         family = get_family(meta["warmserve.family"])
         config = family.config_from_dict(json.loads(meta["warmserve.config"]))
+        specs = family.tensor_specs(config, dtype)
     except (InvalidArgument, ValueError, TypeError) as e:
-        raise InvalidSidecar(f"{weights} has an invalid family or config: {e}") from e
+        raise InvalidSidecar(f"{weights} has an invalid family, config or dtype: {e}") from e
 
-    shapes = family.tensor_shapes(config)
-    names_fp = names_fingerprint(shapes)
+    names_fp = names_fingerprint(specs)
     if names_fp != meta["warmserve.names_fingerprint"]:
         raise InvalidSidecar(f"{weights} is stale: its packed tensor-name set differs from the "
                              f"{family.name} family's layout")
-    if set(header) != set(shapes):
-        extra, lacking = sorted(set(header) - set(shapes)), sorted(set(shapes) - set(header))
+    if set(header) != set(specs):
+        extra, lacking = sorted(set(header) - set(specs)), sorted(set(specs) - set(header))
         raise InvalidSidecar(f"{weights} tensor names do not match its metadata "
                              f"(unexpected {extra}, missing {lacking})")
     expected_fp = sidecar_fingerprint(family.name, family.pack_version, dtype,
@@ -223,25 +241,23 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
         raise InvalidSidecar(f"{weights} is stale: the checkpoint changed since it was packed "
                              "(a file's size, mtime or config differs)")
 
-    _, st_dtype, elem = DTYPES[dtype]
     entries: dict[str, TensorEntry] = {}
-    for name, shape in shapes.items():
+    for name, spec in specs.items():
         info = header[name]
+        st_dtype = ST_DTYPES[spec.dtype][0]
         if not isinstance(info, dict):
             raise InvalidSidecar(f"{weights} has a garbled header entry for {name}")
         if info.get("dtype") != st_dtype:
             raise InvalidSidecar(f"{weights} tensor {name} has dtype {info.get('dtype')}, expected {st_dtype}")
-        if list(info.get("shape", [])) != list(shape):
-            raise InvalidSidecar(f"{weights} tensor {name} has shape {info.get('shape')}, expected {list(shape)}")
+        if list(info.get("shape", [])) != list(spec.shape):
+            raise InvalidSidecar(f"{weights} tensor {name} has shape {info.get('shape')}, expected {list(spec.shape)}")
         offsets = info.get("data_offsets")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise InvalidSidecar(f"{weights} tensor {name} has garbled data_offsets")
-        entries[name] = TensorEntry(st_dtype, tuple(shape), offsets[0], offsets[1])
+        entries[name] = TensorEntry(st_dtype, tuple(spec.shape), offsets[0], offsets[1])
     position = 0
     for name, e in sorted(entries.items(), key=lambda kv: kv[1].begin):
-        nbytes = elem
-        for d in e.shape:
-            nbytes *= d
+        nbytes = _nbytes(specs[name])
         if e.begin != position or e.end - e.begin != nbytes:
             raise InvalidSidecar(f"{weights} tensor {name} has offsets {e.begin}..{e.end}, "
                                  f"expected {position}..{position + nbytes}")

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from model_families import family as _family
-from model_families import kv_write, ops
-from model_families.family import CacheSpec, Checkpoint, ModelFamily
+from model_families import kv_write, ops, quant
+from model_families.family import CacheSpec, Checkpoint, ModelFamily, TensorSpec
 from model_families.llama import config as _config
 from model_families.llama import model as _model
 from model_families.llama import pack as _pack
@@ -27,6 +27,7 @@ class LlamaFamily(ModelFamily):
     architectures = ARCHITECTURES
     pack_version = _pack.PACK_VERSION
     config_class = LlamaConfig
+    weights_dtypes = _pack.WEIGHTS_DTYPES
     #: A token's K/V depend only on the tokens up to it and their positions.
     supports_prefix_caching = True
 
@@ -37,15 +38,18 @@ class LlamaFamily(ModelFamily):
     def tensor_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         return _pack.tensor_shapes(config)
 
-    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-        return _pack.global_tensors(ckpt)
+    def tensor_specs(self, config: LlamaConfig, weights_dtype: str) -> dict[str, TensorSpec]:
+        return _pack.tensor_specs(config, weights_dtype)
 
-    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
-        return _pack.layer_tensors(ckpt, layer)
+    def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        return _pack.global_tensors(ckpt, weights_dtype)
+
+    def layer_tensors(self, ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        return _pack.layer_tensors(ckpt, layer, weights_dtype)
 
     def load_weights(self, config: LlamaConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                     device: torch.device) -> LlamaWeights:
-        return LlamaWeights.from_tensors(tensors, config, dtype, device)
+                     device: torch.device, weights_dtype: str = "f32") -> LlamaWeights:
+        return LlamaWeights.from_tensors(tensors, config, dtype, device, weights_dtype)
 
     def cache_specs(self, config: LlamaConfig, block_size: int) -> tuple[CacheSpec, ...]:
         """K and V pools, each ``[L, num_blocks, block_size, nkv, hd]``."""
@@ -56,7 +60,7 @@ class LlamaFamily(ModelFamily):
         return LlamaModel(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, ops, kv_write, _family]
+        return [_model, _config, _pack, ops, quant, kv_write, _family]
 
 
 FAMILY = LlamaFamily()

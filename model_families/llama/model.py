@@ -16,6 +16,10 @@ Math follows transformers' ``modeling_llama.py`` (the reference in the tests):
 Paged attention: K/V of the step's tokens are written into the block pools in place at
 ``slot_mapping``, then each sequence's blocks are read through its block-table row
 (:func:`model_families.ops.paged_attention`).
+
+Matrices are float tensors or weight-only quantized ones (int4 / int8 sidecars): every matmul is
+:func:`model_families.ops.linear`, which dispatches on the weight's kind (Python-level, so the
+traced graph holds the right kernel).
 """
 
 from __future__ import annotations
@@ -29,47 +33,71 @@ import torch.nn.functional as F
 
 from model_families.family import FamilyModel, FamilyWeights
 from model_families.llama.config import LlamaConfig
-from model_families.llama.pack import tensor_shapes
-from model_families.ops import apply_rope, paged_attention, rms_norm, write_kv
+from model_families.llama.pack import tensor_shapes, tensor_specs
+from model_families.ops import (
+    QuantizedWeight,
+    apply_rope,
+    linear,
+    paged_attention,
+    quantized_weight,
+    rms_norm,
+    write_kv,
+)
 from services.errors import InvalidArgument
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 @dataclass
 class LlamaWeights(FamilyWeights):
-    """The model's tensors, stacked across layers (the sidecar layout of
+    """The model's weights, stacked across layers (the sidecar layout of
     :mod:`model_families.llama.pack`, ``layers.`` prefix dropped). L layers, H hidden.
 
-    ``embed_tokens`` [V, H]; ``lm_head`` [V, H] (the same tensor as ``embed_tokens`` when tied);
+    ``embed_tokens`` [V, H]; ``lm_head`` [V, H] (the same object as ``embed_tokens`` when tied);
     ``final_norm`` [H]; ``input_norm`` / ``post_attn_norm`` [L, H]; ``qkv_proj``
     [L, (nh + 2 nkv) hd, H] (q rows, then k, then v); ``qkv_bias`` [L, (nh + 2 nkv) hd] or None;
     ``o_proj`` [L, H, nh hd]; ``gate_up_proj`` [L, 2 I, H] (gate then up); ``down_proj`` [L, H, I].
-    All in the compute dtype, on the compute device.
+    Float tensors in the compute dtype on the compute device; from a quantized sidecar the
+    matrices and tables are :class:`~model_families.ops.QuantizedWeight` s of those shapes.
     """
 
-    embed_tokens: torch.Tensor
-    lm_head: torch.Tensor
+    embed_tokens: Weight
+    lm_head: Weight
     final_norm: torch.Tensor
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
-    qkv_proj: torch.Tensor
-    o_proj: torch.Tensor
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    qkv_proj: Weight
+    o_proj: Weight
+    gate_up_proj: Weight
+    down_proj: Weight
     qkv_bias: torch.Tensor | None = None
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype,
-                     device: torch.device) -> LlamaWeights:
-        """Take the sidecar's tensors (zero-copy when dtype and device already match; otherwise
-        one converted copy each). Raises ``InvalidArgument`` on a missing name or wrong shape."""
-        out = {}
-        for name, shape in tensor_shapes(config).items():
+                     device: torch.device, weights_dtype: str = "f32") -> LlamaWeights:
+        """Take the tensors of a ``weights_dtype`` sidecar: float ones zero-copy when dtype and
+        device already match (otherwise one converted copy each), quantized matrices converted
+        once for the kernels (:func:`model_families.ops.quantized_weight`). Raises
+        ``InvalidArgument`` on a missing name or a wrong shape (or a wrong dtype for a quantized
+        part)."""
+        specs = tensor_specs(config, weights_dtype)
+        for name, spec in specs.items():
             if name not in tensors:
                 raise InvalidArgument(f"sidecar lacks tensor {name!r}")
             t = tensors[name]
-            if tuple(t.shape) != shape:
-                raise InvalidArgument(f"sidecar tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            out[name.removeprefix("layers.")] = t.to(device=device, dtype=dtype)
+            if tuple(t.shape) != spec.shape:
+                raise InvalidArgument(f"sidecar tensor {name!r} has shape {tuple(t.shape)}, expected {spec.shape}")
+            if not spec.dtype.is_floating_point and t.dtype != spec.dtype:
+                raise InvalidArgument(f"sidecar tensor {name!r} has dtype {t.dtype}, expected {spec.dtype}")
+        out: dict[str, Weight] = {}
+        for name in tensor_shapes(config):
+            if name in specs:
+                value: Weight = tensors[name].to(device=device, dtype=dtype)
+            else:
+                prefix = f"{name}."
+                parts = {n.removeprefix(prefix): tensors[n] for n in specs if n.startswith(prefix)}
+                value = quantized_weight(parts, dtype, device)
+            out[name.removeprefix("layers.")] = value
         if "lm_head" not in out:
             out["lm_head"] = out["embed_tokens"]
         return cls(**out)
@@ -118,8 +146,11 @@ class LlamaModel(FamilyModel):
         super().__init__()
         self.config = config
         self._has_bias = weights.qkv_bias is not None
-        for name, tensor in weights.tensors().items():
-            self.register_buffer(name, tensor, persistent=False)
+        for name, weight in weights.entries().items():
+            if isinstance(weight, QuantizedWeight):
+                self.add_module(name, weight)  # its tensors are its own non-persistent buffers
+            else:
+                self.register_buffer(name, weight, persistent=False)
         cos, sin = rope_cos_sin(config, max_model_len, weights.device)
         self.register_buffer("cos_table", cos, persistent=False)
         self.register_buffer("sin_table", sin, persistent=False)
@@ -142,23 +173,23 @@ class LlamaModel(FamilyModel):
         c = self.config
         B, S = input_ids.shape
         nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        dtype = self.embed_tokens.dtype
+        dtype = self.final_norm.dtype
         slots = slot_mapping.reshape(-1)
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
         h = F.embedding(input_ids, self.embed_tokens)
         for i in range(c.num_hidden_layers):
             x = rms_norm(h, self.input_norm[i], eps)
-            qkv = F.linear(x, self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None)
+            qkv = linear(x, self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None)
             q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
             q = apply_rope(q.view(B, S, nh, hd), cos, sin)
             k = apply_rope(k.view(B, S, nkv, hd), cos, sin)
             write_kv(k_cache, i, slots, k.reshape(B * S, nkv, hd))
             write_kv(v_cache, i, slots, v.reshape(B * S, nkv, hd))
             attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
-            h = h + F.linear(attn.reshape(B, S, nh * hd), self.o_proj[i])
+            h = h + linear(attn.reshape(B, S, nh * hd), self.o_proj[i])
             x = rms_norm(h, self.post_attn_norm[i], eps)
-            gate, up = F.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, self.down_proj[i])
+            gate, up = linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, self.down_proj[i])
         last = h[torch.arange(B, device=h.device), last_index]
-        return F.linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        return linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()

@@ -87,13 +87,13 @@ class ToyFamily(ModelFamily):
         V, H = config.vocab_size, config.hidden_size
         return {"embed": (V, H), "layers.up": (1, H, H), "head": (V, H)}
 
-    def global_tensors(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
         return {"embed": ckpt.tensor("toy.embed"), "head": ckpt.tensor("toy.head")}
 
-    def layer_tensors(self, ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
+    def layer_tensors(self, ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
         return {"layers.up": ckpt.tensor(f"toy.layers.{layer}.up")}
 
-    def load_weights(self, config, tensors, dtype, device) -> ToyWeights:
+    def load_weights(self, config, tensors, dtype, device, weights_dtype="f32") -> ToyWeights:
         return ToyWeights(**{n.removeprefix("layers."): tensors[n].to(device=device, dtype=dtype)
                              for n in self.tensor_shapes(config)})
 
@@ -163,6 +163,10 @@ def test_a_family_registered_from_a_test_is_packed_and_served_end_to_end(toy_fam
         assert text.result(timeout=5).text.split() == [f"w{t}" for t in _greedy_reference(ckpt, [9], 3, eos=None)]
     finally:
         engine.close()
+    # a float-only family: no quantized layout, and `auto` falls back to f32
+    with pytest.raises(InvalidArgument, match="toy-bigram family packs weights dtypes f32, bf16, not 'int4'"):
+        prepare(str(ckpt), dtype="int4", root=tmp_path / "sidecars")
+    assert prepare(str(ckpt), dtype="auto", root=tmp_path / "sidecars").path == handle.path
     # the family is known to the registry only while registered
     model_families.unregister_family("toy-bigram")
     with pytest.raises(InvalidArgument, match="ToyBigramForCausalLM"):

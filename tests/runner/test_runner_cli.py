@@ -78,6 +78,8 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
     (["--block-size", "0"], "positive integer"),
     (["--max-model-len", "100000"], "max_position_embeddings"),
     (["--compile", "fast"], "invalid choice"),
+    (["--weights-dtype", "int3"], "argument --weights-dtype: invalid choice: 'int3'"),
+    (["--dtype", "f16"], "argument --dtype: invalid choice: 'f16'"),
 ])
 def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
     out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,

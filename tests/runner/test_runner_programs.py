@@ -31,11 +31,13 @@ NUM_BLOCKS = 48
 
 
 def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_num_seqs: int = 4,
-                max_model_len: int = 64, compile: str = "aoti", layers: int = 2, seed: int = 3) -> ModelRunner:
-    """A runner over a tiny random model with a KV cache of ``NUM_BLOCKS`` random-filled blocks
-    (deterministic in ``seed``), so attention reads real history from the pool."""
-    args = tiny_args(vocab=96, hidden=32, inter=48, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=128)
-    weights = LLAMA.random_weights(args, dtype=dtype, seed=seed)
+                max_model_len: int = 64, compile: str = "aoti", layers: int = 2, seed: int = 3,
+                weights_dtype: str = "f32") -> ModelRunner:
+    """A runner over a tiny random model (``weights_dtype`` layout; its shapes fit int4) with a
+    KV cache of ``NUM_BLOCKS`` random-filled blocks (deterministic in ``seed``), so attention
+    reads real history from the pool."""
+    args = tiny_args(vocab=96, hidden=32, inter=64, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=128)
+    weights = LLAMA.random_weights(args, dtype=dtype, seed=seed, weights_dtype=weights_dtype)
     kv = KVCache(LLAMA.cache_specs(args, block_size), NUM_BLOCKS, block_size, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed + 1)
     kv.pools["k"].copy_(torch.randn(kv.pools["k"].shape, generator=g).to(dtype))
@@ -167,6 +169,9 @@ def test_fingerprint_changes_with_layout_dtype_arch_and_compile_options(built):
         "dtype": programs.program_key(make_runner(dtype=torch.bfloat16), "aoti"),
         "arch": programs.program_key(make_runner(layers=3), "aoti"),
         "mode": programs.program_key(make_runner(), "inductor"),
+        "int4 weights": programs.program_key(make_runner(weights_dtype="int4"), "aoti"),
+        "int8 weights": programs.program_key(make_runner(weights_dtype="int8"), "aoti"),
+        "int4 weights, bf16": programs.program_key(make_runner(weights_dtype="int4", dtype=torch.bfloat16), "aoti"),
     }
     fingerprints = [fp for _, fp in variants.values()]
     assert len({base[1], *fingerprints}) == len(variants) + 1
@@ -189,6 +194,32 @@ def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
     assert len(KernelCacheClient(root=kc).list("llama.decode.aoti")) == 2
     eager = make_runner(dtype=torch.bfloat16, block_size=8, compile="off")
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 4, 6)], atol=3e-2)
+
+
+@pytest.mark.parametrize("weights_dtype,dtype", [("int4", torch.bfloat16), ("int8", torch.bfloat16),
+                                                 ("int4", torch.float32)])
+def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dtype, tmp_path):
+    """Quantized weights export and compile (bf16: PyTorch's weight-only kernels; float32: the
+    dequantize-then-matmul graph); the package holds no weights, yet what Inductor adds itself
+    (int4 kernel: the group size as an int64 constant) travels with it, so a kernel-cache HIT
+    loads and runs too."""
+    kc = tmp_path / "kc"
+    runner = make_runner(dtype=dtype, weights_dtype=weights_dtype)
+    assert runner.model.qkv_proj.format == weights_dtype
+    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
+    atol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    eager = make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off")
+    assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 3, 6)], atol=atol)
+    package = max((p for p in kc.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    own = programs.read_own_constants(package)
+    if (weights_dtype, dtype) == ("int4", torch.bfloat16):
+        assert own and all(t.dtype == torch.int64 and t.item() == 32 for t in own.values()), own
+    hit = make_runner(dtype=dtype, weights_dtype=weights_dtype)
+    again = programs.load_programs(hit, kernel_cache=str(kc), work_dir=tmp_path / "work2")
+    assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
+    assert_compiled_matches_eager(hit, make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off"),
+                                  [(2, 2, 5)], atol=atol)
 
 
 def _entry_files(kc: Path, fingerprint: str) -> list[Path]:

@@ -62,14 +62,14 @@ def test_runner_threads_default_splits_the_cores_between_runners(tmp_path: Path,
 
 def test_startup_report_formatting() -> None:
     info = generation_pb2.ModelInfoResponse(
-        runner_id="runner-0", model="smollm2-135m-instruct", family="llama", dtype="f32", device="cpu",
-        compile_mode="off", num_kv_blocks=100, block_size=16,
+        runner_id="runner-0", model="smollm2-135m-instruct", family="llama", dtype="bf16", device="cpu",
+        weights_dtype="int4", compile_mode="off", num_kv_blocks=100, block_size=16,
         startup=generation_pb2.StartupReport(total_seconds=3.5, phases=[
             generation_pb2.StartupPhase(name="weights", seconds=1.25, detail="sidecar HOT 100% resident"),
             generation_pb2.StartupPhase(name="kv_cache", seconds=0.5, detail="100 blocks")]))
     assert format_startup_report(info).splitlines() == [
         "start-up report of runner-0: 3.50 s total",
-        "  model smollm2-135m-instruct (llama, f32, cpu, compile off, 100 KV blocks x 16 tokens)",
+        "  model smollm2-135m-instruct (llama, int4 weights, bf16 compute, cpu, compile off, 100 KV blocks x 16 tokens)",
         "  weights      1.25 s  sidecar HOT 100% resident",
         "  kv_cache     0.50 s  100 blocks",
     ]

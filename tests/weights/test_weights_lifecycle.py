@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from weights_tiny import write_tiny_checkpoint
 
+from model_families.family import TensorSpec
 from model_families.llama import LlamaFamily
 from services.errors import FailedPrecondition, InvalidArgument
 from weight_service import residency
@@ -71,11 +72,12 @@ def test_stale_after_shard_size_changes_with_same_mtime(ckpt, tmp_path):
 
 def test_stale_after_packed_name_set_changes(ckpt, tmp_path, monkeypatch):
     first = prepare(str(ckpt), root=tmp_path / "sc")
-    shapes, globals_ = LlamaFamily.tensor_shapes, LlamaFamily.global_tensors
+    specs, globals_ = LlamaFamily.tensor_specs, LlamaFamily.global_tensors
     # A new layout version of the spec that adds one tensor.
-    monkeypatch.setattr(LlamaFamily, "tensor_shapes", lambda self, c: {**shapes(self, c), "rope_inv_freq": (4,)})
+    monkeypatch.setattr(LlamaFamily, "tensor_specs", lambda self, c, wd: {
+        **specs(self, c, wd), "rope_inv_freq": TensorSpec((4,), torch.float32)})
     monkeypatch.setattr(LlamaFamily, "global_tensors",
-                        lambda self, ck: {**globals_(self, ck), "rope_inv_freq": torch.arange(4.0)})
+                        lambda self, ck, wd="f32": {**globals_(self, ck, wd), "rope_inv_freq": torch.arange(4.0)})
     with pytest.raises(InvalidSidecar, match="packed tensor-name set differs"):
         validate_sidecar(first.path)
     second = prepare(str(ckpt), root=tmp_path / "sc")
@@ -269,7 +271,7 @@ def test_probe_failure_falls_back_to_unknown_residency(ckpt, tmp_path, monkeypat
 @pytest.mark.parametrize("kwargs,message", [
     ({"source": "/no/such/dir"}, "neither a safetensors directory, a .gguf file, nor smollm2-135m-instruct"),
     ({"source": ""}, "the source is empty"),
-    ({"dtype": "f16"}, "dtype must be one of f32, bf16, got 'f16'"),
+    ({"dtype": "f16"}, "dtype must be one of auto, f32, bf16, int8, int4, got 'f16'"),
     ({"cold_policy": "maybe"}, "cold policy must be one of accept, reject"),
 ])
 def test_bad_arguments_are_invalid(ckpt, tmp_path, kwargs, message):

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
+from weights_tiny import _llamacpp_permute
 
+from model_families import quant
 from weight_service.loader import load_sidecar
 
 pytestmark = pytest.mark.slow
@@ -50,6 +54,41 @@ def test_sidecar_tensors_equal_transformers_gguf_model(smollm2_sidecar, hf_model
         assert worst <= 1e-6
         # The weights are not trivially equal (e.g. all zero): q differs from k where both exist.
         assert t["layers.qkv_proj"][0].abs().sum() > 0
+
+
+#: GGUF tensor stem -> (sidecar projection, first row, end row) for SmolLM2 (nh 9, nkv 3, hd 64).
+_ROWS = {"attn_q": ("layers.qkv_proj", 0, 576), "attn_k": ("layers.qkv_proj", 576, 768),
+         "attn_v": ("layers.qkv_proj", 768, 960), "attn_output": ("layers.o_proj", 0, 576),
+         "ffn_gate": ("layers.gate_up_proj", 0, 1536), "ffn_up": ("layers.gate_up_proj", 1536, 3072),
+         "ffn_down": ("layers.down_proj", 0, 576)}
+
+
+def test_int4_sidecar_holds_the_gguf_q4_1_values_exactly(smollm2_int4_sidecar, smollm2_sidecar, smollm2_gguf):
+    """Every one of the 210 Q4_1 matrices, decoded from the int4 sidecar with
+    (q - 8) * scale + zero, equals gguf's own dequantization bit for bit (rows permuted back
+    with llama.cpp's permutation), and so equals the f32 sidecar (the dequantized model)."""
+    reader = gguf.GGUFReader(smollm2_gguf)
+    checked = 0
+    with load_sidecar(smollm2_int4_sidecar) as sc, load_sidecar(smollm2_sidecar) as ref:
+        assert sc.metadata["warmserve.dtype"] == "int4"
+        for t in reader.tensors:
+            if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+                continue
+            _, layer, stem, _ = t.name.split(".")
+            name, a, b = _ROWS[stem]
+            parts = {p: sc.tensors[f"{name}.{p}"][int(layer)][a:b] for p in quant.FORMATS["int4"]}
+            ours = quant.dequantize(parts).numpy()
+            expected = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(ours.shape)
+            heads = {"attn_q": 9, "attn_k": 3}.get(stem)
+            assert np.array_equal(_llamacpp_permute(ours, heads) if heads else ours, expected), t.name
+            assert np.array_equal(ours, ref.tensors[name][int(layer)][a:b].numpy()), t.name
+            checked += 1
+        assert checked == 210
+        assert torch.equal(sc.tensors["embed_tokens"], ref.tensors["embed_tokens"].to(torch.bfloat16))
+        assert torch.equal(sc.tensors["layers.post_attn_norm"], ref.tensors["layers.post_attn_norm"])
+    f32_bytes = (smollm2_sidecar / "model.safetensors").stat().st_size
+    int4_bytes = (smollm2_int4_sidecar / "model.safetensors").stat().st_size
+    assert int4_bytes < f32_bytes / 3.9, (int4_bytes, f32_bytes)  # 136 MB vs 538 MB
 
 
 def test_sidecar_config_matches_transformers(smollm2_sidecar, hf_model):

@@ -76,8 +76,8 @@ def test_prepare_raw_stream_has_files_in_the_final_handle(server, ckpt):
 def test_prepare_errors_are_invalid_argument(client, server, ckpt):
     with pytest.raises(InvalidArgument, match="neither a safetensors directory"):
         client.prepare("/no/such/model")
-    with pytest.raises(InvalidArgument, match="dtype must be one of f32, bf16"):
-        client.prepare(str(ckpt), dtype="int4")
+    with pytest.raises(InvalidArgument, match="dtype must be one of auto, f32, bf16, int8, int4, got 'int3'"):
+        client.prepare(str(ckpt), dtype="int3")
     with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
         list(weights_pb2_grpc.WeightsStub(ch).Prepare(weights_pb2.PrepareRequest(source=str(ckpt), cold_policy="x")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -156,7 +156,7 @@ class StartupReport(_message.Message):
     def __init__(self, phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup")
+    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup", "weights_dtype")
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class ModelInfoResponse(_message.Message):
     COMPILE_MODE_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     runner_id: str
     model: str
     family: str
@@ -183,4 +184,5 @@ class ModelInfoResponse(_message.Message):
     compile_mode: str
     sidecar_fingerprint: str
     startup: StartupReport
-    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ...) -> None: ...
+    weights_dtype: str
+    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ..., weights_dtype: _Optional[str] = ...) -> None: ...
