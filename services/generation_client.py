@@ -29,7 +29,7 @@ def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: f
     """``SamplingParams`` (temperature 0 = greedy). Raises ``InvalidArgument`` for values the
     runner would refuse anyway, so the CLI can say so before dialing."""
     if not 0 < max_tokens < 2**31:
-        raise InvalidArgument(f"--max-tokens must be in [1, 2^31), got {max_tokens}")
+        raise InvalidArgument(f"--max-tokens must be > 0 and < 2^31, got {max_tokens}")
     if not 0 <= top_k < 2**31:
         raise InvalidArgument(f"--top-k must be in [0, 2^31), got {top_k}")
     if seed is not None and not 0 <= seed < 2**64:

@@ -24,7 +24,7 @@ def test_busy_port_is_a_failed_operation_exit_1(capsys) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--seed", "-1", "Hi"], "--seed must be in [0, 2^64), got -1"),
     (["--seed", str(2**64), "Hi"], "--seed must be in [0, 2^64)"),
-    (["--max-tokens", str(2**31), "Hi"], "--max-tokens must be in [1, 2^31)"),
+    (["--max-tokens", str(2**31), "Hi"], "--max-tokens must be > 0 and < 2^31"),
     (["--raw", "\udcff\udcfe"], "the prompt is not valid UTF-8 text"),
 ])
 def test_generate_bad_sampling_values_are_usage_errors_before_dialing(capsys, argv, message) -> None:
