@@ -47,8 +47,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from prompts import PROMPTS  # noqa: E402
 
 from runner_service.config import EngineConfig  # noqa: E402
 from runner_service.decode_buffers import DecodeBuffers  # noqa: E402
@@ -60,16 +62,6 @@ from weight_service.sources import bundled_smollm2_path  # noqa: E402
 BATCHES = (1, 8, 32)
 #: About the token count of a chat-less prompt below (for the program-only rate's context).
 PROMPT_TOKENS = 12
-PROMPTS = [
-    "The history of the printing press begins",
-    "Write a short poem about autumn leaves falling",
-    "Explain how a refrigerator keeps food cold",
-    "List three reasons why people enjoy hiking",
-    "Describe the taste of a fresh strawberry",
-    "What makes a good cup of coffee in the morning",
-    "Summarize the plot of a detective story",
-    "Give advice to someone learning to cook",
-]
 
 
 def _prompts(n: int) -> list[str]:

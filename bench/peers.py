@@ -71,6 +71,7 @@ sys.path.insert(0, str(BENCH))
 
 import peers_install  # noqa: E402
 from peers_install import Unavailable  # noqa: E402
+from prompts import PROMPTS  # noqa: E402
 
 from services.procs import stop_process  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
@@ -79,16 +80,6 @@ MODEL = "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
 SYSTEMS = ("warmserve", "vllm", "llama.cpp", "transformers")
 HOST = "127.0.0.1"  # the only address this benchmark ever talks to
-PROMPTS = [
-    "The history of the printing press begins",
-    "Write a short poem about autumn leaves falling",
-    "Explain how a refrigerator keeps food cold",
-    "List three reasons why people enjoy hiking",
-    "Describe the taste of a fresh strawberry",
-    "What makes a good cup of coffee in the morning",
-    "Summarize the plot of a detective story",
-    "Give advice to someone learning to cook",
-]
 KV_CACHE_BYTES = 1 << 30
 
 
