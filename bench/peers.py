@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,11 +178,11 @@ class Stream:
     text: str = ""
 
 
-class Server:
-    """A system under test: a child process serving the model, and a way to stream from it.
+class Server(ABC):
+    """A system under test: a child process serving the model, and a way to run a workload on it.
 
-    Subclasses give :meth:`command`, :meth:`ready` and :meth:`stream_one` (or override
-    :meth:`run_workload`)."""
+    Subclasses give :meth:`command`, :meth:`ready` and :meth:`run_workload` (streaming servers:
+    :class:`StreamingServer`, which needs :meth:`StreamingServer.stream_one`)."""
 
     system = "?"
 
@@ -193,17 +194,18 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.launched_at = 0.0
 
+    @abstractmethod
     def command(self) -> tuple[list[str], dict[str, str], Path | None]:
         """The command line, the extra environment and the working directory of the server."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ready(self) -> bool:
         """Whether the server answers requests now (polled after launch)."""
-        raise NotImplementedError
 
-    def stream_one(self, prompt: str, tokens: int) -> Stream:
-        """Send one streaming request and time it."""
-        raise NotImplementedError
+    @abstractmethod
+    def run_workload(self, batch: list[str], tokens: int) -> list[Stream]:
+        """Serve every prompt of ``batch`` (``tokens`` new tokens each) concurrently; one
+        :class:`Stream` per prompt, in order."""
 
     def launch(self, timeout_s: float) -> float:
         """Start the process and wait until :meth:`ready`; returns seconds from ``Popen``."""
@@ -237,6 +239,26 @@ class Server:
         except OSError:
             return ""
 
+    def stop(self) -> None:
+        """SIGTERM (then SIGKILL) the server and anything left in its process group."""
+        if self.proc is None:
+            return
+        stop_process(self.proc, grace_s=30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
+
+
+class StreamingServer(Server):
+    """A server that streams one request per call (:meth:`stream_one`); a workload is concurrent
+    streams."""
+
+    @abstractmethod
+    def stream_one(self, prompt: str, tokens: int) -> Stream:
+        """Send one streaming request and time it."""
+
     def run_workload(self, batch: list[str], tokens: int) -> list[Stream]:
         """All prompts as concurrent streaming requests (one thread each), released together."""
         results: list[Stream | BaseException | None] = [None] * len(batch)
@@ -260,19 +282,8 @@ class Server:
                 raise RuntimeError(f"{self.label}: a stream failed: {r!r}") from r
         return results  # type: ignore[return-value]
 
-    def stop(self) -> None:
-        """SIGTERM (then SIGKILL) the server and anything left in its process group."""
-        if self.proc is None:
-            return
-        stop_process(self.proc, grace_s=30)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc = None
 
-
-class OpenAIServer(Server):
+class OpenAIServer(StreamingServer):
     """A server with an OpenAI-compatible ``/v1/completions`` (vLLM, llama-server)."""
 
     health_path = "/health"
@@ -364,7 +375,7 @@ class LlamaCppServer(OpenAIServer):
         return cmd, {}, None
 
 
-class WarmserveServer(Server):
+class WarmserveServer(StreamingServer):
     """A warmserve runner (this checkout, or ``--warmserve-ref``) streamed over gRPC."""
 
     system = "warmserve"

@@ -236,7 +236,7 @@ class FamilyWeights:
         return total
 
 
-class FamilyModel(nn.Module):
+class FamilyModel(nn.Module, ABC):
     """A family's model, built by :meth:`ModelFamily.build_model`: weights and derived tables
     (RoPE, ...) are registered as non-persistent buffers (the runner's tensors, not copies), so
     an exported program receives them as constants. ``forward`` follows the step contract in the
@@ -244,10 +244,12 @@ class FamilyModel(nn.Module):
 
     config: FamilyConfig
 
+    @abstractmethod
     def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 last_index: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """One step over a padded batch (the step contract in the module docstring): writes the
+        step's K/V (or whatever the pools hold) in place and returns logits [B, V] float32."""
 
 
 class DecodeStep(nn.Module):

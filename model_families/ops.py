@@ -30,6 +30,7 @@ slot ``s`` = ``block_id * block_size + offset``; block 0 is the scratch block.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
@@ -127,7 +128,7 @@ class Int8Matrix(NamedTuple):
     scales: torch.Tensor
 
 
-class QuantizedWeight(nn.Module):
+class QuantizedWeight(nn.Module, ABC):
     """Weight-only quantized matrices, stacked (``[L, N, K]``, index a layer with ``w[i]``) or
     not (``[N, K]``, :meth:`matrix`). Their tensors are non-persistent buffers, so a model that
     registers the weight as a submodule hands them to an exported program as constants.
@@ -140,8 +141,9 @@ class QuantizedWeight(nn.Module):
         return dict(self.named_buffers())
 
     @property
+    @abstractmethod
     def dtype(self) -> torch.dtype:
-        raise NotImplementedError
+        """The compute dtype this weight serves."""
 
     def converted(self, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
         """This weight for compute dtype ``dtype`` (``self`` when it already is). The codes are
@@ -151,8 +153,9 @@ class QuantizedWeight(nn.Module):
                                   f"{device}; load the sidecar on that device instead")
         return self if self.dtype == dtype else self._converted(dtype)
 
+    @abstractmethod
     def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
-        raise NotImplementedError
+        """A copy laid out for compute dtype ``dtype`` (CPU)."""
 
 
 class Int4Weight(QuantizedWeight):

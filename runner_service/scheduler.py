@@ -48,6 +48,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    _sampling_rows: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -58,10 +59,15 @@ class ScheduledBatch:
 
     def sampling_rows(self) -> list[int]:
         """Rows that sample a token after this step: those whose chunk reaches the sequence's last
-        token (every decode row; a prefill row that completes its prompt). Evaluate before
-        :meth:`Scheduler.postprocess` appends the sampled tokens."""
-        return [i for i, (seq, st, n) in enumerate(zip(self.seqs, self.starts, self.num_tokens, strict=True))
-                if st + n == seq.num_tokens]
+        token (every decode row; a prefill row that completes its prompt). Computed once, on the
+        first call, which must come after the batch is complete and before
+        :meth:`Scheduler.postprocess` appends the sampled tokens (the runner, the engine and
+        ``postprocess`` then share that one list)."""
+        if self._sampling_rows is None:
+            self._sampling_rows = [i for i, (seq, st, n)
+                                   in enumerate(zip(self.seqs, self.starts, self.num_tokens, strict=True))
+                                   if st + n == seq.num_tokens]
+        return self._sampling_rows
 
 
 class Scheduler:
