@@ -2,7 +2,8 @@
 registration together.
 
 Order matters: the sidecar is prepared (or fetched from a weight service), the engine is built
-(weights, KV cache, programs, warm-up), its loop started, and only then is the gRPC server
+(weights, KV cache, programs, warm-up) in the thread that then runs its loop
+(:meth:`LLMEngine.launch`), and only then is the gRPC server
 started, so health answers ``SERVING`` only when a request can actually be served. On SIGTERM
 the router registration stops first, in-flight streams get the drain grace, then the engine
 closes.
@@ -75,15 +76,18 @@ def serve_from_args(args) -> int:
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
     server_config = config_from_args(args, "runner")
-    path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
-                                 sidecar_dir=args.sidecar_dir, token=server_config.token)
     kernel_cache = args.kernel_cache or args.kernel_cache_dir
-    engine = LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
+
+    def build() -> LLMEngine:
+        path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
+                                     sidecar_dir=args.sidecar_dir, token=server_config.token)
+        return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
+
+    engine = LLMEngine.launch(build)  # packs, loads, warms up and steps in one thread
     registration = None
     try:
         from runner_service.servicer import GenerationServicer, RunnerCollector
 
-        engine.start()
         servicer = GenerationServicer(engine, config.runner_id)
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
                                                 GENERATION_SERVICE)])

@@ -74,6 +74,33 @@ def test_cancelling_a_streaming_request_returns_free_blocks_to_baseline():
         assert eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0
 
 
+def test_launch_builds_and_steps_in_one_thread_and_hands_back_build_errors():
+    import threading
+
+    builders = []
+
+    def build():
+        builders.append(threading.current_thread())
+        return _engine()
+
+    eng = LLMEngine.launch(build)
+    try:
+        assert builders[0] is not threading.current_thread()
+        assert eng._thread is builders[0] and eng._thread.is_alive()
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        out = eng.add_request(params, token_ids=_prompt(7, 3)).result(timeout=30)
+        assert out.finish_reason is FinishReason.LENGTH and out.completion_tokens == 5
+    finally:
+        eng.close()
+    assert not builders[0].is_alive()
+
+    def broken():
+        raise InvalidArgument("no such sidecar")
+
+    with pytest.raises(InvalidArgument, match="no such sidecar"):
+        LLMEngine.launch(broken)
+
+
 def test_finish_reasons_eos_stop_tokens_ignore_eos_and_context_length():
     free = _run(_engine(), [(_prompt(7, 3), SamplingParams(max_tokens=12, temperature=0))])[0]
     assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 12
