@@ -20,7 +20,8 @@ KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools 
                               :attr:`~ModelFamily.supports_prefix_caching` (may full blocks be
                               shared across requests by their token history)
 forward                       :meth:`~ModelFamily.build_model` -> a :class:`FamilyModel` (prefill
-                              and decode are one ``forward``)
+                              and decode are one ``forward``; :meth:`FamilyModel.decode` may
+                              return a decode step's cache rows instead of writing them)
 decode program                :meth:`~ModelFamily.decode_module` (what AOTInductor compiles and
                               what eager decode calls: one function) and
                               :meth:`~ModelFamily.program_sources` (the code in its fingerprint)
@@ -33,7 +34,18 @@ row; every integer tensor int64)::
             seq_lens[B], last_index[B]) -> logits[B, V] float32
 
 ``caches`` is the tuple of block pools in :meth:`ModelFamily.cache_specs` order, each
-``[layers, num_blocks, *block_shape]``, mutated in place. Slot ``s`` of a pool is row
+``[layers, num_blocks, *block_shape]``, mutated in place. The decode step (one token per row)
+is :meth:`FamilyModel.decode`::
+
+    decode(caches, input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
+        -> (logits[B, V] float32, *rows)
+
+where ``rows`` is empty (the step wrote its cache entries in place, the default) or holds one
+``[layers, B, *row_shape]`` tensor per pool: the entries the step would write at
+``slot_mapping``, which the runner then writes for all layers at once
+(:func:`model_families.ops.write_kv_rows`). A decode that returns its rows only reads the pools,
+so its compiled program has no in-place writes (no custom-op call back into Python per layer).
+Slot ``s`` of a pool is row
 ``s % block_size`` of block ``s // block_size``; block 0 is the runner's scratch block (padding
 rows write there and padding block-table entries point at it).
 
@@ -251,13 +263,24 @@ class FamilyModel(nn.Module, ABC):
         """One step over a padded batch (the step contract in the module docstring): writes the
         step's K/V (or whatever the pools hold) in place and returns logits [B, V] float32."""
 
+    def decode(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
+        """One decode step (the decode contract in the module docstring): ``(logits,)`` after
+        writing in place, or ``(logits, *rows)`` with one ``[layers, B, *row_shape]`` tensor
+        per pool for the caller to write. Default: :meth:`forward` on ``S = 1``, in place."""
+        logits = self(caches, input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
+                      seq_lens, torch.zeros_like(input_ids))
+        return (logits,)
+
 
 class DecodeStep(nn.Module):
-    """One decode step (one token per row) of a :class:`FamilyModel`: the function eager decode
-    calls and the module AOTInductor compiles, so the two cannot drift::
+    """One decode step (one token per row) of a :class:`FamilyModel`
+    (:meth:`FamilyModel.decode`): the function eager decode calls and the module AOTInductor
+    compiles, so the two cannot drift::
 
         forward(caches, input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb],
-                seq_lens[B]) -> logits[B, V] float32
+                seq_lens[B]) -> (logits[B, V] float32, *rows)
     """
 
     def __init__(self, model: FamilyModel) -> None:
@@ -265,9 +288,9 @@ class DecodeStep(nn.Module):
         self.model = model
 
     def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        return self.model(caches, input_ids[:, None], positions[:, None], slot_mapping[:, None], block_tables,
-                          seq_lens, torch.zeros_like(input_ids))
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        return self.model.decode(caches, input_ids, positions, slot_mapping, block_tables, seq_lens)
 
 
 class ModelFamily(ABC):

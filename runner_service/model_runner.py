@@ -12,7 +12,10 @@ both are called the same way (the compile contract with :mod:`runner_service.pro
     decode(input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
         -> logits[B, V] float32
 
-All inputs int64, views of the persistent buffers. ``B`` is a *batch bucket* (1, 2, 4, ...,
+All inputs int64, views of the persistent buffers. The module (and the program compiled from
+it) returns ``(logits, *rows)``; when it returns cache rows rather than writing them
+(:meth:`model_families.family.FamilyModel.decode`), :meth:`ModelRunner.finish_decode` writes
+them, so the callable above always leaves the KV cache written. ``B`` is a *batch bucket* (1, 2, 4, ...,
 ``max_num_seqs``); rows past the active ones are padding. ``nb`` is a *block bucket* (a power
 of two >= the largest active block table, at most ``max_blocks_per_seq``). The KV cache is
 written in place.
@@ -32,6 +35,7 @@ import torch
 
 from model_families import family_for_config
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
+from model_families.ops import write_kv_rows
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
@@ -91,7 +95,18 @@ class ModelRunner:
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Eager decode over ``B`` rows (see the module docstring); returns logits [B, V] f32."""
-        return self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        out = self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return self.finish_decode(out, slot_mapping)
+
+    def finish_decode(self, out: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Write the cache rows of a decode module's (or program's) output ``(logits, *rows)``
+        at ``slot_mapping`` [B] (one :func:`~model_families.ops.write_kv_rows` per pool; none
+        when the module wrote in place) and return the logits [B, V]."""
+        logits, *rows = out
+        if rows:
+            for pool, r in zip(self.kv.tensors, rows, strict=True):
+                write_kv_rows(pool, slot_mapping, r)
+        return logits
 
     def decode_fn(self, batch: int) -> DecodeFn:
         """The callable run for batch bucket ``batch``: the installed compiled program, else

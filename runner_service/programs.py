@@ -19,11 +19,13 @@ is exported: weights and derived tables (RoPE) are its buffers, the KV pools are
 the same program serves any KV-cache size::
 
     program(caches (pools[layers, NB, *block_shape], ...), input_ids[B], positions[B],
-            slot_mapping[B], block_tables[B, nb], seq_lens[B]) -> logits[B, V] float32
+            slot_mapping[B], block_tables[B, nb], seq_lens[B]) -> (logits[B, V] float32, *rows)
 
 with ``B`` (batch, 1..max_num_seqs), ``nb`` (block-table width, 1..max_blocks_per_seq) and ``NB``
-(pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket. The KV
-write inside is :func:`model_families.kv_write.kv_write_`, an in-place custom op (see that
+(pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket. A family whose
+decode returns its cache rows (Llama) compiles to a program that only reads the pools; the
+runner writes the rows after it (:meth:`ModelRunner.finish_decode`). A family that writes in
+place does so through :func:`model_families.kv_write.kv_write_`, an in-place custom op (see that
 module for why an inline ``index_copy_`` makes compiled code copy the whole pool every step).
 
 Modes (``--compile``)
@@ -222,8 +224,8 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) 
 class AotiProgram:
     """A loaded AOTInductor package bound to a decode module's tensors.
 
-    Called like the module (``caches`` tuple, then the five decode inputs), it returns logits
-    [B, V] float32 and writes the KV pools in place. The module is kept alive: the program holds
+    Called like the module (``caches`` tuple, then the five decode inputs), it returns what the
+    module returns: ``(logits [B, V] float32, *rows)``. The module is kept alive: the program holds
     raw pointers to its buffers.
     """
 
@@ -247,9 +249,8 @@ class AotiProgram:
         self._loader.load_constants({n: constants[n] for n in wanted}, False, True, True, False)
         self.module = module
 
-    def __call__(self, caches: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> torch.Tensor:
-        (logits,) = self._loader.boxed_run([*caches, *inputs])  # the exported inputs, flattened
-        return logits
+    def __call__(self, caches: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self._loader.boxed_run([*caches, *inputs]))  # the exported inputs, flattened
 
 
 def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path) -> Path:
@@ -413,8 +414,8 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
 
 
 def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
-    """The runner-facing decode callable: binds the KV pools and makes the block table
-    contiguous. The runner passes ``block_tables`` as a ``[:B, :nb]`` view of its persistent
+    """The runner-facing decode callable: binds the KV pools, makes the block table
+    contiguous and writes the cache rows the program returns (:meth:`ModelRunner.finish_decode`). The runner passes ``block_tables`` as a ``[:B, :nb]`` view of its persistent
     ``[max_num_seqs, max_blocks_per_seq]`` buffer (row stride ``max_blocks_per_seq``); a compiled
     program was built for contiguous inputs (AOTI does not check strides and would read the
     wrong entries; Dynamo would recompile), so it gets a copy (B * nb int64, a few KiB at most).
@@ -426,7 +427,8 @@ def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
 
     def decode(input_ids, positions, slot_mapping, block_tables, seq_lens):
         tables = block_tables.clone(memory_format=torch.contiguous_format)
-        return program(caches, input_ids, positions, slot_mapping, tables, seq_lens)
+        return runner.finish_decode(program(caches, input_ids, positions, slot_mapping, tables, seq_lens),
+                                    slot_mapping)
 
     return decode
 

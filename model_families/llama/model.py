@@ -13,9 +13,11 @@ Math follows transformers' ``modeling_llama.py`` (the reference in the tests):
 - GQA attention (``nh`` query heads share ``nkv`` K/V heads) with scale ``1/sqrt(hd)``;
 - SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; gate rows come first in ``gate_up_proj``.
 
-Paged attention: K/V of the step's tokens are written into the block pools in place at
-``slot_mapping``, then each sequence's blocks are read through its block-table row
-(:func:`model_families.ops.paged_attention`).
+Paged attention: in ``forward`` (prefill) K/V of the step's tokens are written into the block
+pools in place at ``slot_mapping``, then each sequence's blocks are read through its block-table
+row (:func:`model_families.ops.paged_attention`). ``decode`` only reads the pools: each row's
+own K/V stands in for its slot, and the rows are returned for the runner to write after the
+step (one copy per pool for all layers, outside the compiled program).
 
 Matrices are float tensors or weight-only quantized ones (int4 / int8 sidecars): every matmul is
 :func:`model_families.ops.linear`, which dispatches on the weight's kind (Python-level, so the
@@ -169,14 +171,33 @@ class LlamaModel(FamilyModel):
         Returns:
             logits [B, V] float32 for the token at ``last_index`` of each row.
         """
+        return self._step(caches, input_ids, positions, slot_mapping.reshape(-1), block_tables, seq_lens,
+                          last_index)[0]
+
+    def decode(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode token per row (``input_ids``/``positions``/``slot_mapping``/``seq_lens``
+        [B], ``block_tables`` [B, nb]) that only reads the caches: returns ``(logits [B, V]
+        float32, k_rows, v_rows)``, the rows [L, B, nkv, hd] to write at ``slot_mapping``
+        (:func:`model_families.ops.write_kv_rows`). Attention sees each row's own K/V in place
+        of that slot (:func:`model_families.ops.decode_attention`)."""
+        return self._step(caches, input_ids[:, None], positions[:, None], None, block_tables, seq_lens,
+                          torch.zeros_like(input_ids))
+
+    def _step(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
+        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing."""
         k_cache, v_cache = caches
         c = self.config
         B, S = input_ids.shape
         nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         dtype = self.final_norm.dtype
-        slots = slot_mapping.reshape(-1)
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
+        k_rows, v_rows = [], []
         h = F.embedding(input_ids, self.embed_tokens)
         for i in range(c.num_hidden_layers):
             x = rms_norm(h, self.input_norm[i], eps)
@@ -184,12 +205,21 @@ class LlamaModel(FamilyModel):
             q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
             q = apply_rope(q.view(B, S, nh, hd), cos, sin)
             k = apply_rope(k.view(B, S, nkv, hd), cos, sin)
-            write_kv(k_cache, i, slots, k.reshape(B * S, nkv, hd))
-            write_kv(v_cache, i, slots, v.reshape(B * S, nkv, hd))
-            attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
+            v = v.view(B, S, nkv, hd)
+            if slots is None:
+                k_rows.append(k.reshape(B, nkv, hd))
+                v_rows.append(v.reshape(B, nkv, hd))
+                attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens, k, v)
+            else:
+                write_kv(k_cache, i, slots, k.reshape(B * S, nkv, hd))
+                write_kv(v_cache, i, slots, v.reshape(B * S, nkv, hd))
+                attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
             h = h + linear(attn.reshape(B, S, nh * hd), self.o_proj[i])
             x = rms_norm(h, self.post_attn_norm[i], eps)
             gate, up = linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, self.down_proj[i])
         last = h[torch.arange(B, device=h.device), last_index]
-        return linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        logits = linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        if slots is None:
+            return logits, torch.stack(k_rows), torch.stack(v_rows)
+        return (logits,)
