@@ -1,0 +1,103 @@
+"""The shared forward building blocks against first principles: paged decode attention against
+dense softmax attention over each row's keys assembled by hand, the deferred K/V write against
+per-slot assignment, and the oneDNN float matmul against a float64 matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_families.ops import decode_attention, float_linear, paged_attention, write_kv_rows
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NH, NKV, HD, BS, NUM_BLOCKS = 6, 2, 8, 4, 12
+
+
+def _pools(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(NUM_BLOCKS, BS, NKV, HD, generator=g).to(dtype)
+    v = torch.randn(NUM_BLOCKS, BS, NKV, HD, generator=g).to(dtype)
+    return k, v
+
+
+def _reference(q, keys, values):
+    """Softmax attention of one query [nh, hd] over keys/values [T, nkv, hd], in float64."""
+    group = NH // NKV
+    out = torch.empty(NH, HD, dtype=torch.float64)
+    for h in range(NH):
+        k = keys[:, h // group].double()
+        v = values[:, h // group].double()
+        p = torch.softmax(k @ q[h].double() / HD ** 0.5, dim=0)
+        out[h] = p @ v
+    return out
+
+
+def test_decode_attention_matches_dense_attention_over_the_rows_blocks_with_own_kv_substituted():
+    k_pool, v_pool = _pools()
+    tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 9, 4, 11]])
+    seq_lens = torch.tensor([10, 3, 16])
+    positions = (seq_lens - 1)[:, None]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 1, NH, HD, generator=g)
+    k_new = torch.randn(3, 1, NKV, HD, generator=g)
+    v_new = torch.randn(3, 1, NKV, HD, generator=g)
+
+    got = decode_attention(q, k_pool, v_pool, tables, positions, seq_lens, k_new, v_new)
+    via_dispatch = paged_attention(q, k_pool, v_pool, tables, positions, seq_lens, k_new, v_new)
+    assert got.shape == (3, 1, NH, HD) and torch.equal(got, via_dispatch)
+    for b in range(3):
+        n = int(seq_lens[b])
+        slots = [(int(tables[b, t // BS]), t % BS) for t in range(n)]
+        keys = torch.stack([k_pool[blk, off] for blk, off in slots])
+        values = torch.stack([v_pool[blk, off] for blk, off in slots])
+        keys[n - 1], values[n - 1] = k_new[b, 0], v_new[b, 0]  # the step's own K/V, not the pool's
+        torch.testing.assert_close(got[b, 0].double(), _reference(q[b, 0], keys, values), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_without_own_kv_reads_the_pool_and_ignores_keys_past_seq_len():
+    k_pool, v_pool = _pools(seed=2)
+    tables = torch.tensor([[4, 6]])
+    q = torch.randn(1, 1, NH, HD, generator=torch.Generator().manual_seed(3))
+    got = decode_attention(q, k_pool, v_pool, tables, torch.tensor([[5]]), torch.tensor([6]))
+    scrambled = k_pool.clone()
+    scrambled[6, 2:] = 1e4  # positions 6, 7: past seq_len, must not matter
+    again = decode_attention(q, scrambled, v_pool, tables, torch.tensor([[5]]), torch.tensor([6]))
+    keys = torch.cat([k_pool[4], k_pool[6, :2]])
+    values = torch.cat([v_pool[4], v_pool[6, :2]])
+    torch.testing.assert_close(got[0, 0].double(), _reference(q[0, 0], keys, values), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, again)
+
+
+def test_prefill_attention_rejects_own_kv():
+    k_pool, v_pool = _pools()
+    q = torch.zeros(1, 2, NH, HD)
+    with pytest.raises(ValueError, match="decode"):
+        paged_attention(q, k_pool, v_pool, torch.tensor([[1]]), torch.tensor([[0, 1]]), torch.tensor([2]),
+                        k_new=torch.zeros(1, 2, NKV, HD))
+
+
+def test_write_kv_rows_puts_each_layers_row_at_its_slot_and_nothing_else():
+    layers = 3
+    cache = torch.zeros(layers, NUM_BLOCKS, BS, NKV, HD)
+    slots = torch.tensor([7, 0, 21])  # block 1 row 3, the scratch slot, block 5 row 1
+    rows = torch.randn(layers, 3, NKV, HD, generator=torch.Generator().manual_seed(4))
+    write_kv_rows(cache, slots, rows)
+    expected = torch.zeros_like(cache)
+    for layer in range(layers):
+        for r, s in enumerate(slots.tolist()):
+            expected[layer, s // BS, s % BS] = rows[layer, r]
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_float_linear_matches_a_float64_matmul(dtype, atol):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 40, generator=g).to(dtype)
+    w = torch.randn(24, 40, generator=g).to(dtype)
+    bias = torch.randn(24, generator=g).to(dtype)
+    got = float_linear(x, w, bias)
+    assert got.shape == (2, 3, 24) and got.dtype == dtype
+    want = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=0.02)
+    torch.testing.assert_close(float_linear(x[0, 0], w).double(), want[0, 0] - bias.double(), atol=atol, rtol=0.02)
