@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/startup.py
 	$(PY) bench/decode.py
 	$(PY) bench/router.py
+	$(PY) bench/bounds.py
 
 # Optional, not part of `make test` or `make bench`: warmserve vs vLLM CPU, llama.cpp and
 # transformers. Installs the peers into ~/.cache/warmserve-bench on first use (~1 GB, ~10 min).

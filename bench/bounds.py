@@ -1,0 +1,162 @@
+"""The machine's bounds for decoding the bundled model, and each measured figure as a fraction
+of them: prints JSON, then Markdown tables.
+
+Measured here, with ``--threads`` torch threads (default 2):
+
+- **memory read bandwidth**: ``sum()`` over a float32 tensor far larger than the caches
+  (``--bandwidth-mib``, default 1024), bytes / seconds, median of 5. One decode stream reads
+  every weight once per token, so at batch 1 the bound is ``bandwidth / bytes per token``.
+- **matmul FLOP/s**: a float32 and a bf16 ``[M, K] @ [K, N]`` with ``M = N = K = 2048``
+  through oneDNN (:func:`model_families.ops.float_linear`, the serving path's matmul), ``2 M N
+  K`` / seconds, median of 5. At batch 32 a step is mostly matmul, so the bound is ``FLOP/s /
+  FLOPs per token``.
+
+Per token of SmolLM2-135M (its GGUF's config; ``L`` layers, hidden ``H``, intermediate ``I``,
+``nh``/``nkv`` heads of ``hd``, vocabulary ``V``, tied embeddings): the matrices hold
+``P = L (H (nh + 2 nkv) hd + nh hd H + 3 H I) + V H`` weights (the tied ``lm_head`` counted once;
+the embedding lookup reads one row). Bytes per token: ``4 P`` in f32, ``2 P`` in bf16, ``0.625
+P`` in int4 (half a byte per weight plus a bf16 scale and zero per group of 32, the int4
+kernel's layout); KV-cache reads are left out (under 2% at these contexts). FLOPs per token:
+``2 P`` (attention's ``4 L nh hd c`` at context ``c`` left out: ~1% at ``c`` = 100). int4
+compute runs on the bf16 units, so its batch-32 bound is bf16's.
+
+``--peers FILE``: a ``bench/peers.py`` stdout (its JSON document) whose warmserve columns are
+reported as fractions of these bounds (1 stream against the bandwidth bound, 32 against the
+matmul bound).
+
+Usage: ``python bench/bounds.py [--threads 2] [--peers peers.out]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from model_families.ops import float_linear  # noqa: E402
+from weight_service.gguf_reader import GGUFCheckpoint  # noqa: E402
+from weight_service.sources import bundled_smollm2_path  # noqa: E402
+
+#: Bytes per matrix weight in each weights dtype (int4: 4 bits + bf16 scale and zero per 32).
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "int4": 0.5 + 4 / 32}
+#: The compute dtype whose matmul peak bounds each weights dtype at batch 32.
+COMPUTE_DTYPE = {"f32": "f32", "bf16": "bf16", "int4": "bf16"}
+
+
+def _median_s(fn, runs: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(mib: int) -> float:
+    """Memory read bandwidth, GB/s (1e9 bytes): ``sum()`` over ``mib`` MiB of float32."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    return x.numel() * 4 / _median_s(lambda: x.sum()) / 1e9
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 2048) -> float:
+    """oneDNN matmul rate, GFLOP/s, for ``[n, n] @ [n, n]`` in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, n, generator=g).to(dtype)
+    w = torch.randn(n, n, generator=g).to(dtype)
+    return 2 * n**3 / _median_s(lambda: float_linear(x, w)) / 1e9
+
+
+def model_weights() -> dict:
+    """Matrix weights per token of the bundled model (see the module docstring)."""
+    c = GGUFCheckpoint(bundled_smollm2_path()).config
+    h, hd, nh, nkv, inter = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
+    per_layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
+    total = c.num_hidden_layers * per_layer + c.vocab_size * h
+    return {"layers": c.num_hidden_layers, "matrix_weights": total}
+
+
+def bounds(bandwidth_gbs: float, gflops: dict[str, float], weights: int) -> dict:
+    """tok/s bounds per weights dtype: batch 1 from the bandwidth, batch 32 from the matmul rate."""
+    out = {}
+    for wd, bpw in BYTES_PER_WEIGHT.items():
+        out[wd] = {
+            "bytes_per_token": weights * bpw,
+            "batch1_tok_s": bandwidth_gbs * 1e9 / (weights * bpw),
+            "batch32_tok_s": gflops[COMPUTE_DTYPE[wd]] * 1e9 / (2 * weights),
+        }
+    return out
+
+
+def peer_fractions(peers: dict, bound: dict) -> dict:
+    """``{column: {"1": fraction, "32": fraction}}`` for the warmserve columns of a peers report."""
+    out = {}
+    for column, med in peers.get("median", {}).items():
+        if not column.startswith("warmserve"):
+            continue
+        wd = column.split()[-1]
+        if wd not in bound:
+            continue
+        row = {}
+        if "1" in med:
+            row["1"] = {"tok_s": med["1"]["decode_tps"], "fraction": med["1"]["decode_tps"] / bound[wd]["batch1_tok_s"]}
+        if "32" in med:
+            row["32"] = {"tok_s": med["32"]["decode_tps"],
+                         "fraction": med["32"]["decode_tps"] / bound[wd]["batch32_tok_s"]}
+        out[column] = row
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, as bench/peers.py)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor size for the bandwidth probe")
+    p.add_argument("--peers", type=Path, default=None, help="a bench/peers.py stdout to rate against the bounds")
+    args = p.parse_args()
+    if args.threads < 1 or args.bandwidth_mib < 64:
+        p.error("--threads must be >= 1 and --bandwidth-mib >= 64")
+    peers = None
+    if args.peers is not None:
+        try:
+            peers = json.JSONDecoder().raw_decode(args.peers.read_text())[0]
+        except (OSError, ValueError) as e:
+            p.error(f"--peers {args.peers}: not a bench/peers.py output ({e})")
+    torch.set_num_threads(args.threads)
+    bw = read_bandwidth_gbs(args.bandwidth_mib)
+    gflops = {"f32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
+    model = model_weights()
+    bound = bounds(bw, gflops, model["matrix_weights"])
+    report = {"threads": args.threads, "read_bandwidth_gbs": round(bw, 2),
+              "matmul_gflops": {k: round(v, 1) for k, v in gflops.items()}, "model": model, "bounds": bound}
+    if peers is not None:
+        report["fractions"] = peer_fractions(peers, bound)
+    print(json.dumps(report, indent=2))
+    print(f"\n| machine ({args.threads} threads) | value |\n|---|---:|")
+    print(f"| memory read bandwidth | {bw:.1f} GB/s |")
+    for k, v in gflops.items():
+        print(f"| matmul 2048^3, {k} (oneDNN) | {v:.0f} GFLOP/s |")
+    print(f"\n| bound ({model['matrix_weights'] / 1e6:.1f} M matrix weights) | MiB read per token | "
+          "1 stream tok/s (bandwidth) | 32 streams tok/s (matmul) |\n|---|---:|---:|---:|")
+    for wd, b in bound.items():
+        print(f"| {wd} | {b['bytes_per_token'] / 2**20:.0f} | {b['batch1_tok_s']:.0f} | {b['batch32_tok_s']:.0f} |")
+    if peers is not None:
+        print("\n| measured (bench/peers.py) | 1 stream tok/s | of bound | 32 streams tok/s | of bound |\n"
+              "|---|---:|---:|---:|---:|")
+        for column, row in report["fractions"].items():
+            one, many = row.get("1"), row.get("32")
+            cells = [f"{one['tok_s']:.1f} | {one['fraction']:.2f}" if one else "- | -",
+                     f"{many['tok_s']:.1f} | {many['fraction']:.2f}" if many else "- | -"]
+            print(f"| {column} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
