@@ -22,7 +22,7 @@ the same program serves any KV-cache size::
             slot_mapping[B], block_tables[B, nb], seq_lens[B]) -> (logits[B, V] float32, *rows)
 
 with ``B`` (batch, 1..max_num_seqs), ``nb`` (block-table width, 1..max_blocks_per_seq) and ``NB``
-(pool blocks) all dynamic, so ONE program covers every batch bucket and block bucket. A family whose
+(pool blocks) all dynamic, so ONE program covers every batch bucket and block-table width. A family whose
 decode returns its cache rows (Llama) compiles to a program that only reads the pools; the
 runner writes the rows after it (:meth:`ModelRunner.finish_decode`). A family that writes in
 place does so through :func:`model_families.kv_write.kv_write_`, an in-place custom op (see that
