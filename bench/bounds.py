@@ -4,11 +4,11 @@ of them: prints JSON, then Markdown tables.
 Measured here, with ``--threads`` torch threads (default 2):
 
 - **memory read bandwidth**: ``sum()`` over a float32 tensor far larger than the caches
-  (``--bandwidth-mib``, default 1024), bytes / seconds, median of 5. One decode stream reads
+  (``--bandwidth-mib``, default 1024), bytes / seconds, best of 7. One decode stream reads
   every weight once per token, so at batch 1 the bound is ``bandwidth / bytes per token``.
 - **matmul FLOP/s**: a float32 and a bf16 ``[M, K] @ [K, N]`` with ``M = N = K = 2048``
   through oneDNN (:func:`model_families.ops.float_linear`, the serving path's matmul), ``2 M N
-  K`` / seconds, median of 5. At batch 32 a step is mostly matmul, so the bound is ``FLOP/s /
+  K`` / seconds, best of 7. At batch 32 a step is mostly matmul, so the bound is ``FLOP/s /
   FLOPs per token``.
 
 Per token of SmolLM2-135M (its GGUF's config; ``L`` layers, hidden ``H``, intermediate ``I``,
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,20 +50,21 @@ BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "int4": 0.5 + 4 / 32}
 COMPUTE_DTYPE = {"f32": "f32", "bf16": "bf16", "int4": "bf16"}
 
 
-def _median_s(fn, runs: int = 5) -> float:
+def _best_s(fn, runs: int = 7) -> float:
+    """Fastest of ``runs`` timed calls after one untimed (a bound is what the machine can do)."""
     fn()
-    times = []
+    best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def read_bandwidth_gbs(mib: int) -> float:
     """Memory read bandwidth, GB/s (1e9 bytes): ``sum()`` over ``mib`` MiB of float32."""
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    return x.numel() * 4 / _median_s(lambda: x.sum()) / 1e9
+    return x.numel() * 4 / _best_s(lambda: x.sum()) / 1e9
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 2048) -> float:
@@ -72,7 +72,7 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048) -> float:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, n, generator=g).to(dtype)
     w = torch.randn(n, n, generator=g).to(dtype)
-    return 2 * n**3 / _median_s(lambda: float_linear(x, w)) / 1e9
+    return 2 * n**3 / _best_s(lambda: float_linear(x, w)) / 1e9
 
 
 def model_weights() -> dict:
