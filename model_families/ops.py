@@ -116,7 +116,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     = 1), written as broadcast products and sums in float32 rather than SDPA:
     ``s[b, t, g] = q[b, g] . k[b, t] / sqrt(hd)``, masked, softmax over ``t``,
     ``out[b, g] = sum_t p[b, t, g] v[b, t]``, with ``k[b, t]`` = ``k_pool[block_tables[b, t //
-    block_size], t % block_size]`` (``k_new[b]`` at ``t == positions[b]`` when given).
+    block_size], t % block_size]`` (``k_new[b]`` at ``t == positions[b]`` when given; ``k_new``
+    and ``v_new`` come together, else ``ValueError``).
 
     Compiled, Inductor fuses the block-table indexing into the two reductions, so the blocks are
     read in place (no gathered copy of the rows' K/V) and no ``[B*nh, 1, T]`` batched matmul is
@@ -131,12 +132,12 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     k = k_pool[block_tables].view(B, T, nkv, 1, hd)
     v = v_pool[block_tables].view(B, T, nkv, 1, hd)
     key_pos = torch.arange(T, device=q.device)
-    if k_new is not None or v_new is not None:
+    if (k_new is None) != (v_new is None):
+        raise ValueError("give the step's own K and V together (k_new and v_new), or neither")
+    if k_new is not None:
         own = (key_pos[None, :] == positions)[:, :, None, None, None]  # [B, T, 1, 1, 1]
-        if k_new is not None:
-            k = torch.where(own, k_new.view(B, 1, nkv, 1, hd), k)
-        if v_new is not None:
-            v = torch.where(own, v_new.view(B, 1, nkv, 1, hd), v)
+        k = torch.where(own, k_new.view(B, 1, nkv, 1, hd), k)
+        v = torch.where(own, v_new.view(B, 1, nkv, 1, hd), v)
     qf = q.view(B, 1, nkv, g, hd).float() * hd ** -0.5
     scores = (qf * k.float()).sum(-1)  # [B, T, nkv, g]
     visible = (key_pos[None, :] <= positions) & (key_pos[None, :] < seq_lens[:, None])
