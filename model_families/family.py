@@ -273,6 +273,12 @@ class FamilyModel(nn.Module, ABC):
                       seq_lens, torch.zeros_like(input_ids))
         return (logits,)
 
+    def linear_matrices(self) -> list[torch.Tensor]:
+        """The float ``[N, K]`` matrices its matmuls pass to :func:`model_families.ops.linear`
+        (layer views of stacked tensors included), for the runner to prepack once at load
+        (:class:`model_families.ops.PackedMatrices`). Default: none (plain matmuls)."""
+        return []
+
 
 class DecodeStep(nn.Module):
     """One decode step (one token per row) of a :class:`FamilyModel`

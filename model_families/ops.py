@@ -31,6 +31,7 @@ slot ``s`` = ``block_id * block_size + offset``; block 0 is the scratch block.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
@@ -349,23 +350,116 @@ def _dequantized(m: Int4Groups | Int8Matrix) -> torch.Tensor:
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
 
+#: oneDNN-blocked copies of float matrices (:class:`PackedMatrices`), by :func:`_matrix_key` of
+#: the plain matrix they stand for.
+_PACKED: dict[tuple, torch.Tensor] = {}
+
+
+def _matrix_key(weight: torch.Tensor) -> tuple:
+    """What identifies a plain matrix to :data:`_PACKED`: its address, shape, strides and dtype
+    (a layer's matrix is a view of a stacked tensor, rebuilt on every ``w[i]``; while it is
+    registered, :class:`PackedMatrices` keeps it alive, so its address is not reused)."""
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype
+
+
+def onednn_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` goes to oneDNN (:func:`float_linear`): oneDNN built in, both on
+    the CPU in the same float32 / bf16 dtype."""
+    return (_HAS_ONEDNN and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype
+            and weight.dim() == 2)
+
+
+class PackedMatrices:
+    """oneDNN-blocked (prepacked) copies of float weight matrices, made once at load and used by
+    every :func:`float_linear` over those matrices, eager or compiled, until :meth:`close`.
+
+    ``matrices``: plain ``[N, K]`` float32 / bf16 CPU tensors (views of stacked layers are fine);
+    ineligible ones (quantized, other devices, other dtypes) and ones already registered are
+    skipped. ``batch_hint``: the activation rows (tokens) oneDNN picks the blocked layout for
+    (``torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)``); the decode batch is the one to
+    serve. Each copy is an opaque ``mkldnn`` tensor of the matrix's bytes (so a packed float32
+    model holds its weights twice: the plain ones stay, mapped from the sidecar, for the
+    embedding and as the compiled program's constants). Why: oneDNN reorders a plain matrix into
+    its blocked layout inside every matmul otherwise. Measured on this 2-core AVX512-BF16 host,
+    2 threads, 30 layers of SmolLM2-shaped matmuls (qkv, o, gate_up, down): float32 at batch 32
+    20.8 -> 16.7 ms, batch 8 9.7 -> 6.1 ms; bf16 at batch 1 5.0 -> 2.8 ms; the tied 49152 x 576
+    ``lm_head`` float32 at batch 32 7.3 -> 5.4 ms, bf16 at batch 1 1.7 -> 0.9 ms. A compiled
+    program reaches the copies through ``torch.ops.warmserve.linear`` (a custom op, about 4 us
+    per call), because AOTInductor binds constants by reference as plain strided tensors.
+    """
+
+    def __init__(self, matrices, batch_hint: int) -> None:
+        self._keys: list[tuple] = []
+        self._plain: list[torch.Tensor] = []  # keeps each key's address in use while registered
+        self.nbytes = 0
+        if not _HAS_ONEDNN:
+            return
+        for w in matrices:
+            if not (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype in _ONEDNN_DTYPES
+                    and w.dim() == 2):
+                continue
+            key = _matrix_key(w)
+            if key in _PACKED:
+                continue
+            _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
+            self._keys.append(key)
+            self._plain.append(w)
+            self.nbytes += w.numel() * w.element_size()
+        self._finalizer = weakref.finalize(self, _unregister, list(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def close(self) -> None:
+        """Drop the copies (idempotent; also when this object is collected); matmuls over these
+        matrices use the plain ones again."""
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
+        self._keys, self._plain = [], []
+
+
+def _unregister(keys: list[tuple]) -> None:
+    for key in keys:
+        _PACKED.pop(key, None)
+
+
+def _onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x2 [M, K] @ weight[N, K].T (+ bias)`` with oneDNN, on the prepacked copy when there is
+    one (:class:`PackedMatrices`)."""
+    return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(_matrix_key(weight), weight), bias, "none", [], "")
+
+
+@torch.library.custom_op("warmserve::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> [M, N] in ``x``'s dtype, on the prepacked
+    copy of ``weight`` when :class:`PackedMatrices` holds one: the call an exported program makes
+    for every :func:`float_linear` (register this op, i.e. import this module, before loading such
+    a program)."""
+    return _onednn_linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _linear_op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K].T (+ bias [N])`` for a float matrix. On the CPU (f32 / bf16,
-    oneDNN built in) this is ``torch.ops.mkldnn._linear_pointwise`` on the plain weight, the
-    oneDNN matmul Inductor itself emits for linear layers; ``F.linear`` sends float32 to the
-    BLAS library (MKL), whose code path on this AMD host is about half as fast. Measured on this
-    2-core AVX512-BF16 host, 2 threads, 30 layers of SmolLM2-shaped matmuls at batch 32: float32
-    25 ms vs 45 ms (``F.linear``); batch 1 6.1 vs 7.3 ms; bf16 equal at batch 32, 4.9 vs 6.3 ms
-    at batch 1. Exported programs keep the op (AOTInductor has a C shim for it); its Inductor
-    lowering requires ``weight`` to be a constant of the graph (a module buffer), not a tensor
-    computed in it; under ``torch.compile`` (Dynamo, ``--compile inductor``) buffers are graph
-    inputs, so that mode keeps ``F.linear``. Elsewhere: ``F.linear``."""
-    if (not _HAS_ONEDNN or x.device.type != "cpu" or x.dtype not in _ONEDNN_DTYPES or weight.dtype != x.dtype
-            or torch.compiler.is_dynamo_compiling()):
+    oneDNN built in; :func:`onednn_linear_eligible`) this is oneDNN's matmul
+    (``torch.ops.mkldnn._linear_pointwise``) on the matrix's prepacked copy
+    (:class:`PackedMatrices`) or else on the plain matrix; under ``torch.export`` it is the custom
+    op ``torch.ops.warmserve.linear``, which does the same at run time, so a program compiled once
+    uses whatever copies the process holds. ``F.linear`` sends float32 to the BLAS library (MKL),
+    whose code path on this AMD host is about half as fast: measured on this 2-core AVX512-BF16
+    host, 2 threads, 30 layers of SmolLM2-shaped matmuls at batch 32, float32 25 ms (plain
+    oneDNN) vs 45 ms (``F.linear``); batch 1 6.1 vs 7.3 ms; bf16 equal at batch 32, 4.9 vs 6.3 ms
+    at batch 1. Under ``torch.compile`` (Dynamo, ``--compile inductor``) and elsewhere:
+    ``F.linear``."""
+    if not onednn_linear_eligible(x, weight) or torch.compiler.is_dynamo_compiling():
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = _linear_op(x2, weight, bias) if torch.compiler.is_exporting() else _onednn_linear(x2, weight, bias)
     return y.reshape(*lead, y.shape[-1])
 
 

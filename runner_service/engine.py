@@ -201,11 +201,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), args.eos_token_ids)
-        self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
-                                  self.model_family)
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
                                     f"{self.kv.nbytes / 2**20:.1f} MiB, "
                                     f"prefix caching {'on' if self.prefix_caching else 'off'}")
+
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
+                                  self.model_family)
+        packed = self.runner.packed
+        self._phase("prepack", t0, f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
+                                   f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
 
         t0 = time.perf_counter()
         self._phase("programs", t0, self._load_programs())

@@ -34,7 +34,7 @@ import torch
 
 from model_families import family_for_config
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
-from model_families.ops import write_kv_rows
+from model_families.ops import PackedMatrices, write_kv_rows
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
@@ -83,6 +83,7 @@ class ModelRunner:
         self.dtype = weights.dtype
         self.model = self.family.build_model(args, weights, max_model_len).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
+        self.packed = PackedMatrices(self.model.linear_matrices(), batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device)
@@ -208,3 +209,4 @@ class ModelRunner:
         self._rows = []
         self.buffers.close()
         self.decode_programs.clear()
+        self.packed.close()

@@ -185,6 +185,13 @@ class LlamaModel(FamilyModel):
         return self._step(caches, input_ids[:, None], positions[:, None], None, block_tables, seq_lens,
                           torch.zeros_like(input_ids))
 
+    def linear_matrices(self) -> list[torch.Tensor]:
+        """Each layer's ``qkv_proj`` / ``o_proj`` / ``gate_up_proj`` / ``down_proj`` view and
+        ``lm_head``, where they are float tensors (a quantized sidecar's are not)."""
+        layers = [getattr(self, n) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        out = [w[i] for w in layers if isinstance(w, torch.Tensor) for i in range(self.config.num_hidden_layers)]
+        return [*out, self.lm_head] if isinstance(self.lm_head, torch.Tensor) else out
+
     def _step(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_families.ops import decode_attention, float_linear, paged_attention, write_kv_rows
+from model_families import ops as ops_module
+from model_families.ops import (
+    PackedMatrices,
+    _matrix_key,
+    decode_attention,
+    float_linear,
+    paged_attention,
+    write_kv_rows,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,3 +109,55 @@ def test_float_linear_matches_a_float64_matmul(dtype, atol):
     want = x.double() @ w.double().T + bias.double()
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0.02)
     torch.testing.assert_close(float_linear(x[0, 0], w).double(), want[0, 0] - bias.double(), atol=atol, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.3)])
+def test_prepacked_matrices_give_the_float64_matmul_and_close_restores_the_plain_path(dtype, atol):
+    g = torch.Generator().manual_seed(6)
+    stacked = torch.randn(3, 24, 40, generator=g).to(dtype)  # [L, N, K] like a sidecar tensor
+    x = torch.randn(5, 40, generator=g).to(dtype)
+    bias = torch.randn(24, generator=g).to(dtype)
+    quantized_like = torch.zeros(24, 20, dtype=torch.uint8)  # not a float matrix: skipped
+    packed = PackedMatrices([stacked[i] for i in range(3)] + [quantized_like, stacked[0]], batch_hint=8)
+    try:
+        assert len(packed) == 3  # the repeated matrix is packed once
+        assert packed.nbytes == 3 * 24 * 40 * stacked.element_size()
+        for i in range(3):
+            want = x.double() @ stacked[i].double().T + bias.double()
+            torch.testing.assert_close(float_linear(x, stacked[i], bias).double(), want, atol=atol, rtol=0.02)
+    finally:
+        packed.close()
+    packed.close()  # idempotent
+    assert len(packed) == 0
+    torch.testing.assert_close(float_linear(x, stacked[1]).double(), x.double() @ stacked[1].double().T,
+                               atol=atol, rtol=0.02)
+
+
+def test_an_exported_linear_reads_whatever_copy_is_registered_when_it_runs():
+    """The exported graph calls ``warmserve::linear``, which looks the copy up at run time: a
+    copy registered after export (here of 2 W under W's key) is what the program multiplies by."""
+
+    class Lin(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.register_buffer("w", w, persistent=False)
+
+        def forward(self, x):
+            return float_linear(x, self.w[1])
+
+    g = torch.Generator().manual_seed(7)
+    stacked = torch.randn(2, 16, 32, generator=g)
+    x = torch.randn(3, 32, generator=g)
+    ep = torch.export.export(Lin(stacked), (x,), strict=False)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "warmserve.linear.default" in targets
+    program = ep.module()
+    torch.testing.assert_close(program(x), x @ stacked[1].T, atol=1e-4, rtol=1e-4)
+    doubled = PackedMatrices([stacked[1] * 2], batch_hint=4)  # a copy of 2 W ...
+    try:
+        key = _matrix_key(stacked[1])
+        ops_module._PACKED[key] = ops_module._PACKED.pop(_matrix_key(doubled._plain[0]))  # ... filed as W's
+        torch.testing.assert_close(program(x), 2 * (x @ stacked[1].T), atol=1e-4, rtol=1e-4)
+    finally:
+        ops_module._PACKED.pop(key, None)
+    torch.testing.assert_close(program(x), x @ stacked[1].T, atol=1e-4, rtol=1e-4)

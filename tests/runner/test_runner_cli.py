@@ -62,7 +62,7 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
             assert msgs[-1].usage.prompt_tokens == 3  # 3 words (this tokenizer.json adds no BOS)
             info = stub.ModelInfo(pb.ModelInfoRequest())
             assert info.runner_id == "cli-runner" and info.model == str(tiny_ckpt)
-            assert [p.name for p in info.startup.phases] == ["sidecar", "weights", "kv_cache", "programs", "warmup"]
+            assert [p.name for p in info.startup.phases] == ["sidecar", "weights", "kv_cache", "prepack", "programs", "warmup"]
             assert "BUILT" in info.startup.phases[0].detail
             assert info.max_model_len == 64 and len(info.sidecar_fingerprint) == 64
         proc.send_signal(signal.SIGTERM)

@@ -191,9 +191,14 @@ def test_bad_requests_are_rejected_before_anything_is_queued():
 def test_startup_report_names_each_phase():
     eng = LLMEngine(ARGS, WEIGHTS, tiny_config(kv_cache_bytes=kv_bytes(ARGS, 50), warmup=True))
     names = [p.name for p in eng.startup_report.phases]
-    assert names == ["kv_cache", "programs", "warmup"]
+    assert names == ["kv_cache", "prepack", "programs", "warmup"]
     assert all(p.seconds >= 0 for p in eng.startup_report.phases)
     assert "49 blocks" not in eng.startup_report.line() and "50 blocks x 4 tokens" in eng.startup_report.line()
+    # float32 weights on the CPU: each layer's 4 matrices and the lm_head are prepacked
+    prepack = eng.startup_report.phases[1].detail
+    assert prepack.startswith(f"{4 * ARGS.num_hidden_layers + 1} matrices"), prepack
+    eng.close()
+    assert len(eng.runner.packed) == 0
 
 
 @pytest.fixture(scope="module")

@@ -182,7 +182,7 @@ def test_model_info_health_and_metrics(served):
     assert (info.vocab_size, info.max_model_len, info.block_size, info.num_kv_blocks, info.max_num_seqs) == (
         49152, 128, 4, KV_BLOCKS - 1, 4)
     assert info.compile_mode == "off"
-    assert [p.name for p in info.startup.phases] == ["kv_cache", "programs", "warmup"]
+    assert [p.name for p in info.startup.phases] == ["kv_cache", "prepack", "programs", "warmup"]
     assert info.startup.total_seconds == pytest.approx(sum(p.seconds for p in info.startup.phases))
     health = health_pb2_grpc.HealthStub(channel)
     status = health.Check(health_pb2.HealthCheckRequest(service="warmserve.v1.Generation")).status
