@@ -88,6 +88,8 @@ class ModelRunner:
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device)
         self.decode_programs: dict[int, DecodeFn] = {}
+        #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
+        self.prefill_program: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self._rows: list[Sequence] = []
 
     # -- the compile contract ----------------------------------------------------------------
@@ -119,6 +121,12 @@ class ModelRunner:
         self.decode_programs.clear()
         if program is not None:
             self.decode_programs.update(dict.fromkeys(self.buckets, program))
+
+    def install_prefill_program(self, program: Callable[..., tuple[torch.Tensor, ...]] | None) -> None:
+        """Run prefill steps through ``program`` (called like the family model's ``forward``,
+        returning ``(logits,)``; at least 2 tokens per row, see :meth:`run_prefill`); ``None``
+        goes back to eager."""
+        self.prefill_program = program
 
     def block_width(self, num_blocks: int) -> int:
         """Block-table width for a decode step whose largest table has ``num_blocks`` blocks:
@@ -184,8 +192,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute each sequence's chunk ``[start, start + n)``; returns logits [len(batch), V]
-        f32 at each chunk's last token (meaningful for the :meth:`ScheduledBatch.sampling_rows`)."""
+        f32 at each chunk's last token (meaningful for the :meth:`ScheduledBatch.sampling_rows`).
+        Rows are padded to the longest chunk (padding tokens write the scratch block); for the
+        compiled prefill to at least 2 tokens (its token dim is dynamic from 2: export
+        specialises a size of 1)."""
         B, S, bs = len(batch), max(batch.num_tokens), self.block_size
+        if self.prefill_program is not None:
+            S = max(S, 2)
         ids = torch.zeros((B, S), dtype=torch.int64)
         pos = torch.zeros((B, S), dtype=torch.int64)
         slots = torch.full((B, S), SCRATCH_BLOCK * bs, dtype=torch.int64)
@@ -201,12 +214,16 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = bt
             slots[i, :n] = bt[p // bs] * bs + p % bs
         dev = self.device
-        return self.model(self.kv.tensors, ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev),
-                          last.to(dev))
+        inputs = (ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev), last.to(dev))
+        if self.prefill_program is not None:
+            return self.prefill_program(self.kv.tensors, *inputs)[0]
+        return self.model(self.kv.tensors, *inputs)
 
     def close(self) -> None:
-        """Drop the decode buffers, their block-table cache and the installed programs together."""
+        """Drop the decode buffers, their block-table cache, the installed programs and the
+        prepacked matrices together."""
         self._rows = []
         self.buffers.close()
         self.decode_programs.clear()
+        self.prefill_program = None
         self.packed.close()

@@ -1,15 +1,24 @@
-"""Compiled programs: the decode step built once, kept in the kernel cache, loaded warm.
+"""Compiled programs: the decode and prefill steps built once, kept in the kernel cache, loaded warm.
 
 Entry point (the engine calls it once per launch, after the KV cache is allocated, when
 ``--compile`` is not ``off``)::
 
     report = load_programs(runner, config, kernel_cache=ADDR_OR_DIR_OR_CLIENT, work_dir=None)
 
-It installs the program with :meth:`ModelRunner.install_decode_program` (so
-``runner.decode_fn(b)`` uses it for every batch bucket) and returns a :class:`ProgramsReport` whose ``str()`` is the
-start-up phase detail, e.g. ``"aoti: kernel cache HIT llama.decode.aoti (3.6 MiB)"`` (the phase itself carries the seconds).
-It never raises for a compile or cache failure: the runner then runs eager and the report says
-why (a runner that serves slowly beats one that does not start).
+It installs the decode program with :meth:`ModelRunner.install_decode_program` (so
+``runner.decode_fn(b)`` uses it for every batch bucket) and, in ``aoti`` mode, the prefill
+program with :meth:`ModelRunner.install_prefill_program`, and returns a :class:`ProgramsReport`
+whose ``str()`` is the start-up phase detail, e.g. ``"aoti: kernel cache HIT llama.decode.aoti
+(3.6 MiB); kernel cache HIT llama.prefill.aoti (4.1 MiB)"`` (the phase itself carries the
+seconds). It never raises for a compile or cache failure: the runner then runs that step eager
+and the report says why (a runner that serves slowly beats one that does not start).
+
+The prefill program is the family model's ``forward`` (writes K/V in place through
+:func:`model_families.kv_write.kv_write_`) exported with the batch, the tokens per row (2 ..
+the step's token budget; a one-token chunk is padded to two) and the block-table width dynamic:
+``program(caches, input_ids[B, S], positions[B, S], slot_mapping[B, S], block_tables[B, nb],
+seq_lens[B], last_index[B]) -> (logits[B, V] float32,)``. Its key is
+``<family>.prefill.<mode>``, fingerprinted like decode's with the token bound in the layout.
 
 The program
 -----------
@@ -117,7 +126,9 @@ class ProgramsReport:
     ``source``: ``hit`` (loaded from the kernel cache), ``compiled`` (built here) or ``eager``
     (failed; the runner runs eager); ``fingerprint``: the key used (or ``UNKNOWN``);
     ``published``: the kernel cache's answer to the publish (``PUBLISHED``, ``ALREADY_PRESENT``,
-    ``REJECTED``) or ``""`` when nothing was published; ``detail``: one human sentence.
+    ``REJECTED``) or ``""`` when nothing was published (these three are the decode program's);
+    ``prefill_source``: ``hit`` / ``compiled`` / ``eager`` for the prefill program (``""`` when
+    decode failed first); ``detail``: one human sentence.
     """
 
     mode: str
@@ -126,6 +137,7 @@ class ProgramsReport:
     source: str = ""
     fingerprint: str = ""
     published: str = ""
+    prefill_source: str = ""
 
     def __str__(self) -> str:
         return self.detail
@@ -168,6 +180,41 @@ def dynamic_shapes(runner: ModelRunner) -> tuple:
     return (pools, row, row, row, table, row)
 
 
+def prefill_tokens_max(runner: ModelRunner) -> int:
+    """The most tokens per row a prefill step can have: the per-step token budget, at most the
+    context length."""
+    return min(runner.config.resolved_max_num_batched_tokens(runner.max_model_len), runner.max_model_len)
+
+
+def prefill_example_inputs(runner: ModelRunner) -> tuple:
+    """Prefill inputs (:meth:`FamilyModel.forward`) of 2 padding rows of 2 tokens over 2
+    block-table entries (export specialises sizes 0 and 1): every slot and block id is the
+    scratch block 0; the KV pools are the runner's."""
+    dev = runner.device
+    B, S, nb = min(2, runner.config.max_num_seqs), 2, min(2, runner.max_blocks_per_seq)
+    tokens = torch.zeros((B, S), dtype=torch.int64, device=dev)
+    rows = torch.zeros(B, dtype=torch.int64, device=dev)
+    return (runner.kv.tensors, tokens, tokens.clone(), tokens.clone(),
+            torch.zeros((B, nb), dtype=torch.int64, device=dev), rows + 1, rows)
+
+
+def prefill_dynamic_shapes(runner: ModelRunner) -> tuple:
+    """``torch.export`` dynamic-shape spec for the prefill forward: the pools' block count, the
+    batch (when ``max_num_seqs`` >= 2), the tokens per row (2 .. :func:`prefill_tokens_max`; a
+    one-token chunk is padded to 2, see :meth:`ModelRunner.run_prefill`) and the block-table
+    width (when ``max_blocks_per_seq`` >= 2)."""
+    Dim = torch.export.Dim
+    pool = {1: Dim("num_blocks", min=2)}
+    pools = tuple(pool for _ in runner.kv.tensors)
+    batch = Dim("batch", min=1, max=runner.config.max_num_seqs) if runner.config.max_num_seqs >= 2 else None
+    tokens = Dim("tokens", min=2, max=max(2, prefill_tokens_max(runner)))
+    blocks = Dim("blocks", min=1, max=runner.max_blocks_per_seq) if runner.max_blocks_per_seq >= 2 else None
+    grid = {k: v for k, v in ((0, batch), (1, tokens)) if v is not None}
+    row = {0: batch} if batch is not None else None
+    table = {k: v for k, v in ((0, batch), (1, blocks)) if v is not None} or None
+    return (pools, grid, grid, grid, table, row, row)
+
+
 # ------------------------------------------------------------------------------------- keys
 
 
@@ -187,17 +234,31 @@ def _arch(runner: ModelRunner) -> dict:
     return {"family": runner.family.name, "pack_version": runner.family.pack_version, "config": config}
 
 
-def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) -> tuple[str, str]:
-    """``(name, fingerprint)`` of the decode program of ``runner`` compiled in ``mode``.
+#: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
+PROGRAM_KINDS = ("decode", "prefill")
+
+
+def program_module(runner: ModelRunner, kind: str) -> nn.Module:
+    """The module compiled for ``kind``: the decode module, or the family model (prefill)."""
+    return runner.decode_module if kind == "decode" else runner.model
+
+
+def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
+                kind: str = "decode") -> tuple[str, str]:
+    """``(name, fingerprint)`` of the ``kind`` program (:data:`PROGRAM_KINDS`) of ``runner``
+    compiled in ``mode``; ``name`` is ``<family>.<kind>.<mode>``.
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
-    max model length, max batch, max blocks per sequence, dynamic dims, KV pools), the family and
-    its config, the dtype, the device type and the compile options; ``UNKNOWN`` when any part is
-    unknown.
+    max model length, max batch, max blocks per sequence, dynamic dims, KV pools; for prefill the
+    most tokens per row), the family and its config, the dtype, the device type and the compile
+    options; ``UNKNOWN`` when any part is unknown.
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 
-    name = f"{runner.family.name}.decode.{mode}"
+    if kind not in PROGRAM_KINDS:
+        raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
+    name = f"{runner.family.name}.{kind}.{mode}"
+    weights = _constants(program_module(runner, kind))
     layout = {
         "block_size": runner.block_size,
         "max_model_len": runner.max_model_len,
@@ -205,8 +266,10 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None) 
         "max_blocks_per_seq": runner.max_blocks_per_seq,
         "dynamic": ["num_blocks", "batch", "blocks"],
         "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in runner.kv.specs],
-        "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(_constants(runner.decode_module).items())},
+        "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(weights.items())},
     }
+    if kind == "prefill":
+        layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=prefill_tokens_max(runner))
     options = {"mode": mode, "device": runner.device.type}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
@@ -394,23 +457,50 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
         log.warning("kernel cache unusable, compiling locally: %s", e)
         cache = None
     runner.install_decode_program(None)
+    runner.install_prefill_program(None)
     try:
-        work.mkdir(parents=True, exist_ok=True)
-        name, fp = program_key(runner, mode, sources=sources)
-        module = runner.decode_module
-        build = _load_aoti if mode == "aoti" else _load_inductor
-        program, source, published, detail = build(runner, module, name, fp, cache, work)
-    except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
-        log.exception("compiled programs unavailable; running eager")
-        return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager",
-                              source="eager")
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            name, fp = program_key(runner, mode, sources=sources)
+            module = runner.decode_module
+            if mode == "aoti":
+                program, source, published, detail = _load_aoti(
+                    runner, module, name, fp, cache, work, lambda: example_inputs(runner, *_dims(runner)),
+                    dynamic_shapes(runner))
+            else:
+                program, source, published, detail = _load_inductor(runner, module, name, fp, cache, work)
+        except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
+            log.exception("compiled programs unavailable; running eager")
+            return ProgramsReport(mode, time.perf_counter() - t0,
+                                  f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
+        runner.install_decode_program(_bind_kv(program, runner))
+        prefill_source, prefill_detail = _load_prefill(runner, mode, cache, work, sources)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
-    runner.install_decode_program(_bind_kv(program, runner))
     seconds = time.perf_counter() - t0
-    return ProgramsReport(mode, seconds, f"{mode}: {detail}", source=source,
-                          fingerprint=fp, published=published)
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}", source=source,
+                          fingerprint=fp, published=published, prefill_source=prefill_source)
+
+
+def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | None, work: Path,
+                  sources: list | None) -> tuple[str, str]:
+    """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
+    prefill eager, its dynamic token count would recompile graphs at run time). Returns its
+    source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
+    prefill eager."""
+    if mode != "aoti":
+        return "eager", "prefill eager"
+    try:
+        name, fp = program_key(runner, mode, sources=sources, kind="prefill")
+        program, source, _published, detail = _load_aoti(
+            runner, runner.model, name, fp, cache, work, lambda: prefill_example_inputs(runner),
+            prefill_dynamic_shapes(runner))
+    except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
+        log.exception("compiled prefill unavailable; prefill runs eager")
+        return "eager", f"prefill eager ({type(e).__name__}: {e})"
+    runner.install_prefill_program(program)
+    return source, detail
 
 
 def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
@@ -475,8 +565,10 @@ def _how(fp: str, cache: KernelCacheClient | None, published: str) -> str:
     return published or "not published"
 
 
-def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str,
-               cache: KernelCacheClient | None, work: Path) -> tuple[Callable, str, str, str]:
+def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str, cache: KernelCacheClient | None,
+               work: Path, example: Callable[[], tuple], dynamic: tuple) -> tuple[Callable, str, str, str]:
+    """Fetch program ``name``/``fp`` or export ``module`` at ``example()`` with ``dynamic``
+    shapes, compile and publish it; returns ``(program, source, published, detail)``."""
     package = work / f"{name}-{fp[:24]}.pt2"
     if _fetch(cache, name, fp, package):
         try:
@@ -486,8 +578,7 @@ def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str,
             _evict_broken(cache, name, fp, e)
     with tempfile.TemporaryDirectory(dir=work, prefix="compile-") as tmp:
         t = time.perf_counter()
-        built = compile_aoti(module, example_inputs(runner, *_dims(runner)), dynamic_shapes(runner),
-                             Path(tmp) / "program.pt2")
+        built = compile_aoti(module, example(), dynamic, Path(tmp) / "program.pt2")
         compile_s = time.perf_counter() - t
         published = _publish(cache, name, fp, built)
         program = AotiProgram(built, module, runner.device)  # the loader keeps its own extracted copy

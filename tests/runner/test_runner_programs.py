@@ -25,6 +25,9 @@ from model_families.llama import FAMILY as LLAMA
 from runner_service import programs
 from runner_service.kv_cache import KVCache
 from runner_service.model_runner import ModelRunner
+from runner_service.sampling_params import SamplingParams
+from runner_service.scheduler import ScheduledBatch
+from runner_service.sequence import Sequence
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/: runner_tiny.py lives there
 NUM_BLOCKS = 48
@@ -110,12 +113,48 @@ def test_aoti_cold_build_is_published_and_matches_eager(built):
     assert_compiled_matches_eager(runner, eager, cases, atol=1e-4)
 
 
+def prefill_batch(chunks: list[tuple[int, int, int]], vocab: int, block_size: int, seed: int) -> ScheduledBatch:
+    """A prefill batch: per row ``(prompt_len, start, n)``: the chunk ``[start, start + n)`` of a
+    random prompt, over distinct blocks (1 + 8 i onwards; block 0 is the scratch block)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = ScheduledBatch(is_prefill=True)
+    for i, (length, start, n) in enumerate(chunks):
+        seq = Sequence(f"r{i}", torch.randint(0, vocab, (length,), generator=g).tolist(),
+                       SamplingParams(max_tokens=1), max_model_len=64)
+        seq.block_table = list(range(1 + 8 * i, 1 + 8 * i + -(-length // block_size)))
+        batch.seqs.append(seq)
+        batch.starts.append(start)
+        batch.num_tokens.append(n)
+    return batch
+
+
+def test_compiled_prefill_matches_eager_including_one_token_and_later_chunks(built):
+    root, _, report = built
+    assert report.prefill_source == "compiled" and "llama.prefill.aoti" in report.detail, report
+    runner = make_runner()  # the built runner's pools were written by other tests: load fresh ones
+    assert programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work3").prefill_source == "hit"
+    assert runner.prefill_program is not None
+    entries = KernelCacheClient(root=root / "kc").list("llama.prefill")
+    assert [e.name for e in entries] == ["llama.prefill.aoti"]
+    eager = make_runner(compile="off")
+    # rows: a whole 7-token prompt, a 1-token prompt, the second chunk of a prompt (its first 9
+    # tokens' K/V come from the random-filled pool), and a 1-token last chunk
+    cases = [[(7, 0, 7)], [(1, 0, 1)], [(7, 0, 7), (13, 9, 4), (1, 0, 1), (10, 9, 1)]]
+    for n, chunks in enumerate(cases):
+        batch = prefill_batch(chunks, runner.args.vocab_size, runner.block_size, seed=n)
+        got, want = runner.run_prefill(batch), eager.run_prefill(batch)
+        assert got.shape == want.shape == (len(chunks), runner.args.vocab_size)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(runner.kv.pools["k"][:, 1:], eager.kv.pools["k"][:, 1:], atol=1e-4, rtol=0)
+        torch.testing.assert_close(runner.kv.pools["v"][:, 1:], eager.kv.pools["v"][:, 1:], atol=1e-4, rtol=0)
+
+
 def test_second_load_in_process_is_a_cache_hit(built):
     root, _, cold = built
     runner = make_runner()
     report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work2")
     assert (report.source, report.fingerprint, report.published) == ("hit", cold.fingerprint, "")
-    assert "HIT" in report.detail
+    assert report.prefill_source == "hit" and report.detail.count("HIT") == 2, report
     assert_compiled_matches_eager(runner, make_runner(compile="off"), [(2, 2, 4)], atol=1e-4)
 
 
