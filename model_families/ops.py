@@ -25,6 +25,10 @@ by :func:`quantized_weight`, and :func:`linear` runs them:
 - Other devices (CUDA, NPU) get the dequantized matrix in the compute dtype: correct, without
   the memory saving.
 
+Float matrices: :func:`float_linear` runs oneDNN's matmul on the CPU, on a blocked copy of the
+matrix made once at load (:class:`PackedMatrices`) when the runner made one; exported programs
+reach the copies through the ``torch.ops.warmserve.linear`` custom op.
+
 Paged layout (see :mod:`model_families.family`): a pool ``[layers, num_blocks, block_size, ...]``;
 slot ``s`` = ``block_id * block_size + offset``; block 0 is the scratch block.
 """
