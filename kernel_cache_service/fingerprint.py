@@ -70,15 +70,29 @@ def _source_bytes(source: Source) -> bytes:
 def source_digest(data: bytes) -> str:
     """sha256 (hex) of one source file's canonical form.
 
-    The canonical form is ``ast.dump(ast.parse(data), include_attributes=False)``: two files that
-    differ only in whitespace, line breaks, comments or quoting style give the same digest. A
-    file with a syntax error is hashed as raw bytes (tagged so it cannot collide with an AST).
+    The canonical form is ``ast.dump(ast.parse(data), include_attributes=False)`` with the
+    docstrings of the module, its classes and functions left out: two files that differ only in
+    whitespace, line breaks, comments, docstrings or quoting style give the same digest (a
+    documentation edit does not recompile programs). A file with a syntax error is hashed as raw
+    bytes (tagged so it cannot collide with an AST).
     """
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError):
         return _sha256_hex(b"raw\0" + data)
+    _strip_docstrings(tree)
     return _sha256_hex(b"ast\0" + ast.dump(tree, annotate_fields=True, include_attributes=False).encode())
+
+
+def _strip_docstrings(tree: ast.AST) -> None:
+    """Drop the leading string-constant statement of every module, class and function body
+    (an emptied body gets ``pass``), in place."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
 
 
 def _torch_version() -> str:

@@ -184,9 +184,14 @@ class ModelRunner:
         n = self.buffers.fill([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                               [s.block_table for s in rows])
         row_of = {id(s): i for i, s in enumerate(rows)}
-        self.buffers.order_logits([row_of[id(s)] for s in seqs])
+        order = [row_of[id(s)] for s in seqs]
+        in_row_order = order == list(range(n))
+        if not in_row_order:
+            self.buffers.order_logits(order)
         batch = _bucket(n, self.buckets)
         logits = self.decode_fn(batch)(*self.decode_views(batch, self.buffers.max_active_blocks()))
+        if in_row_order:  # the common case: no gathered copy of [n, V] float32
+            return list(seqs), logits[:n]
         return list(seqs), logits.index_select(0, self.buffers.logits_indices[:n])
 
     @torch.inference_mode()

@@ -95,6 +95,20 @@ def test_formatting_and_comments_do_not_change_the_code_fingerprint(tmp_path):
     assert a == b
 
 
+def test_docstrings_do_not_change_the_code_fingerprint_but_other_strings_do(tmp_path):
+    a = code_fingerprint([_write(tmp_path, "a.py", SOURCE)], **VERSIONS)
+    redocumented = '"""A module docstring."""\n' + SOURCE.replace('"""One step."""', '"""One decode step, [B, H] f32."""')
+    undocumented = SOURCE.replace('    """One step."""\n', "")
+    assert code_fingerprint([_write(tmp_path, "b.py", redocumented)], **VERSIONS) == a
+    assert code_fingerprint([_write(tmp_path, "c.py", undocumented)], **VERSIONS) == a
+    # a string statement that is not the first of its body is kept (and ``x = x`` is new code)
+    moved = SOURCE.replace('    """One step."""\n    return', '    x = x\n    """One step."""\n    return')
+    assert code_fingerprint([_write(tmp_path, "d.py", moved)], **VERSIONS) != a
+    only_docstring = "def f():\n    \"\"\"Nothing.\"\"\"\n"
+    assert code_fingerprint([_write(tmp_path, "e.py", only_docstring)], **VERSIONS) == code_fingerprint(
+        [_write(tmp_path, "f.py", "def f():\n    pass\n")], **VERSIONS)
+
+
 def test_a_code_change_changes_the_code_fingerprint(tmp_path):
     a = code_fingerprint([_write(tmp_path, "a.py", SOURCE)], **VERSIONS)
     b = code_fingerprint([_write(tmp_path, "b.py", SOURCE_CHANGED)], **VERSIONS)
