@@ -439,7 +439,9 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                   kernel_cache: KernelCacheClient | str | Path | None = None,
                   work_dir: str | Path | None = None, sources: list | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``config.compile`` (default
-    ``runner.config.compile``) and install it with :meth:`ModelRunner.install_decode_program`.
+    ``runner.config.compile``) and install it with :meth:`ModelRunner.install_decode_program`;
+    in ``aoti`` mode then the prefill program likewise (:meth:`ModelRunner.install_prefill_program`;
+    its failure leaves only prefill eager).
 
     ``kernel_cache``: a :class:`KernelCacheClient`, a daemon address ``host:port``, a store
     directory, or ``None`` (compile every launch). ``work_dir``: where fetched and compiled
