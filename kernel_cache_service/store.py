@@ -39,6 +39,7 @@ quarantined, which for a cache is the same as a miss. Counters (hits, misses, ..
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -71,7 +72,7 @@ from kernel_cache_service.entry import (
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from kernel_cache_service.locks import OwnedTempDir, entry_lock, lock_shared, sweep_unowned, try_exclusive
-from services.errors import InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, WarmserveError
 from services.fsmode import default_dir_mode, default_file_mode
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,15 @@ class EntryReader:
         self.close()
 
 
+def storage_error(e: OSError, what: str) -> WarmserveError:
+    """The error a client sees for a failed write into the store (nothing of it is kept): a full
+    disk or quota (``ENOSPC``, ``EDQUOT``) is ``ResourceExhausted``; anything else (a read-only
+    root, permissions, I/O) ``FailedPrecondition``; one sentence naming ``what`` and the cause."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{what}: no space left on the kernel-cache disk ({e.strerror}); nothing was stored")
+    return FailedPrecondition(f"{what}: cannot write the kernel-cache store ({e.strerror or e}); nothing was stored")
+
+
 class PendingPublish:
     """An artifact on its way into the store; get one from :meth:`KernelStore.begin_publish`.
 
@@ -148,8 +158,15 @@ class PendingPublish:
         self.name, self.fingerprint, self.fmt, self.producer = name, fingerprint, fmt, producer
         self._expected_size, self._expected_sha = size, sha256
         self._store = store
-        self._tmp = OwnedTempDir(store.root / "tmp")
-        self._file = open(self._tmp.path / BLOB, "wb")  # closed by commit/abort
+        self._what = f"publishing {name}/{fingerprint[:12]}"
+        self._tmp = None
+        try:
+            self._tmp = OwnedTempDir(store.root / "tmp")
+            self._file = open(self._tmp.path / BLOB, "wb")  # closed by commit/abort
+        except OSError as e:
+            if self._tmp is not None:
+                self._tmp.remove()
+            raise storage_error(e, self._what) from e
         self._sink = HashingWriter(self._file)
         self.overflowed = False
         self._finished = False
@@ -164,7 +181,11 @@ class PendingPublish:
         if self._expected_size is not None and self._sink.size + len(data) > self._expected_size:
             self.overflowed = True
         if not self.overflowed:
-            self._sink.write(data)
+            try:
+                self._sink.write(data)
+            except OSError as e:
+                self.abort()
+                raise storage_error(e, self._what) from e
         return len(data)
 
     def _rejection(self) -> str | None:
@@ -182,24 +203,35 @@ class PendingPublish:
         return None
 
     def commit(self) -> PublishResult:
-        """Verify and make the entry visible; PUBLISHED, ALREADY_PRESENT or REJECTED (with reason)."""
+        """Verify and make the entry visible; PUBLISHED, ALREADY_PRESENT or REJECTED (with reason).
+        Raises ``InvalidArgument`` for an empty artifact (0 bytes received, as announced), which
+        is discarded like a rejected one."""
         if self._finished:
             raise RuntimeError("publish already finished")
         self._finished = True
         try:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:  # buffered bytes hit a full disk
+                raise storage_error(e, self._what) from e
             reason = self._rejection()
             if reason is not None:
                 return PublishResult(REJECTED, reason)
+            if self._sink.size == 0:
+                raise InvalidArgument(f"{self.name}/{self.fingerprint[:12]}: an empty artifact (0 bytes) is "
+                                      "not a program; nothing was stored")
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
                              created=time.time(), producer=self.producer, format=self.fmt)
-            manifest = self._tmp.path / MANIFEST
-            manifest.write_bytes(info.manifest_bytes())
-            os.utime(manifest, (info.created, info.created))  # last access = creation, same clock
-            os.chmod(manifest, default_file_mode())
-            os.chmod(self._tmp.path / BLOB, default_file_mode())
-            os.chmod(self._tmp.path, default_dir_mode())
-            return self._store._install(self._tmp.path, info)
+            try:
+                manifest = self._tmp.path / MANIFEST
+                manifest.write_bytes(info.manifest_bytes())
+                os.utime(manifest, (info.created, info.created))  # last access = creation, same clock
+                os.chmod(manifest, default_file_mode())
+                os.chmod(self._tmp.path / BLOB, default_file_mode())
+                os.chmod(self._tmp.path, default_dir_mode())
+                return self._store._install(self._tmp.path, info)
+            except OSError as e:
+                raise storage_error(e, self._what) from e
         finally:
             self._tmp.remove()
 
@@ -207,8 +239,12 @@ class PendingPublish:
         """Discard the bytes written so far."""
         if not self._finished:
             self._finished = True
-            self._file.close()
-            self._tmp.remove()
+            try:
+                self._file.close()
+            except OSError:  # the buffered tail could not be written: it is discarded anyway
+                pass
+            finally:
+                self._tmp.remove()
 
     def __enter__(self) -> PendingPublish:
         return self
@@ -435,10 +471,13 @@ class KernelStore:
     def precheck(self, name: str, fingerprint: str, size: int | None = None) -> PublishResult | None:
         """The answer to a publish that needs no bytes: REJECTED (UNKNOWN key, ``size`` bytes over
         the budget) or ALREADY_PRESENT; ``None`` when the bytes are needed. Raises
-        ``InvalidArgument`` for a bad key."""
+        ``InvalidArgument`` for a bad key or an announced ``size`` of 0 bytes (an empty artifact)."""
         validate_key(name, fingerprint)
         if fingerprint == UNKNOWN:
             return PublishResult(REJECTED, "the fingerprint is UNKNOWN; unknown keys are never stored")
+        if size == 0:
+            raise InvalidArgument(f"{name}/{fingerprint[:12]}: an empty artifact (0 bytes) is not a program; "
+                                  "nothing was stored")
         if size is not None and self.max_bytes and size > self.max_bytes:
             return PublishResult(
                 REJECTED, f"artifact of {size} bytes exceeds the store budget of {self.max_bytes} bytes")

@@ -201,9 +201,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), args.eos_token_ids)
+        touched = self.kv.touched_bytes()
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
-                                    f"{self.kv.nbytes / 2**20:.1f} MiB, "
-                                    f"prefix caching {'on' if self.prefix_caching else 'off'}")
+                                    f"{self.kv.nbytes / 2**20:.1f} MiB reserved"
+                                    + ("" if touched is None else f", {touched / 2**20:.1f} MiB touched")
+                                    + f", prefix caching {'on' if self.prefix_caching else 'off'}")
 
         t0 = time.perf_counter()
         self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,

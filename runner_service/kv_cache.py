@@ -13,6 +13,8 @@ Size: one block costs the sum of :meth:`CacheSpec.bytes_per_block` over the pool
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -42,9 +44,46 @@ def num_blocks_for_bytes(specs: Sequence[CacheSpec], dtype: torch.dtype, kv_byte
     return int(n)
 
 
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A CPU tensor of zeros backed by an anonymous private mapping: the kernel maps a page on
+    first touch, so reserving costs neither time nor memory until blocks are used."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape), buf
+
+
+def resident_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of ``t``'s pages that are in memory (``mincore(2)``), or ``None`` where that cannot
+    be asked (not a CPU tensor, not Linux/glibc)."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return None
+    flags = bytes(vec)
+    return (pages - flags.count(0)) * page
+
+
 class KVCache:
     """The pools of :class:`CacheSpec` s over ``num_blocks`` blocks of ``block_size`` tokens,
     zero-initialised (so masked-out entries are finite and never poison attention).
+
+    On the CPU the pools are reserved, not touched: each is an anonymous memory mapping whose
+    pages the kernel supplies (zeroed) on first use, so a large default cache costs no start-up
+    time and no memory beyond the blocks sequences write (:meth:`touched_bytes`). Elsewhere they
+    are ``torch.zeros``.
 
     ``pools`` maps pool name to tensor; :attr:`tensors` is the tuple in spec order, the
     ``caches`` argument of a family model's forward.
@@ -57,11 +96,24 @@ class KVCache:
         self.specs = tuple(specs)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.pools = {s.name: torch.zeros((s.layers, num_blocks, *s.block_shape), dtype=dtype, device=device)
-                      for s in self.specs}
+        self._maps: list[mmap.mmap] = []  # kept alive with the pools they back
+        self.pools: dict[str, torch.Tensor] = {}
+        for s in self.specs:
+            shape = (s.layers, num_blocks, *s.block_shape)
+            if device.type == "cpu":
+                self.pools[s.name], buf = _zero_pages(shape, dtype)
+                self._maps.append(buf)
+            else:
+                self.pools[s.name] = torch.zeros(shape, dtype=dtype, device=device)
         self.tensors: tuple[torch.Tensor, ...] = tuple(self.pools.values())
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all pools."""
+        """Bytes of all pools (reserved)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def touched_bytes(self) -> int | None:
+        """Bytes of the pools in memory now (pages written or read at least once), or ``None``
+        when the platform cannot tell (see :func:`resident_bytes`)."""
+        sizes = [resident_bytes(t) for t in self.tensors]
+        return None if any(n is None for n in sizes) else sum(sizes)

@@ -226,12 +226,21 @@ def program_sources(runner: ModelRunner) -> list:
     return [*runner.family.program_sources(), sys.modules[__name__]]
 
 
+def _without_none(value: Any) -> Any:
+    """``value`` with ``None`` entries of dicts dropped at every depth and tuples as lists: a
+    config field or a ``rope_scaling`` key set to null means the same as one left out (and a
+    ``None`` would make the fingerprint ``UNKNOWN``)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_none(v) for v in value]
+    return value
+
+
 def _arch(runner: ModelRunner) -> dict:
-    """The family, its pack version and its config as JSON-able values; ``None`` fields are
-    left out (absent is a value)."""
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in runner.args.to_dict().items()
-              if v is not None}
-    return {"family": runner.family.name, "pack_version": runner.family.pack_version, "config": config}
+    """The family, its pack version and its config as JSON-able values (:func:`_without_none`)."""
+    return {"family": runner.family.name, "pack_version": runner.family.pack_version,
+            "config": _without_none(runner.args.to_dict())}
 
 
 #: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
@@ -250,8 +259,8 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
     max model length, max batch, max blocks per sequence, dynamic dims, KV pools; for prefill the
-    most tokens per row), the family and its config, the dtype, the device type and the compile
-    options; ``UNKNOWN`` when any part is unknown.
+    most tokens per row), the family and its config, the dtype, the device type, the torch thread
+    count and the compile options; ``UNKNOWN`` when any part is unknown.
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 
@@ -270,7 +279,9 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
     }
     if kind == "prefill":
         layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=prefill_tokens_max(runner))
-    options = {"mode": mode, "device": runner.device.type}
+    # Inductor writes the thread count into CPU code (``num_threads(N)`` on its OpenMP loops when
+    # it differs from the core count), so a program built under N threads is another program.
+    options = {"mode": mode, "device": runner.device.type, "threads": torch.get_num_threads()}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
     else:
@@ -532,8 +543,8 @@ def _publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path) ->
         return ""
     try:
         return cache.publish(name, fp, path, producer=f"warmserve-runner:{os.getpid()}")
-    except WarmserveError as e:
-        log.warning("publishing %s/%s failed: %s", name, fp[:12], e)
+    except (WarmserveError, OSError) as e:  # the compiled program is still used
+        log.warning("publishing %s/%s failed (the program compiled here is used): %s", name, fp[:12], e)
         return "FAILED"
 
 
@@ -544,7 +555,7 @@ def _fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> b
         return False
     try:
         return cache.fetch(name, fp, dest) is not None
-    except WarmserveError as e:
+    except (WarmserveError, OSError) as e:
         log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
         return False
 

@@ -92,6 +92,9 @@ def test_bad_input_and_failed_operations(capsys, tmp_path, artifacts, grpc_cache
     assert code == 1 and "MISS" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "put", "n", "f", str(tmp_path / "missing"), *root)
     assert code == 2 and "not a file or a directory" in err
+    (tmp_path / "empty").write_bytes(b"")
+    code, _, err = run(capsys, "put", "n", "f", str(tmp_path / "empty"), *root)
+    assert code == 2 and "empty artifact" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "put", "n", "UNKNOWN", str(f), *root)
     assert code == 2 and "UNKNOWN is never stored" in err  # bad input, refused before any I/O
     assert run(capsys, "evict", *root)[0] == 2

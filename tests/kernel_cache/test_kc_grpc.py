@@ -3,6 +3,7 @@ protocol, bearer-token auth, integrity, read leases during a Fetch, and drain on
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -13,6 +14,7 @@ import grpc
 import pytest
 from kc_workers import tree_digest
 
+from kernel_cache_service import artifact
 from kernel_cache_service.client import KernelCacheClient
 from services.bootstrap import bearer_metadata
 from services.errors import InvalidArgument, Unauthenticated, Unavailable
@@ -63,7 +65,8 @@ def test_round_trip_over_grpc(grpc_cache, tmp_path):
     assert client.publish("llama.decode", "f1", tmp_path / "prog.so", producer="t") == "PUBLISHED"
     assert client.publish("llama.decode", "f1", tmp_path / "prog.so") == "ALREADY_PRESENT"
     assert client.publish("llama.decode", "d1", src_dir) == "PUBLISHED"
-    assert client.publish("llama.decode", "e0", tmp_path / "empty.bin") == "PUBLISHED"
+    with pytest.raises(InvalidArgument, match="empty artifact"):  # 0 bytes is no program
+        client.publish("llama.decode", "e0", tmp_path / "empty.bin")
 
     info = client.lookup("llama.decode", "f1")
     assert (info.size_bytes, info.sha256, info.format, info.producer) == (
@@ -74,8 +77,8 @@ def test_round_trip_over_grpc(grpc_cache, tmp_path):
     assert (tmp_path / "out-small.so").read_bytes() == data
     assert client.fetch("llama.decode", "d1", tmp_path / "restored").format == "dir"
     assert tree_digest(tmp_path / "restored") == tree_digest(src_dir)
-    assert client.fetch("llama.decode", "e0", tmp_path / "empty.out").size_bytes == 0
-    assert (tmp_path / "empty.out").read_bytes() == b""
+    assert client.fetch("llama.decode", "e0", tmp_path / "empty.out") is None
+    assert not (tmp_path / "empty.out").exists()
     assert client.fetch("llama.decode", "nope", tmp_path / "miss") is None
     assert not (tmp_path / "miss").exists()
 
@@ -84,11 +87,11 @@ def test_round_trip_over_grpc(grpc_cache, tmp_path):
     assert msgs[0].entry.sha256 == info.sha256 and not any(m.HasField("entry") for m in msgs[1:])
     assert [len(m.data) for m in msgs] == [1 << 20] * 3 + [17]
 
-    assert [(e.fingerprint, e.format) for e in client.list("llama")] == [("d1", "dir"), ("e0", "file"), ("f1", "file")]
+    assert [(e.fingerprint, e.format) for e in client.list("llama")] == [("d1", "dir"), ("f1", "file")]
     s = client.stat()
-    assert (s["entries"], s["publishes"], s["root"]) == (3, 3, str(cache.store.root))
+    assert (s["entries"], s["publishes"], s["root"]) == (2, 2, str(cache.store.root))
     assert client.evict("llama.decode", "f1") == (1, len(data))
-    assert client.evict(all=True)[0] == 2
+    assert client.evict(all=True)[0] == 1  # d1 is left
     assert client.list() == []
     client.close()
 
@@ -148,10 +151,33 @@ def test_publish_protocol_is_verified(grpc_cache):
     wrong = stub.Publish(_publish_requests("p", "f", data, sha=hashlib.sha256(b"other").hexdigest()))
     assert wrong.status == pb.PublishResponse.REJECTED and "sha256" in wrong.reason
     assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.MISS
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Publish(_publish_requests("p", "f", b""))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty artifact" in e.value.details()
+    # announced as 50 000 bytes, none sent: a short transfer (REJECTED), not an empty artifact
+    none_sent = stub.Publish(_publish_requests("p", "f", b"", size=len(data), sha=hashlib.sha256(data).hexdigest()))
+    assert none_sent.status == pb.PublishResponse.REJECTED and "announced" in none_sent.reason
     ok = stub.Publish(_publish_requests("p", "f", data))
     assert ok.status == pb.PublishResponse.PUBLISHED and ok.entry.size_bytes == len(data)
     again = stub.Publish(_publish_requests("p", "f", data))
     assert again.status == pb.PublishResponse.ALREADY_PRESENT
+    assert list((cache.store.root / "tmp").iterdir()) == []
+
+
+def test_a_full_disk_in_the_daemon_is_resource_exhausted_and_leaves_nothing(grpc_cache, monkeypatch):
+    cache = grpc_cache()
+    stub = _stub(cache.address)
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(artifact.HashingWriter, "write", full)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Publish(_publish_requests("p", "f", os.urandom(10_000)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no space left" in e.value.details() and "\n" not in e.value.details()
+    monkeypatch.undo()
+    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.MISS
     assert list((cache.store.root / "tmp").iterdir()) == []
 
 

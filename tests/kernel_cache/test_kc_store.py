@@ -3,6 +3,7 @@ eviction under a byte budget with read leases."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 from kc_workers import tree_digest
 
+from kernel_cache_service import artifact
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.store import KernelStore
-from services.errors import InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 BAD_KEYS = ["../x", "", "a" * 10_000, "a/b", ".", "..", "x..y", "x y", "caf\u00e9", "a\x00b"]
 
@@ -134,6 +136,40 @@ def test_bad_keys_are_invalid_argument(store, tmp_path, bad):
         with pytest.raises(InvalidArgument):
             call()
     assert not any((store.root / "entries").iterdir())
+
+
+def test_an_empty_artifact_is_invalid_argument_and_leaves_nothing(store, tmp_path):
+    empty = _file(tmp_path, "empty", b"")
+    with pytest.raises(InvalidArgument, match="empty artifact"):
+        store.publish("p", "f", empty)
+    with pytest.raises(InvalidArgument, match="empty artifact"):
+        store.precheck("p", "f", size=0)
+    with pytest.raises(InvalidArgument, match="empty artifact"):
+        with store.begin_publish("p", "f") as pending:  # no size announced, nothing written
+            pending.commit()
+    assert store.lookup("p", "f") is None
+    assert list((store.root / "tmp").iterdir()) == [] and not any((store.root / "entries").iterdir())
+    assert store.stat()["publishes"] == 0
+
+
+@pytest.mark.parametrize("err,kind,words", [
+    (errno.ENOSPC, ResourceExhausted, "no space left"),
+    (errno.EROFS, FailedPrecondition, "cannot write"),
+])
+def test_a_failing_disk_is_one_clear_error_and_leaves_nothing(store, tmp_path, monkeypatch, err, kind, words):
+    src = _file(tmp_path, "a", os.urandom(300_000))
+
+    def write(self, data):  # the disk is full / read-only
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(artifact.HashingWriter, "write", write)
+    with pytest.raises(kind, match=words) as e:
+        store.publish("p", "f", src)
+    assert "p/f" in str(e.value) and "nothing was stored" in str(e.value)
+    monkeypatch.undo()
+    assert store.lookup("p", "f") is None
+    assert list((store.root / "tmp").iterdir()) == [] and not any((store.root / "entries").iterdir())
+    assert store.publish("p", "f", src).status == "PUBLISHED"  # the store is fine afterwards
 
 
 def test_publish_of_a_missing_path_is_invalid_argument(store, tmp_path):

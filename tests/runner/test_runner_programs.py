@@ -7,6 +7,7 @@ decode step they compare against is checked against transformers in test_runner_
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -147,6 +148,45 @@ def test_compiled_prefill_matches_eager_including_one_token_and_later_chunks(bui
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(runner.kv.pools["k"][:, 1:], eager.kv.pools["k"][:, 1:], atol=1e-4, rtol=0)
         torch.testing.assert_close(runner.kv.pools["v"][:, 1:], eager.kv.pools["v"][:, 1:], atol=1e-4, rtol=0)
+
+
+class _FullDiskCache(KernelCacheClient):
+    """An embedded store whose publishes hit a full disk (as a read-only or full directory does)."""
+
+    def publish(self, name, fingerprint, path, *, producer=""):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_the_thread_count_is_in_the_key_and_a_null_rope_scaling_entry_is_not_unknown():
+    runner = make_runner()
+    threads = torch.get_num_threads()
+    base = programs.program_key(runner, "aoti")
+    try:
+        torch.set_num_threads(threads + 1)
+        more_threads = programs.program_key(runner, "aoti")
+    finally:
+        torch.set_num_threads(threads)
+    assert more_threads != base and programs.program_key(runner, "aoti") == base
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    with_null = make_runner()
+    with_null.args = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8,
+                               max_pos=128, rope_scaling={**scaling, "truncate": None})
+    without = make_runner()
+    without.args = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8,
+                             max_pos=128, rope_scaling=scaling)
+    key = programs.program_key(with_null, "aoti")[1]
+    assert key != UNKNOWN and key == programs.program_key(without, "aoti")[1] != base[1]
+
+
+def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(tmp_path):
+    runner = make_runner(layers=1)  # a key of its own: compiled here, not fetched
+    report = programs.load_programs(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"),
+                                    work_dir=tmp_path / "work")
+    assert (report.source, report.published, report.prefill_source) == ("compiled", "FAILED", "compiled"), report
+    assert set(runner.decode_programs) == set(runner.buckets) and runner.prefill_program is not None
+    assert_compiled_matches_eager(runner, make_runner(layers=1, compile="off"), [(2, 2, 3)], atol=1e-4)
+    assert KernelCacheClient(root=tmp_path / "kc").list("llama") == []
 
 
 def test_second_load_in_process_is_a_cache_hit(built):
