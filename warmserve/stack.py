@@ -14,7 +14,9 @@ and finally waits until the router lists every runner READY (runners register wi
 ``HOME/logs/NAME.log``; a child that exits while starting raises ``Unavailable`` quoting the tail
 of its log. ``stop()`` sends SIGTERM to every child (router first), waits ``stop_grace_s``
 seconds, then SIGKILLs stragglers. Children also get SIGTERM if this process dies
-(``PR_SET_PDEATHSIG``; Linux), so a crashed parent leaves no orphans.
+(``PR_SET_PDEATHSIG``; Linux), so a crashed parent leaves no orphans. While the stack runs,
+:meth:`LocalStack.heal` relaunches a child that exited (same port, id and log) after a doubling
+backoff, and gives up on one that keeps exiting (``warmserve up`` then stops the stack, exit 1).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -59,6 +61,10 @@ class StackConfig:
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
     core oversubscribe the CPU and OpenMP barriers then stall decode (see ``docs/benchmarks.md``).
+    Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
+    ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
+    ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
+    restarts in a minute is given up.
     """
 
     runners: int = 2
@@ -79,6 +85,9 @@ class StackConfig:
     python: str = sys.executable
     runner_args: tuple[str, ...] = ()
     runner_threads: int | None = None
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    max_restarts_per_minute: int = 5
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -97,6 +106,10 @@ class StackConfig:
             raise InvalidArgument(f"runner threads must be >= 1, got {self.runner_threads}")
         if self.lease_seconds <= 0 or self.health_interval_s <= 0 or self.startup_timeout_s <= 0:
             raise InvalidArgument("lease, health interval and start-up timeout must be > 0 seconds")
+        if self.restart_backoff_s <= 0 or self.max_restart_backoff_s < self.restart_backoff_s \
+                or self.max_restarts_per_minute < 1:
+            raise InvalidArgument("restart backoff must be > 0 s (at most the maximum) and at least 1 restart "
+                                  "per minute must be allowed")
 
     @classmethod
     def from_args(cls, args) -> StackConfig:
@@ -118,6 +131,9 @@ class ChildProcess:
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready_s: float | None = None  # seconds from launch to SERVING
+    restarts: int = 0  # relaunches by LocalStack.heal
+    restart_times: list[float] = field(default_factory=list)  # time.monotonic() of each
+    restart_due: float | None = None  # when heal relaunches it (exited, waiting out its backoff)
 
     @property
     def running(self) -> bool:
@@ -375,6 +391,37 @@ class LocalStack:
         """Children that were launched and are no longer running."""
         return [c for c in [*self.services.values(), *self.runners] if c is not None and c.proc and not c.running]
 
+    def heal(self) -> list[ChildProcess]:
+        """Relaunch children that exited (same argv, port and log; a runner re-registers with the
+        router, which keeps serving through the others meanwhile), each after its backoff (see
+        :class:`StackConfig`); one line of progress per exit and per relaunch. Call it
+        periodically (``warmserve up`` does, every second). Returns the children given up on
+        (more than ``max_restarts_per_minute`` restarts in the last minute), left exited."""
+        cfg = self.config
+        now = time.monotonic()
+        given_up = []
+        for child in self.exited():
+            recent = [t for t in child.restart_times if now - t < 60.0]
+            if child.restart_due is None:
+                if len(recent) >= cfg.max_restarts_per_minute:
+                    given_up.append(child)
+                    continue
+                delay = min(cfg.restart_backoff_s * 2 ** len(recent), cfg.max_restart_backoff_s)
+                child.restart_due = now + delay
+                self._progress(f"warmserve: {child.name} exited (status {child.proc.returncode}); restarting in "
+                               f"{delay:.1f} s (restart {child.restarts + 1}); log: {child.log_path}")
+            elif now >= child.restart_due:
+                child.restart_due = None
+                child.restarts += 1
+                child.restart_times.append(now)
+                self._launch(child)
+                self._progress(f"warmserve: {child.name} restarted (pid {child.proc.pid})")
+        return given_up
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far per child name (every launched child, 0 included)."""
+        return {c.name: c.restarts for c in [*self.services.values(), *self.runners] if c is not None}
+
 
 def _last_log_msg(child: ChildProcess) -> str:
     """The ``msg`` of the child's latest JSON log record ("" if none yet; other lines skipped)."""
@@ -436,7 +483,8 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO) 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
     """``warmserve up``: start the stack, print endpoints and start-up reports, then run until
-    SIGINT/SIGTERM (exit 0) or until a child dies (exit 1); stops every child either way."""
+    SIGINT/SIGTERM (exit 0), relaunching children that exit (:meth:`LocalStack.heal`), or until
+    one keeps exiting past the restart cap (exit 1); stops every child either way."""
     stop = threading.Event()
     started = threading.Event()
 
@@ -458,11 +506,12 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
         out.write(f"\nready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)\n")
         out.flush()
         while not stop.wait(1.0):
-            dead = stack.exited()
-            if dead:
-                for c in dead:
-                    print(f"warmserve: {c.name} exited (status {c.proc.returncode}); log: {c.log_path}",
-                          file=sys.stderr)
+            given_up = stack.heal()
+            if given_up:
+                for c in given_up:
+                    print(f"warmserve: {c.name} keeps exiting (status {c.proc.returncode}, "
+                          f"{config.max_restarts_per_minute} restarts in a minute); giving up. Its log "
+                          f"({c.log_path}) ends:\n{c.log_tail(10)}", file=sys.stderr)
                 return 1
         print("stopping ...", file=sys.stderr)
         return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
-from warmserve.stack import LocalStack, StackConfig, format_startup_report
+from warmserve.stack import ChildProcess, LocalStack, StackConfig, format_startup_report
 
 
 def test_config_is_validated() -> None:
@@ -98,3 +100,26 @@ def test_a_child_that_dies_while_starting_is_reported_and_the_rest_stopped(tmp_p
         with pytest.raises(Unavailable, match=r"router exited with status 1 while starting; its log .* ends:"):
             stack.start()
     assert all(not c.running for c in stack.services.values())
+
+
+def test_heal_relaunches_with_doubling_backoff_and_gives_up_past_the_cap(tmp_path: Path) -> None:
+    lines: list[str] = []
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path, restart_backoff_s=0.1,
+                                   max_restart_backoff_s=0.3, max_restarts_per_minute=3), progress=lines.append)
+    child = ChildProcess("weights", [sys.executable, "-c", "import sys; sys.exit(3)"], "127.0.0.1:1",
+                         tmp_path / "weights.log")
+    stack.services["weights"] = stack._launch(child)
+    end = time.monotonic() + 20
+    given_up = []
+    while not given_up:
+        assert time.monotonic() < end, lines
+        given_up = stack.heal()
+        time.sleep(0.01)
+    assert given_up == [child] and child.restarts == 3 and stack.restarts() == {"weights": 3}
+    exits = [m for m in lines if "exited (status 3)" in m]
+    # 0.1 s doubled per restart in the last minute, capped at 0.3 s
+    assert [m.split("restarting in ")[1].split(" s")[0] for m in exits] == ["0.1", "0.2", "0.3"]
+    assert len([m for m in lines if "restarted (pid" in m]) == 3
+    gaps = [b - a for a, b in zip(child.restart_times, child.restart_times[1:], strict=False)]
+    assert gaps[0] >= 0.2 and gaps[1] >= 0.3, gaps  # each relaunch waited out its backoff
+    assert stack.heal() == [child] and child.restarts == 3  # stays given up

@@ -1,6 +1,6 @@
 """End to end on the real SmolLM2: the stack as separate processes (LocalStack), one stack shared
-by the module (each runner launch costs seconds). Order matters: the failover test kills and
-restarts runner-1 last."""
+by the module (each runner launch costs seconds). Order matters: the failover test kills
+runner-1 and heals it, then the router is killed and healed."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from router_service.client import list_runners
+from services.errors import Unavailable
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
@@ -150,8 +151,13 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
         time.sleep(0.2)
     assert time.monotonic() - killed_at >= 0.5
 
-    # Restarted, it registers again and serves.
-    stack.start_runner(1)
+    # heal() relaunches it after its backoff (1 s; same port and id); it registers again and serves.
+    end = time.monotonic() + 10
+    while stack.runners[1].restarts == 0:
+        assert stack.heal() == [] and time.monotonic() < end
+        time.sleep(0.1)
+    stack.wait_runners([1])
+    assert stack.restarts() == {"kernel-cache": 0, "weights": 0, "router": 0, "runner-0": 0, "runner-1": 1}
     assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.READY,
                                      "runner-1": router_pb2.RunnerStatus.READY}
     with GenerationClient(stack.router_address) as client:
@@ -159,6 +165,22 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
                                                routing=generation_pb2.ROUND_ROBIN)).runner_id
                   for q in QUESTIONS[:4]}
     assert served == {"runner-0", "runner-1"}
+
+
+def test_a_killed_router_is_relaunched_and_the_runners_register_again(stack: LocalStack) -> None:
+    router = stack.services["router"]
+    router.proc.send_signal(signal.SIGKILL)
+    router.proc.wait(timeout=10)
+    with pytest.raises(Unavailable, match="cannot reach"):  # down: clients are refused, nothing hangs
+        GenerationClient(stack.router_address, ready_timeout_s=1.0)
+    end = time.monotonic() + 20
+    while router.restarts == 0 or check_health(stack.router_address, timeout_s=0.5) != "SERVING":
+        assert stack.heal() == [] and time.monotonic() < end
+        time.sleep(0.1)
+    stack.wait_registered(["runner-0", "runner-1"], timeout_s=20)  # the runners' heartbeats re-register
+    with GenerationClient(stack.router_address) as client:
+        reply = client.complete(chat_request([("user", "Hi!")], sampling_params(max_tokens=4)))
+    assert reply.runner_id in {"runner-0", "runner-1"} and len(reply.token_ids) == reply.completion_tokens == 4
 
 
 def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
