@@ -38,6 +38,9 @@ def register(subparsers) -> None:
                             "checkpoint's own, int4 for a Q4_0/Q4_1 GGUF)")
     serve.add_argument("--compile", choices=COMPILE_MODES, default="off",
                        help="compiled decode programs (default off: eager)")
+    serve.add_argument("--compile-in-background", action="store_true",
+                       help="with --compile aoti: serve eager at once when the programs are not in the kernel "
+                            "cache, and install them between two steps once built (lower CPU priority)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=32,
                        help="sequences decoded together at most (default 32)")
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,

@@ -47,6 +47,9 @@ class EngineConfig:
     - ``enable_prefix_caching``: reuse full KV blocks across requests that share a token prefix
       (:mod:`runner_service.block_manager`); on by default, and effective only for a model family
       that declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`.
+    - ``background_compile``: with ``compile="aoti"``, when the programs are not all in the
+      kernel cache, serve eager at once and fetch/compile them in a background thread at lower
+      CPU priority; each is installed between two engine steps (:meth:`LLMEngine.call_between_steps`).
     """
 
     max_num_seqs: int = 32
@@ -63,6 +66,7 @@ class EngineConfig:
     warmup: bool = True
     num_threads: int | None = None
     enable_prefix_caching: bool = True
+    background_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

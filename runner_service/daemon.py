@@ -36,6 +36,7 @@ def engine_config_from_args(args) -> EngineConfig:
         device=args.device,
         num_threads=args.threads,
         enable_prefix_caching=args.prefix_caching,
+        background_compile=args.compile_in_background,
         runner_id=args.runner_id or "runner",
     )
 

@@ -22,8 +22,10 @@ logged as one line and returned by ``ModelInfo``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -139,6 +141,19 @@ class _Live:
     detok: IncrementalDetokenizer
 
 
+def _lower_thread_priority(step: int = 10) -> None:
+    """Raise the calling thread's nice value by ``step`` (Linux: a thread's own priority, which
+    the processes it starts, e.g. the C++ compiler, inherit). Elsewhere nothing: ``PRIO_PROCESS``
+    would renice the whole process."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+    except OSError:
+        pass
+
+
 class LLMEngine:
     """Continuous-batching generation over one model (see the module docstring).
 
@@ -163,6 +178,17 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
                  family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
                  kernel_cache: str | None = None, weights_dtype: str = "") -> None:
+        self._created = time.perf_counter()
+        self.sampler = Sampler()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, object]] = []
+        self._ids: set[str] = set()   # in-flight request ids (guarded by _lock)
+        self._live: dict[str, _Live] = {}  # stepping thread only
+        self._thread: threading.Thread | None = None
+        self._compiler: threading.Thread | None = None  # background compile, if any
+        self._stopping = False
+        self.generated_tokens_total = 0
         self.args = args
         self.model_family = family or family_for_config(args)
         self.family = self.model_family.name
@@ -222,15 +248,6 @@ class LLMEngine:
         self._phase("warmup", t0, f"decode buckets {self.warmup_buckets()}" if config.warmup else "skipped")
         log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
 
-        self.sampler = Sampler()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple[str, object]] = []
-        self._ids: set[str] = set()   # in-flight request ids (guarded by _lock)
-        self._live: dict[str, _Live] = {}  # stepping thread only
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.generated_tokens_total = 0
 
     # -- construction ------------------------------------------------------------------------
 
@@ -282,7 +299,48 @@ class LLMEngine:
         except ImportError as e:
             raise FailedPrecondition(f"compile mode {self.config.compile!r} needs runner_service.programs, "
                                      f"which is not available: {e}") from e
+        if (self.config.background_compile and self.config.compile == "aoti"
+                and not programs.programs_cached(self.runner, "aoti", self.kernel_cache)):
+            self._torch_threads = torch.get_num_threads()
+            self._compiler = threading.Thread(target=self._compile_in_background, args=(programs,),
+                                              name="background-compile", daemon=True)
+            self._compiler.start()
+            return "aoti: not all in the kernel cache; serving eager while they compile in the background"
         return str(programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache))
+
+    def _compile_in_background(self, programs) -> None:
+        """Fetch or compile the programs in this thread at lower CPU priority; each is installed
+        between two steps; then the ``programs_installed`` phase joins the start-up report."""
+        _lower_thread_priority()
+        torch.set_num_threads(self._torch_threads)  # OpenMP's thread count is per thread: the key has it
+        t0 = time.perf_counter()
+        report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
+                                        install=self.call_between_steps)
+
+        def record() -> None:
+            after = time.perf_counter() - self._created
+            self.startup_report.phases.append(StartupPhase(
+                "programs_installed", time.perf_counter() - t0,
+                f"{report}; installed {after:.1f} s after start-up, between two steps"))
+            log.info("compiled programs installed: %s", report, extra={"runner_id": self.config.runner_id})
+
+        self.call_between_steps(record)
+
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` in the stepping thread before the next step (at once if a step is not
+        running: the next :meth:`step`, or the loop's next wake-up). Used to install programs
+        built in another thread without changing anything under a running step."""
+        with self._lock:
+            self._inbox.append(("call", fn))
+            self._wake.notify()
+
+    @property
+    def programs_pending(self) -> bool:
+        """A background compile is still running or its programs are not installed yet."""
+        if self._compiler is not None and self._compiler.is_alive():
+            return True
+        with self._lock:
+            return any(kind == "call" for kind, _ in self._inbox)
 
     def warmup_buckets(self) -> list[int]:
         """Decode batch buckets run at start-up. One step of the smallest bucket touches every
@@ -365,7 +423,9 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
-            if kind == "add":
+            if kind == "call":
+                item()
+            elif kind == "add":
                 self._live[item.seq.request_id] = item
                 self.scheduler.add(item.seq)
             else:

@@ -448,7 +448,8 @@ def _default_work_dir() -> Path:
 
 def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                   kernel_cache: KernelCacheClient | str | Path | None = None,
-                  work_dir: str | Path | None = None, sources: list | None = None) -> ProgramsReport:
+                  work_dir: str | Path | None = None, sources: list | None = None,
+                  install: Callable[[Callable[[], None]], None] | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``config.compile`` (default
     ``runner.config.compile``) and install it with :meth:`ModelRunner.install_decode_program`;
     in ``aoti`` mode then the prefill program likewise (:meth:`ModelRunner.install_prefill_program`;
@@ -457,7 +458,11 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     ``kernel_cache``: a :class:`KernelCacheClient`, a daemon address ``host:port``, a store
     directory, or ``None`` (compile every launch). ``work_dir``: where fetched and compiled
     artifacts live (default ``$WARMSERVE_HOME/programs``). ``sources``: override of the traced
-    sources in the key (tests). Returns the report; on any failure the runner is left eager.
+    sources in the key (tests). ``install``: how each ready program is installed: called with a
+    no-argument function that installs it; ``None`` calls it at once. A caller that runs this in
+    a background thread passes one that hands the function to the thread stepping the runner
+    (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step. Returns the
+    report; on any failure the runner is left eager.
     """
     mode = (config or runner.config).compile
     t0 = time.perf_counter()
@@ -469,8 +474,12 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     except WarmserveError as e:
         log.warning("kernel cache unusable, compiling locally: %s", e)
         cache = None
-    runner.install_decode_program(None)
-    runner.install_prefill_program(None)
+    if install is None:
+        runner.install_decode_program(None)
+        runner.install_prefill_program(None)
+
+        def install(fn: Callable[[], None]) -> None:
+            fn()
     try:
         try:
             work.mkdir(parents=True, exist_ok=True)
@@ -486,8 +495,9 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
             log.exception("compiled programs unavailable; running eager")
             return ProgramsReport(mode, time.perf_counter() - t0,
                                   f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
-        runner.install_decode_program(_bind_kv(program, runner))
-        prefill_source, prefill_detail = _load_prefill(runner, mode, cache, work, sources)
+        decode = _bind_kv(program, runner)
+        install(lambda: runner.install_decode_program(decode))
+        prefill_source, prefill_detail = _load_prefill(runner, mode, cache, work, sources, install)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
@@ -496,8 +506,32 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                           fingerprint=fp, published=published, prefill_source=prefill_source)
 
 
+def programs_cached(runner: ModelRunner, mode: str,
+                    kernel_cache: KernelCacheClient | str | Path | None) -> bool:
+    """Whether every program ``load_programs`` would install in ``mode`` is already in
+    ``kernel_cache`` (a lookup per key, no download): then loading them is quick. ``False`` for
+    no cache, an unusable one or an ``UNKNOWN`` key."""
+    from kernel_cache_service.fingerprint import UNKNOWN
+
+    if mode not in MODES or kernel_cache is None:
+        return False
+    kinds = PROGRAM_KINDS if mode == "aoti" else ("decode",)
+    try:
+        cache = open_kernel_cache(kernel_cache)
+    except WarmserveError:
+        return False
+    try:
+        keys = [program_key(runner, mode, kind=k) for k in kinds]
+        return all(fp != UNKNOWN and cache.lookup(name, fp) is not None for name, fp in keys)
+    except (WarmserveError, OSError):
+        return False
+    finally:
+        if cache is not kernel_cache:
+            cache.close()
+
+
 def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | None, work: Path,
-                  sources: list | None) -> tuple[str, str]:
+                  sources: list | None, install: Callable[[Callable[[], None]], None]) -> tuple[str, str]:
     """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
     prefill eager, its dynamic token count would recompile graphs at run time). Returns its
     source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
@@ -512,7 +546,7 @@ def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | Non
     except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
         log.exception("compiled prefill unavailable; prefill runs eager")
         return "eager", f"prefill eager ({type(e).__name__}: {e})"
-    runner.install_prefill_program(program)
+    install(lambda: runner.install_prefill_program(program))
     return source, detail
 
 

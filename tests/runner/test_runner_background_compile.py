@@ -1,0 +1,68 @@
+"""Serving eager first while the compiled programs build in the background, then installing them
+between two steps (``EngineConfig.background_compile``), on a tiny random Llama (one cold AOTI
+build of decode and prefill, ~40 s on 2 cores)."""
+
+from __future__ import annotations
+
+from runner_tiny import kv_bytes, tiny_args, tiny_config
+
+from model_families.llama import FAMILY as LLAMA
+from runner_service.engine import LLMEngine
+from runner_service.sampling_params import SamplingParams
+
+ARGS = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8, max_pos=128)
+PROMPTS = [[1 + i, 5, 9 + i, 3] for i in range(8)]
+
+
+def _engine(kernel_cache, **kw) -> LLMEngine:
+    config = tiny_config(compile="aoti", max_num_seqs=8, max_model_len=128, kv_cache_bytes=kv_bytes(ARGS, 200), **kw)
+    return LLMEngine(ARGS, LLAMA.random_weights(ARGS, seed=3), config, kernel_cache=str(kernel_cache))
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tmp_path):
+    eng = _engine(tmp_path / "kc", background_compile=True)
+    programs_phase = {p.name: p.detail for p in eng.startup_report.phases}["programs"]
+    assert "serving eager" in programs_phase
+    runner = eng.runner
+    # 8 streams start eager: prefill, then a few decode steps, driven from this thread
+    streams = [eng.add_request(_params(), token_ids=p) for p in PROMPTS]
+    for _ in range(6):
+        eng.step()
+    assert runner.decode_programs == {} and runner.prefill_program is None
+    eng._compiler.join(timeout=600)  # built; the installs wait in the inbox for the next step
+    assert not eng._compiler.is_alive() and eng.programs_pending
+    assert runner.decode_programs == {}  # nothing changed under the running sequences
+    assert all(not s.finished for s in streams)
+    eng.step()  # installs first, then steps the 8 sequences with the compiled decode program
+    assert set(runner.decode_programs) == set(runner.buckets) and runner.prefill_program is not None
+    assert not eng.programs_pending
+    eng.run_until_done()
+    got = [s.result(timeout=0).token_ids for s in streams]
+    installed = {p.name: p.detail for p in eng.startup_report.phases}["programs_installed"]
+    assert "compiled llama.decode.aoti" in installed and "between two steps" in installed
+    eng.close()
+
+    # a runner compiled from the start (its programs now come from the cache: HIT)
+    ref = _engine(tmp_path / "kc")
+    assert "HIT llama.decode.aoti" in {p.name: p.detail for p in ref.startup_report.phases}["programs"]
+    want_streams = [ref.add_request(_params(), token_ids=p) for p in PROMPTS]
+    ref.run_until_done()
+    want = [s.result(timeout=0).token_ids for s in want_streams]
+    ref.close()
+    assert got == want and all(len(t) == 24 for t in got)
+
+
+def test_programs_already_in_the_cache_load_in_the_foreground(tmp_path, monkeypatch):
+    from runner_service import programs
+
+    monkeypatch.setattr(programs, "programs_cached", lambda *a, **k: True)
+    calls = []
+    monkeypatch.setattr(programs, "load_programs", lambda *a, **k: calls.append(k) or "aoti: loaded")
+    eng = _engine(tmp_path / "kc", background_compile=True)
+    assert eng._compiler is None and calls and "install" not in calls[0]
+    assert {p.name: p.detail for p in eng.startup_report.phases}["programs"] == "aoti: loaded"
+    eng.close()
