@@ -28,6 +28,7 @@ Prefill steps build their ``[B, S]`` tensors per step (their cost is amortised o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -88,6 +89,9 @@ class ModelRunner:
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device)
         self.decode_programs: dict[int, DecodeFn] = {}
+        #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
+        #: this runner's modules in another thread (:func:`runner_service.programs.compile_aoti`).
+        self.forward_lock = threading.Lock()
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
         self.prefill_program: Callable[..., tuple[torch.Tensor, ...]] | None = None
         self._rows: list[Sequence] = []
@@ -147,18 +151,20 @@ class ModelRunner:
     def warmup(self, buckets: list[int]) -> None:
         """Run one decode step of each batch bucket in ``buckets`` on padding rows (they touch
         only the scratch block), e.g. to page the weights in and start the thread pool."""
-        for b in buckets:
-            self.decode_fn(b)(*self.decode_views(b))
-        synchronize(self.device)
+        with self.forward_lock:
+            for b in buckets:
+                self.decode_fn(b)(*self.decode_views(b))
+            synchronize(self.device)
 
     # -- steps -------------------------------------------------------------------------------
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run ``batch``; returns the logits [n, V] float32 of its
         :meth:`ScheduledBatch.sampling_rows`, in that order."""
-        if batch.is_prefill:
-            return self.run_prefill(batch)[batch.sampling_rows()]
-        return self.run_decode(batch.seqs)[1]
+        with self.forward_lock:
+            if batch.is_prefill:
+                return self.run_prefill(batch)[batch.sampling_rows()]
+            return self.run_decode(batch.seqs)[1]
 
     def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
         """Keep each sequence in its previous row; fill holes with the last rows (swap-remove)."""

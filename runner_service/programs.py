@@ -327,11 +327,15 @@ class AotiProgram:
         return tuple(self._loader.boxed_run([*caches, *inputs]))  # the exported inputs, flattened
 
 
-def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path) -> Path:
+def compile_aoti(module: nn.Module, example: tuple, dynamic: tuple, package: Path,
+                 export_lock: contextlib.AbstractContextManager | None = None) -> Path:
     """Export ``module`` at ``example`` with ``dynamic`` shapes and AOTI-compile it to the
     ``.pt2`` file ``package`` (weights not included; the small constants Inductor creates itself
-    are, see the module docstring). Invokes the C++ compiler (slow; see ``docs/benchmarks.md``)."""
-    with torch.no_grad():
+    are, see the module docstring). Invokes the C++ compiler (slow; see ``docs/benchmarks.md``).
+    ``export_lock`` is held while tracing only: ``torch.export`` records module calls through
+    process-wide hooks, so a forward of the same modules in another thread (a runner serving
+    eager while this compiles in the background) must wait for it (a few seconds)."""
+    with export_lock or contextlib.nullcontext(), torch.no_grad():
         exported = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
     own: dict[str, torch.Tensor] = {}
     with _recording_own_constants(own):
@@ -625,7 +629,7 @@ def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str, cache
             _evict_broken(cache, name, fp, e)
     with tempfile.TemporaryDirectory(dir=work, prefix="compile-") as tmp:
         t = time.perf_counter()
-        built = compile_aoti(module, example(), dynamic, Path(tmp) / "program.pt2")
+        built = compile_aoti(module, example(), dynamic, Path(tmp) / "program.pt2", runner.forward_lock)
         compile_s = time.perf_counter() - t
         published = _publish(cache, name, fp, built)
         program = AotiProgram(built, module, runner.device)  # the loader keeps its own extracted copy
