@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from model_families import kv_write as _kv_write  # noqa: F401  (registers torch.ops.warmserve.kv_write_)
 from model_families import quant
@@ -68,6 +69,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def tracing(t: torch.Tensor) -> bool:
+    """Whether ``t`` flows through a trace (Dynamo compiling this code, or ``torch.export``
+    tracing it) rather than eager execution. ``torch.compiler.is_exporting()`` alone is a
+    process-wide flag, true in every thread while any thread exports; a runner that serves eager
+    while its programs compile in the background (``EngineConfig.background_compile``) must not
+    take the traced path, so an export also needs ``t`` to be a fake tensor."""
+    return torch.compiler.is_dynamo_compiling() or (torch.compiler.is_exporting() and is_fake(t))
+
+
 def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``cache[layer]`` slots ``slots`` [T] (int64) <- ``values`` [T, *row_shape], in place
     (``cache`` [layers, num_blocks, block_size, *row_shape]).
@@ -77,7 +87,7 @@ def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch
     one in-place call instead of copying the whole pool; eagerly the op's dispatch costs more
     than the copy, so it is used only when compiling.
     """
-    if torch.compiler.is_compiling():
+    if tracing(values):
         torch.ops.warmserve.kv_write_(cache, layer, slots, values)
     else:
         cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, values)
@@ -433,8 +443,16 @@ def _onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(_matrix_key(weight), weight), bias, "none", [], "")
 
 
-@torch.library.custom_op("warmserve::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+#: ``torch.ops.warmserve.linear``, defined with the low-level ``torch.library.Library`` rather than
+#: ``torch.library.custom_op``: the latter wraps the kernel in Dynamo's ``disable``, whose
+#: ``fx_traceback.annotate`` edits process-wide tracing metadata on every call, so a compiled
+#: program calling it while another thread compiles (``EngineConfig.background_compile``) failed
+#: with ``KeyError: 'custom'``. This kernel is called straight from the dispatcher.
+_LIB = torch.library.Library("warmserve", "FRAGMENT")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> [M, N] in ``x``'s dtype, on the prepacked
     copy of ``weight`` when :class:`PackedMatrices` holds one: the call an exported program makes
     for every :func:`float_linear` (register this op, i.e. import this module, before loading such
@@ -442,8 +460,11 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return _onednn_linear(x, weight, bias)
 
 
-@_linear_op.register_fake
-def _linear_op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+_LIB.impl("linear", _linear_kernel, "CPU")
+
+
+@torch.library.register_fake("warmserve::linear", lib=_LIB)
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -463,7 +484,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = _linear_op(x2, weight, bias) if torch.compiler.is_exporting() else _onednn_linear(x2, weight, bias)
+    y = torch.ops.warmserve.linear(x2, weight, bias) if tracing(x2) else _onednn_linear(x2, weight, bias)
     return y.reshape(*lead, y.shape[-1])
 
 
