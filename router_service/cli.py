@@ -33,6 +33,9 @@ def register(subparsers) -> None:
                        help="seconds between health checks of each runner (default 1)")
     serve.add_argument("--eject-after", type=int, default=3,
                        help="consecutive failed health checks before a runner is ejected (default 3)")
+    serve.add_argument("--first-token-timeout", type=float, default=30.0,
+                       help="seconds a runner has to stream a request's first token before the request is "
+                            "retried elsewhere and the runner ejected (default 30; 0: off)")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")

@@ -26,6 +26,11 @@ class RouterConfig:
       grpc.health.v1 checks; ``eject_after`` consecutive failures mark a runner UNHEALTHY and
       ``readmit_after`` consecutive successes make it READY again.
     - ``max_attempts``: runners tried per request (a retry happens only before the first token).
+    - ``first_token_timeout_s``: a runner that streams nothing the client can use (a token, text
+      or a finish) within this many seconds of being sent a request is treated as failed: the call
+      is cancelled, the runner ejected and the request retried elsewhere (a frozen runner, e.g.
+      SIGSTOP or a stuck host, would otherwise hold it until its lease or the client's deadline
+      ran out); 0 turns it off. Set it above the longest honest prefill.
     - ``prefix_block_tokens`` / ``prefix_block_bytes``: how much of the prompt keys prefix affinity
       (token ids, or UTF-8 bytes of text / rendered chat); ``ring_replicas``: virtual nodes per
       runner on the consistent-hash ring.
@@ -41,6 +46,7 @@ class RouterConfig:
     eject_after: int = 3
     readmit_after: int = 1
     max_attempts: int = 3
+    first_token_timeout_s: float = 30.0
     prefix_block_tokens: int = 16
     prefix_block_bytes: int = 64
     ring_replicas: int = 64
@@ -58,6 +64,8 @@ class RouterConfig:
                 f"<= max ({self.max_lease_s}) seconds")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise InvalidArgument("health interval and timeout must be > 0 seconds")
+        if self.first_token_timeout_s < 0:
+            raise InvalidArgument(f"first-token timeout must be >= 0 seconds (0: off), got {self.first_token_timeout_s}")
         for name in ("eject_after", "readmit_after", "max_attempts", "prefix_block_tokens",
                      "prefix_block_bytes", "ring_replicas"):
             if getattr(self, name) < 1:

@@ -18,6 +18,7 @@ def serve_from_args(args) -> None:
         default_lease_s=args.lease_seconds,
         health_interval_s=args.health_interval,
         eject_after=args.eject_after,
+        first_token_timeout_s=args.first_token_timeout,
     )
     server = RouterServer(config, config_from_args(args, "router"))
     server.start()

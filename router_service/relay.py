@@ -71,13 +71,15 @@ class RelayStream:
 
     def __init__(self, request: generation_pb2.GenerateRequest, chooser: Chooser, *,
                  registry: RunnerRegistry, channels: ChannelPool, max_attempts: int,
-                 deadline: float | None) -> None:
+                 deadline: float | None, first_token_timeout_s: float = 0.0) -> None:
         self._request = request
         self._chooser = chooser
         self._registry = registry
         self._channels = channels
         self._max_attempts = max_attempts
         self._deadline = deadline
+        self._first_token_timeout_s = first_token_timeout_s
+        self._first_token_missed = False  # this attempt's call was cancelled for want of a first token
         self._lock = threading.Lock()
         self._call: grpc.Call | None = None
         self._cancelled = False
@@ -135,6 +137,8 @@ class RelayStream:
     def _relay_from(self, runner: Runner, timeout: float | None):
         """Relay ``runner``'s stream; returns ``True`` when the request should go to another runner."""
         held: list[generation_pb2.GenerateResponse] = []
+        watchdog = None
+        self._first_token_missed = False
         try:
             stub = generation_pb2_grpc.GenerationStub(self._channels.get(runner.address))
             call = stub.Generate(self._request, timeout=timeout)
@@ -143,12 +147,19 @@ class RelayStream:
                 cancelled = self._cancelled
             if cancelled:
                 call.cancel()
+            if self._first_token_timeout_s > 0 and not self.messages_relayed:
+                watchdog = threading.Timer(self._first_token_timeout_s, self._no_first_token, args=(call,))
+                watchdog.daemon = True
+                watchdog.start()
             for resp in call:
                 if not resp.runner_id:
                     resp.runner_id = runner.runner_id
                 if not _carries_output(resp) and self.messages_relayed == 0:
                     held.append(resp)  # nothing the client could act on yet: a retry may drop it
                     continue
+                if watchdog is not None:
+                    watchdog.cancel()
+                    watchdog = None
                 yield from held
                 held.clear()
                 self.tokens_relayed += len(resp.token_ids)
@@ -162,8 +173,19 @@ class RelayStream:
             self.cancel()  # the consumer stopped reading: stop the runner too
             raise
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             with self._lock:
                 self._call = None
+
+    def _no_first_token(self, call: grpc.Call) -> None:
+        """The first-token watchdog fired: nothing usable came within the timeout; cancel the
+        call (its iteration then ends with CANCELLED, which :meth:`_on_error` retries)."""
+        with self._lock:
+            if self._call is not call or self.messages_relayed:
+                return
+            self._first_token_missed = True
+        call.cancel()
 
     def _on_error(self, e: grpc.RpcError, runner: Runner) -> bool:
         code = e.code()
@@ -175,7 +197,9 @@ class RelayStream:
                 f"the request's deadline passed while runner {runner.runner_id} ({runner.address}) "
                 f"was generating ({self.tokens_relayed} tokens relayed)") from e
         # A closed channel (runner dropped meanwhile) reads as CANCELLED without a client cancel.
-        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        if self._first_token_missed:
+            details = f"no first token within {self._first_token_timeout_s:g} s (first-token timeout)"
+        elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             raise upstream_error(e, runner) from e
         self._registry.eject(runner.runner_id, f"{code.name}: {details}")
         why = f"{runner.address} {code.name}: {details}"

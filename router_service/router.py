@@ -60,7 +60,8 @@ class Router:
         chooser = self.policies.for_request(request)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return RelayStream(request, chooser, registry=self.registry, channels=self.channels,
-                           max_attempts=self.config.max_attempts, deadline=deadline)
+                           max_attempts=self.config.max_attempts, deadline=deadline,
+                           first_token_timeout_s=self.config.first_token_timeout_s)
 
     def model_info(self, *, timeout_s: float = 5.0) -> generation_pb2.ModelInfoResponse:
         """``ModelInfo`` of a READY runner (the default policy picks it; an unreachable runner is

@@ -280,3 +280,22 @@ def test_router_health_and_reflection_are_served(harness: Harness) -> None:
     for service in ("", "warmserve.v1.Generation", "warmserve.v1.RouterControl"):
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_runner_silent_past_the_first_token_timeout_is_ejected_and_the_request_retried() -> None:
+    h = Harness(RouterConfig(health_interval_s=0.1, health_timeout_s=0.5, first_token_timeout_s=0.5))
+    try:
+        frozen_gate = threading.Event()  # never set: the runner accepts calls, then says nothing
+        frozen = h.add("frozen", FakeBehaviour(gate=frozen_gate))
+        h.add("ok")
+        for i in range(4):  # round robin: some of these are sent to the frozen runner first
+            sent = time.monotonic()
+            req = text_request(f"hello {i}", max_tokens=7, routing=generation_pb2.ROUND_ROBIN)
+            got = list(h.gen.Generate(req, timeout=20))
+            assert time.monotonic() - sent < 10.0  # bounded by the 0.5 s timeout, not the 20 s deadline
+            assert [t for m in got for t in m.token_ids] == [ord(c) for c in f"hello {i}"]
+            assert {m.runner_id for m in got} == {"ok"}
+        assert frozen.stats.requests >= 1 and frozen.stats.produced == 0
+        frozen_gate.set()
+    finally:
+        h.close()
