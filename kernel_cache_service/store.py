@@ -145,6 +145,12 @@ def storage_error(e: OSError, what: str) -> WarmserveError:
     return FailedPrecondition(f"{what}: cannot write the kernel-cache store ({e.strerror or e}); nothing was stored")
 
 
+def empty_artifact(name: str, fingerprint: str) -> InvalidArgument:
+    """The refusal of a 0-byte artifact (no program is empty)."""
+    return InvalidArgument(f"{name}/{fingerprint[:12]}: an empty artifact (0 bytes) is not a program; "
+                           "nothing was stored")
+
+
 class PendingPublish:
     """An artifact on its way into the store; get one from :meth:`KernelStore.begin_publish`.
 
@@ -218,8 +224,7 @@ class PendingPublish:
             if reason is not None:
                 return PublishResult(REJECTED, reason)
             if self._sink.size == 0:
-                raise InvalidArgument(f"{self.name}/{self.fingerprint[:12]}: an empty artifact (0 bytes) is "
-                                      "not a program; nothing was stored")
+                raise empty_artifact(self.name, self.fingerprint)
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
                              created=time.time(), producer=self.producer, format=self.fmt)
             try:
@@ -476,8 +481,7 @@ class KernelStore:
         if fingerprint == UNKNOWN:
             return PublishResult(REJECTED, "the fingerprint is UNKNOWN; unknown keys are never stored")
         if size == 0:
-            raise InvalidArgument(f"{name}/{fingerprint[:12]}: an empty artifact (0 bytes) is not a program; "
-                                  "nothing was stored")
+            raise empty_artifact(name, fingerprint)
         if size is not None and self.max_bytes and size > self.max_bytes:
             return PublishResult(
                 REJECTED, f"artifact of {size} bytes exceeds the store budget of {self.max_bytes} bytes")

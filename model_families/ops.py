@@ -409,8 +409,7 @@ class PackedMatrices:
         if not _HAS_ONEDNN:
             return
         for w in matrices:
-            if not (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype in _ONEDNN_DTYPES
-                    and w.dim() == 2):
+            if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
                 continue
             key = _matrix_key(w)
             if key in _PACKED:

@@ -301,18 +301,18 @@ class LLMEngine:
                                      f"which is not available: {e}") from e
         if (self.config.background_compile and self.config.compile == "aoti"
                 and not programs.programs_cached(self.runner, "aoti", self.kernel_cache)):
-            self._torch_threads = torch.get_num_threads()
-            self._compiler = threading.Thread(target=self._compile_in_background, args=(programs,),
+            self._compiler = threading.Thread(target=self._compile_in_background,
+                                              args=(programs, torch.get_num_threads()),
                                               name="background-compile", daemon=True)
             self._compiler.start()
             return "aoti: not all in the kernel cache; serving eager while they compile in the background"
         return str(programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache))
 
-    def _compile_in_background(self, programs) -> None:
+    def _compile_in_background(self, programs, threads: int) -> None:
         """Fetch or compile the programs in this thread at lower CPU priority; each is installed
         between two steps; then the ``programs_installed`` phase joins the start-up report."""
         _lower_thread_priority()
-        torch.set_num_threads(self._torch_threads)  # OpenMP's thread count is per thread: the key has it
+        torch.set_num_threads(threads)  # the engine's: OpenMP's thread count is per thread, and the key has it
         t0 = time.perf_counter()
         report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
                                         install=self.call_between_steps)

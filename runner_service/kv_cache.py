@@ -14,6 +14,7 @@ Size: one block costs the sum of :meth:`CacheSpec.bytes_per_block` over the pool
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -47,11 +48,8 @@ def num_blocks_for_bytes(specs: Sequence[CacheSpec], dtype: torch.dtype, kv_byte
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     """A CPU tensor of zeros backed by an anonymous private mapping: the kernel maps a page on
     first touch, so reserving costs neither time nor memory until blocks are used."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    numel = math.prod(shape)
+    buf = mmap.mmap(-1, max(numel * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape), buf
 
 

@@ -166,18 +166,29 @@ def _dims(runner: ModelRunner) -> tuple[int, int]:
     return (2 if runner.config.max_num_seqs >= 2 else 1, 2 if runner.max_blocks_per_seq >= 2 else 1)
 
 
+def _shared_dims(runner: ModelRunner) -> tuple[tuple, object, object]:
+    """The dims both programs share: the pools' spec (every pool's block count, one dim), the
+    batch (``None`` when ``max_num_seqs`` is 1) and the block-table width (``None`` when
+    ``max_blocks_per_seq`` is 1)."""
+    Dim = torch.export.Dim
+    pool = {1: Dim("num_blocks", min=2)}
+    batch = Dim("batch", min=1, max=runner.config.max_num_seqs) if runner.config.max_num_seqs >= 2 else None
+    blocks = Dim("blocks", min=1, max=runner.max_blocks_per_seq) if runner.max_blocks_per_seq >= 2 else None
+    return tuple(pool for _ in runner.kv.tensors), batch, blocks
+
+
+def _spec(*dims: tuple[int, object]) -> dict | None:
+    """A tensor's dynamic-shape spec from ``(axis, dim)`` pairs, leaving out ``None`` dims."""
+    return {axis: d for axis, d in dims if d is not None} or None
+
+
 def dynamic_shapes(runner: ModelRunner) -> tuple:
     """``torch.export`` dynamic-shape spec for the decode module: every pool's block count (one
     shared dim), the batch (when ``max_num_seqs`` >= 2) and the block-table width (when
     ``max_blocks_per_seq`` >= 2)."""
-    Dim = torch.export.Dim
-    pool = {1: Dim("num_blocks", min=2)}
-    pools = tuple(pool for _ in runner.kv.tensors)
-    batch = Dim("batch", min=1, max=runner.config.max_num_seqs) if runner.config.max_num_seqs >= 2 else None
-    blocks = Dim("blocks", min=1, max=runner.max_blocks_per_seq) if runner.max_blocks_per_seq >= 2 else None
-    row = {0: batch} if batch is not None else None
-    table = {k: v for k, v in ((0, batch), (1, blocks)) if v is not None} or None
-    return (pools, row, row, row, table, row)
+    pools, batch, blocks = _shared_dims(runner)
+    row = _spec((0, batch))
+    return (pools, row, row, row, _spec((0, batch), (1, blocks)), row)
 
 
 def prefill_tokens_max(runner: ModelRunner) -> int:
@@ -203,16 +214,10 @@ def prefill_dynamic_shapes(runner: ModelRunner) -> tuple:
     batch (when ``max_num_seqs`` >= 2), the tokens per row (2 .. :func:`prefill_tokens_max`; a
     one-token chunk is padded to 2, see :meth:`ModelRunner.run_prefill`) and the block-table
     width (when ``max_blocks_per_seq`` >= 2)."""
-    Dim = torch.export.Dim
-    pool = {1: Dim("num_blocks", min=2)}
-    pools = tuple(pool for _ in runner.kv.tensors)
-    batch = Dim("batch", min=1, max=runner.config.max_num_seqs) if runner.config.max_num_seqs >= 2 else None
-    tokens = Dim("tokens", min=2, max=max(2, prefill_tokens_max(runner)))
-    blocks = Dim("blocks", min=1, max=runner.max_blocks_per_seq) if runner.max_blocks_per_seq >= 2 else None
-    grid = {k: v for k, v in ((0, batch), (1, tokens)) if v is not None}
-    row = {0: batch} if batch is not None else None
-    table = {k: v for k, v in ((0, batch), (1, blocks)) if v is not None} or None
-    return (pools, grid, grid, grid, table, row, row)
+    pools, batch, blocks = _shared_dims(runner)
+    tokens = torch.export.Dim("tokens", min=2, max=max(2, prefill_tokens_max(runner)))
+    grid, row = _spec((0, batch), (1, tokens)), _spec((0, batch))
+    return (pools, grid, grid, grid, _spec((0, batch), (1, blocks)), row, row)
 
 
 # ------------------------------------------------------------------------------------- keys
