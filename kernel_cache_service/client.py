@@ -7,6 +7,10 @@ the same answers: a MISS is ``None``; publish returns ``"PUBLISHED"``, ``"ALREAD
 daemon errors come back as the matching :class:`services.errors.WarmserveError` (an unreachable
 daemon is :class:`services.errors.Unavailable`).
 
+Single-flight builds: :meth:`KernelCacheClient.claim` returns a :class:`ClaimHandle` (HIT,
+OWNER with a lease, or WAIT, whose :meth:`ClaimHandle.wait` blocks until the build ends);
+:meth:`renew` and :meth:`release` keep or drop a lease (see :mod:`kernel_cache_service.leases`).
+
 Memory stays bounded for any artifact size: publishing a file hashes it in one pass and streams
 it in a second; a directory is packed into a temporary tar while being hashed, then streamed;
 fetch writes chunks to a temp file (or unpacks the tar as it arrives) next to ``dest`` and
@@ -18,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -32,10 +36,17 @@ from kernel_cache_service.artifact import (
     iter_file,
     pack_directory,
 )
-from kernel_cache_service.convert import entry_from_proto, publish_from_proto
+from kernel_cache_service.convert import (
+    claim_from_proto,
+    entry_from_proto,
+    lease_from_proto,
+    lease_to_proto,
+    publish_from_proto,
+)
 from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, PublishResult
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
+from kernel_cache_service.leases import WAIT, Claim, Lease, validate_ttl
 from kernel_cache_service.store import KernelStore
 from services.bootstrap import bearer_metadata
 from services.channel import open_channel
@@ -44,7 +55,45 @@ from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 
-__all__ = ["EntryInfo", "KernelCacheClient"]
+__all__ = ["ClaimHandle", "EntryInfo", "KernelCacheClient", "Lease"]
+
+
+class ClaimHandle:
+    """The answer to :meth:`KernelCacheClient.claim`: ``claim`` (a :class:`Claim`: ``status``
+    HIT, OWNER or WAIT, ``entry``, ``lease``, ``takeover``). After WAIT, :meth:`wait` blocks until
+    the build ends; :meth:`cancel` (or leaving a ``with`` block) stops waiting."""
+
+    def __init__(self, claim: Claim, next_event: Callable[[], Claim] | None = None,
+                 cancel: Callable[[], None] | None = None) -> None:
+        self.claim = claim
+        self._next, self._cancel = next_event, cancel
+
+    @property
+    def status(self) -> str:
+        """``HIT``, ``OWNER`` or ``WAIT``."""
+        return self.claim.status
+
+    def wait(self) -> Claim:
+        """After ``WAIT``: block until the entry is ``PUBLISHED`` (``entry`` set) or the builder's
+        lease ended without a publish (``LEASE_EXPIRED``: claim again). Raises ``RuntimeError``
+        for any other status, ``Unavailable`` when the daemon goes away meanwhile."""
+        if self.claim.status != WAIT or self._next is None:
+            raise RuntimeError(f"only a WAIT claim can be waited on, this one is {self.claim.status}")
+        event, self._next = self._next(), None
+        self.cancel()
+        return event
+
+    def cancel(self) -> None:
+        """Stop waiting (no-op once the wait ended, or for HIT/OWNER)."""
+        if self._cancel is not None:
+            self._cancel()
+            self._cancel = None
+
+    def __enter__(self) -> ClaimHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
 
 
 class KernelCacheClient:
@@ -77,6 +126,11 @@ class KernelCacheClient:
     def _error(self, err: grpc.RpcError) -> WarmserveError:
         e = from_rpc_error(err)
         return type(e)(f"kernel cache at {self.address}: {e}")
+
+    def _error_text(self, text: str) -> WarmserveError:
+        from services.errors import Unavailable
+
+        return Unavailable(f"kernel cache at {self.address}: {text}")
 
     def _unary(self, method, request):
         try:
@@ -151,6 +205,50 @@ class KernelCacheClient:
             return self._store.stat()
         resp = self._unary(self._stub.Stat, pb.StatRequest())
         return {f.name: getattr(resp, f.name) for f in pb.StatResponse.DESCRIPTOR.fields}
+
+    # ---------------------------------------------------------------- single-flight builds
+
+    def claim(self, name: str, fingerprint: str, *, holder: str = "", ttl_s: float | None = None) -> ClaimHandle:
+        """Ask for the right to build ``name``/``fingerprint``: HIT, OWNER (a lease of ``ttl_s``
+        seconds, default 30, naming ``holder``; renew it with :meth:`renew` every third of it)
+        or WAIT (the builder's lease; :meth:`ClaimHandle.wait` for the end of the build). Raises
+        ``InvalidArgument`` for a bad key, an ``UNKNOWN`` fingerprint or a bad TTL."""
+        validate_key(name, fingerprint)
+        ttl = validate_ttl(ttl_s)
+        if self._store is not None:
+            store = self._store
+            claim = store.claim(name, fingerprint, holder or _default_producer(), ttl)
+            return ClaimHandle(claim, lambda: store.wait_build(name, fingerprint))
+        request = pb.ClaimRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint),
+                                  holder=holder or _default_producer(), ttl_s=ttl)
+        responses = self._stub.Claim(request, metadata=self._metadata)
+
+        def next_event() -> Claim:
+            try:
+                return claim_from_proto(next(responses))
+            except StopIteration:
+                raise self._error_text("the Claim stream ended without an event") from None
+            except grpc.RpcError as err:
+                raise self._error(err) from None
+
+        first = next_event()
+        if first.status != WAIT:
+            responses.cancel()
+            return ClaimHandle(first)
+        return ClaimHandle(first, next_event, responses.cancel)
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """``lease`` extended by its TTL from now, ``None`` when it is no longer held."""
+        if self._store is not None:
+            return self._store.renew(lease)
+        resp = self._unary(self._stub.RenewLease, pb.LeaseRequest(lease=lease_to_proto(lease)))
+        return lease_from_proto(resp.lease) if resp.held else None
+
+    def release(self, lease: Lease) -> bool:
+        """Give ``lease`` up without publishing; ``False`` when it was no longer held."""
+        if self._store is not None:
+            return self._store.release(lease)
+        return self._unary(self._stub.ReleaseLease, pb.LeaseRequest(lease=lease_to_proto(lease))).held
 
     # ---------------------------------------------------------------- writes
 

@@ -1,10 +1,13 @@
 """Convert the kernel cache's core objects to and from the ``warmserve.v1`` messages: an
 :class:`~kernel_cache_service.entry.EntryInfo` <-> ``EntryInfo``, a
-:class:`~kernel_cache_service.entry.PublishResult` <-> ``PublishResponse``."""
+:class:`~kernel_cache_service.entry.PublishResult` <-> ``PublishResponse``, a
+:class:`~kernel_cache_service.leases.Lease` <-> ``Lease``, a
+:class:`~kernel_cache_service.leases.Claim` <-> ``ClaimEvent``."""
 
 from __future__ import annotations
 
 from kernel_cache_service.entry import EntryInfo, PublishResult
+from kernel_cache_service.leases import Claim, Lease
 from services.proto import kernel_cache_pb2 as pb
 
 
@@ -51,3 +54,28 @@ def publish_from_proto(msg: pb.PublishResponse) -> PublishResult:
         reason=msg.reason,
         entry=entry_from_proto(msg.entry) if msg.HasField("entry") else None,
     )
+
+
+def lease_to_proto(lease: Lease) -> pb.Lease:
+    """:class:`Lease` as the ``warmserve.v1.Lease`` message."""
+    return pb.Lease(key=pb.ProgramKey(name=lease.name, fingerprint=lease.fingerprint), lease_id=lease.lease_id,
+                    holder=lease.holder, expires_unix_s=lease.expires, ttl_s=lease.ttl_s)
+
+
+def lease_from_proto(msg: pb.Lease) -> Lease:
+    """The inverse of :func:`lease_to_proto`."""
+    return Lease(msg.key.name, msg.key.fingerprint, msg.lease_id, msg.holder, msg.expires_unix_s, msg.ttl_s)
+
+
+def claim_to_proto(claim: Claim) -> pb.ClaimEvent:
+    """:class:`Claim` as the ``warmserve.v1.ClaimEvent`` message."""
+    return pb.ClaimEvent(status=pb.ClaimEvent.Status.Value(claim.status),
+                         entry=entry_to_proto(claim.entry) if claim.entry else None,
+                         lease=lease_to_proto(claim.lease) if claim.lease else None, takeover=claim.takeover)
+
+
+def claim_from_proto(msg: pb.ClaimEvent) -> Claim:
+    """The inverse of :func:`claim_to_proto`."""
+    return Claim(pb.ClaimEvent.Status.Name(msg.status),
+                 entry=entry_from_proto(msg.entry) if msg.HasField("entry") else None,
+                 lease=lease_from_proto(msg.lease) if msg.HasField("lease") else None, takeover=msg.takeover)

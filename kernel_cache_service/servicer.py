@@ -9,8 +9,12 @@ The servicer validates and translates only: store errors become gRPC statuses
 entry info; Publish writes the incoming chunks straight into the store's temp file. Neither ever
 holds a whole artifact in memory.
 
-When the daemon has a token, Publish and Evict need it (:data:`PROTECTED_METHODS`); Lookup,
-Fetch, List and Stat stay open.
+Claim answers from the store's single-flight leases (:mod:`kernel_cache_service.leases`); after
+a WAIT its stream stays open, polling the store, until the entry is published or the builder's
+lease ends (the store is shared with other processes, so there is nothing to be notified by).
+
+When the daemon has a token, Publish, Evict, Claim, RenewLease and ReleaseLease need it
+(:data:`PROTECTED_METHODS`); Lookup, Fetch, List and Stat stay open.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernel_cache_service.artifact import CorruptArtifact
-from kernel_cache_service.convert import entry_to_proto, publish_to_proto
+from kernel_cache_service.convert import claim_to_proto, entry_to_proto, lease_from_proto, lease_to_proto, publish_to_proto
 from kernel_cache_service.entry import PublishResult
+from kernel_cache_service.leases import WAIT
 from kernel_cache_service.store import COUNTERS, KernelStore
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
@@ -27,7 +32,10 @@ from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
-PROTECTED_METHODS = frozenset({f"/{SERVICE_NAME}/Publish", f"/{SERVICE_NAME}/Evict"})
+PROTECTED_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("Publish", "Evict", "Claim", "RenewLease",
+                                                                "ReleaseLease"))
+#: Seconds between two looks at the store while a Claim stream waits for a build.
+WAIT_POLL_S = 0.1
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
 
@@ -124,6 +132,40 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         return pb.EvictResponse(evicted=count, freed_bytes=freed)
 
 
+    def Claim(self, request, context):
+        """HIT, OWNER or WAIT; after WAIT, PUBLISHED or LEASE_EXPIRED when the build ends."""
+        key = request.key
+        try:
+            claim = self.store.claim(key.name, key.fingerprint, request.holder, request.ttl_s or None)
+        except WarmserveError as e:
+            abort_with(context, e)
+        yield claim_to_proto(claim)
+        if claim.status != WAIT:
+            return
+        while context.is_active():
+            event = self.store.wait_build(key.name, key.fingerprint, timeout_s=1.0, poll_s=WAIT_POLL_S)
+            if event is not None:
+                yield claim_to_proto(event)
+                return
+
+    def RenewLease(self, request, context):
+        """The lease extended by its TTL, or held=false when it is no longer held."""
+        try:
+            renewed = self.store.renew(lease_from_proto(request.lease))
+        except WarmserveError as e:
+            abort_with(context, e)
+        if renewed is None:
+            return pb.LeaseResponse(held=False)
+        return pb.LeaseResponse(held=True, lease=lease_to_proto(renewed))
+
+    def ReleaseLease(self, request, context):
+        """Give the lease up (held=false when it was no longer held)."""
+        try:
+            return pb.LeaseResponse(held=self.store.release(lease_from_proto(request.lease)))
+        except WarmserveError as e:
+            abort_with(context, e)
+
+
 class StoreCollector:
     """Prometheus collector: the store's counters and its size, read at scrape time."""
 
@@ -137,7 +179,8 @@ class StoreCollector:
             c = CounterMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name} since start")
             c.add_metric([], s[name])
             yield c
-        for name, unit in (("entries", ""), ("total_bytes", " in bytes"), ("max_bytes", " in bytes (0 = none)")):
+        for name, unit in (("entries", ""), ("total_bytes", " in bytes"), ("max_bytes", " in bytes (0 = none)"),
+                           ("leases", " (build leases held now)")):
             g = GaugeMetricFamily(f"warmserve_kernel_cache_{name}", f"kernel-cache {name}{unit}")
             g.add_metric([], s[name])
             yield g

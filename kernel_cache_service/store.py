@@ -5,9 +5,10 @@ share one root. Layout under ``root``::
 
     entries/<name>/<fingerprint>/blob            the artifact (a file, or a directory as one tar)
     entries/<name>/<fingerprint>/manifest.json   EntryInfo; its mtime is the last-access time
-    locks/<name>/<fingerprint>.lock              per-entry filelock (publish / evict / quarantine);
-                                                 empty, never deleted (unlinking a lock file that
-                                                 others wait on would break mutual exclusion)
+    locks/<name>/<fingerprint>.lock              per-entry filelock (publish / evict / quarantine /
+                                                 claim); empty, never deleted (unlinking a lock file
+                                                 that others wait on would break mutual exclusion)
+    leases/<name>/<fingerprint>.json             the key's build lease, while someone builds it
     budget.lock                                  serialises "make room + place" under a byte budget
     tmp/      private, flock-owned directories of publishes in progress
     trash/    evicted entries being deleted
@@ -31,6 +32,8 @@ Mechanisms (``docs/architecture.md``, "Kernel-cache store and publish protocol")
 - **Integrity**: the sha256 of every read is checked at its end; a mismatch, a wrong blob size
   or an unreadable manifest moves the entry to ``quarantine/`` and reports a MISS.
 - ``UNKNOWN`` fingerprints are never stored (REJECTED) and never matched (MISS).
+- **Single-flight builds**: :meth:`KernelStore.claim` answers HIT, OWNER (a build lease) or
+  WAIT; a publish ends the key's lease; see :mod:`kernel_cache_service.leases`.
 
 Blobs are not fsynced: after a power loss a torn blob fails its integrity check and is
 quarantined, which for a cache is the same as a miss. Counters (hits, misses, ...) are per
@@ -71,6 +74,17 @@ from kernel_cache_service.entry import (
 )
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
+from kernel_cache_service.leases import (
+    HIT,
+    LEASE_EXPIRED,
+    OWNER,
+    PUBLISHED_EVENT,
+    WAIT,
+    Claim,
+    Lease,
+    LeaseFile,
+    validate_ttl,
+)
 from kernel_cache_service.locks import OwnedTempDir, entry_lock, lock_shared, sweep_unowned, try_exclusive
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, WarmserveError
 from services.fsmode import default_dir_mode, default_file_mode
@@ -79,7 +93,8 @@ log = logging.getLogger(__name__)
 
 BLOB = "blob"
 MANIFEST = "manifest.json"
-COUNTERS = ("hits", "misses", "publishes", "evictions", "quarantined")
+#: Counters since the store object was made (the daemon's: since it started).
+COUNTERS = ("hits", "misses", "publishes", "evictions", "quarantined", "claims", "waits", "builds", "takeovers")
 
 
 class _Broken(Exception):
@@ -273,7 +288,7 @@ class KernelStore:
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         try:
-            for sub in ("entries", "locks", "tmp", "trash", "quarantine"):
+            for sub in ("entries", "locks", "leases", "tmp", "trash", "quarantine"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InvalidArgument(f"cannot use {self.root} as a kernel-cache root: {e.strerror}") from e
@@ -292,6 +307,9 @@ class KernelStore:
 
     def _lock(self, name: str, fingerprint: str) -> filelock.FileLock:
         return entry_lock(self.root / "locks" / name / f"{fingerprint}.lock")
+
+    def _lease_file(self, name: str, fingerprint: str) -> LeaseFile:
+        return LeaseFile(self.root / "leases" / name / f"{fingerprint}.json")
 
     def sweep(self) -> int:
         """Remove unowned temp directories and leftover trash; returns how many were removed."""
@@ -463,13 +481,119 @@ class KernelStore:
         return self._scan(validate_prefix(prefix))
 
     def stat(self) -> dict:
-        """``root``, ``entries``, ``total_bytes``, ``max_bytes`` and this instance's counters
-        (``hits``, ``misses``, ``publishes``, ``evictions``, ``quarantined``)."""
+        """``root``, ``entries``, ``total_bytes``, ``max_bytes``, this instance's counters
+        (:data:`COUNTERS`) and ``leases`` (build leases held now, i.e. not expired)."""
         entries = self._scan()
         with self._counter_lock:
             counters = {k: self._counters[k] for k in COUNTERS}
         return {"root": str(self.root), "entries": len(entries),
-                "total_bytes": sum(e.size_bytes for e in entries), "max_bytes": self.max_bytes, **counters}
+                "total_bytes": sum(e.size_bytes for e in entries), "max_bytes": self.max_bytes, **counters,
+                "leases": len(self.leases())}
+
+    def leases(self) -> list[Lease]:
+        """The build leases held now (unexpired), sorted by name then fingerprint."""
+        out, now = [], time.time()
+        for path in sorted((self.root / "leases").glob("*/*.json")):
+            name, fp = path.parent.name, path.name.removesuffix(".json")
+            with self._lock(name, fp):
+                lease = self._lease_file(name, fp).read()
+            if lease is not None and lease.remaining_s(now) > 0:
+                out.append(lease)
+        return out
+
+    # ---------------------------------------------------------------- single-flight builds
+
+    def _present(self, name: str, fingerprint: str) -> EntryInfo | None:
+        """The entry's info if it is stored and sound (a broken one is quarantined). Caller holds
+        the entry lock."""
+        try:
+            loaded = self._load(name, fingerprint)
+        except _Broken as e:
+            self._quarantine_locked(name, fingerprint, None, str(e))
+            return None
+        return loaded[0] if loaded else None
+
+    def claim(self, name: str, fingerprint: str, holder: str = "", ttl_s: float | None = None) -> Claim:
+        """Ask for the right to build ``name``/``fingerprint`` (see :mod:`kernel_cache_service.leases`):
+        ``HIT`` (with the entry), ``OWNER`` (with a new lease of ``ttl_s`` seconds, default 30 s,
+        that names ``holder``) or ``WAIT`` (with the live lease of whoever builds). Raises
+        ``InvalidArgument`` for a bad key, an ``UNKNOWN`` fingerprint (never stored, so never
+        built for the store) or a TTL outside (0, 3600] s; ``FailedPrecondition`` /
+        ``ResourceExhausted`` when the lease cannot be written."""
+        validate_key(name, fingerprint)
+        if fingerprint == UNKNOWN:
+            raise InvalidArgument(f"{name}/UNKNOWN cannot be claimed: unknown keys are never stored")
+        ttl = validate_ttl(ttl_s)
+        self._count("claims")
+        with self._lock(name, fingerprint):
+            info = self._present(name, fingerprint)
+            if info is not None:
+                return Claim(HIT, entry=info)
+            record = self._lease_file(name, fingerprint).read()
+            now = time.time()
+            if record is not None and record.remaining_s(now) > 0:
+                self._count("waits")
+                return Claim(WAIT, lease=record)
+            lease = Lease(name, fingerprint, uuid.uuid4().hex, holder, now + ttl, ttl)
+            try:
+                self._lease_file(name, fingerprint).write(lease)
+            except OSError as e:
+                raise storage_error(e, f"claiming {name}/{fingerprint[:12]}") from e
+        takeover = record is not None
+        self._count("builds")
+        if takeover:
+            self._count("takeovers")
+            log.warning("build lease taken over", extra={"entry": f"{name}/{fingerprint}", "holder": holder,
+                                                          "previous_holder": record.holder})
+        return Claim(OWNER, lease=lease, takeover=takeover)
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """``lease`` extended by its TTL from now, or ``None`` when it is no longer held (taken
+        over, released, or ended by the entry's publish); then nothing changes."""
+        validate_key(lease.name, lease.fingerprint)
+        with self._lock(lease.name, lease.fingerprint):
+            file = self._lease_file(lease.name, lease.fingerprint)
+            record = file.read()
+            if record is None or record.lease_id != lease.lease_id:
+                return None
+            renewed = record.renewed()
+            try:
+                file.write(renewed)
+            except OSError as e:
+                raise storage_error(e, f"renewing the lease on {lease.name}/{lease.fingerprint[:12]}") from e
+            return renewed
+
+    def release(self, lease: Lease) -> bool:
+        """Give ``lease`` up without publishing (waiters see ``LEASE_EXPIRED``); ``False`` when it
+        was no longer held."""
+        validate_key(lease.name, lease.fingerprint)
+        with self._lock(lease.name, lease.fingerprint):
+            file = self._lease_file(lease.name, lease.fingerprint)
+            record = file.read()
+            if record is None or record.lease_id != lease.lease_id:
+                return False
+            file.remove()
+            return True
+
+    def wait_build(self, name: str, fingerprint: str, timeout_s: float | None = None,
+                   poll_s: float = 0.1) -> Claim | None:
+        """After a ``WAIT``: block until the entry is published (``PUBLISHED`` with the entry)
+        or no live lease is left on the key (``LEASE_EXPIRED``: claim again); a lease taken over
+        by another waiter meanwhile is waited on in turn. ``None`` after ``timeout_s`` seconds
+        (``None``: no limit). Polls every ``poll_s`` seconds (the store spans processes)."""
+        validate_key(name, fingerprint)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock(name, fingerprint):
+                info = self._present(name, fingerprint)
+                if info is not None:
+                    return Claim(PUBLISHED_EVENT, entry=info)
+                record = self._lease_file(name, fingerprint).read()
+            if record is None or record.remaining_s() <= 0:
+                return Claim(LEASE_EXPIRED, lease=record if record and record.lease_id else None)
+            if end is not None and time.monotonic() >= end:
+                return None
+            time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
 
     # ---------------------------------------------------------------- writes
 
@@ -537,6 +661,7 @@ class KernelStore:
                 self._quarantine_locked(name, fp, None, str(e))
                 loaded = None
             if loaded is not None:
+                self._lease_file(name, fp).remove()
                 return PublishResult(ALREADY_PRESENT, "", loaded[0])
             if self.max_bytes:
                 with entry_lock(self.root / "budget.lock"):
@@ -547,6 +672,7 @@ class KernelStore:
                     self._place(tmp, name, fp)
             else:
                 self._place(tmp, name, fp)
+            self._lease_file(name, fp).remove()  # the build is done: waiters see PUBLISHED
         self._count("publishes")
         log.info("published", extra={"entry": f"{name}/{fp}", "bytes": info.size_bytes, "format": info.format})
         return PublishResult(PUBLISHED, "", EntryInfo(**{**info.to_dict(), "last_access": info.created}))

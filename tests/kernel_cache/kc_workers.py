@@ -5,6 +5,8 @@ Imported by ``multiprocessing`` (spawn) children and run as a script by ``subpro
     python kc_workers.py slow-publish ROOT NAME FINGERPRINT      (embedded store, never finishes)
     python kc_workers.py slow-publish-grpc ADDR NAME FINGERPRINT (daemon, never finishes)
     python kc_workers.py hold-read ROOT NAME FINGERPRINT         (holds a read lease until stdin closes)
+    python kc_workers.py build-forever ROOT|ADDR NAME FINGERPRINT (claims OWNER with a 1 s TTL and renews
+                                                                 it every 0.2 s, never publishing)
 
 Each prints ``ready`` on stdout once it is in the state the test wants to interrupt.
 """
@@ -111,6 +113,17 @@ def main(argv: list[str]) -> int:
         sys.stdin.read()
         if reader is not None:
             reader.close()
+    elif cmd == "build-forever":
+        from kernel_cache_service.client import KernelCacheClient
+
+        is_dir = os.path.isdir(target)
+        client = KernelCacheClient(None if is_dir else target, root=target if is_dir else None)
+        handle = client.claim(name, fp, holder=f"builder-{os.getpid()}", ttl_s=1.0)
+        print("ready" if handle.status == "OWNER" else handle.status.lower(), flush=True)
+        lease = handle.claim.lease
+        while lease is not None:
+            time.sleep(0.2)
+            lease = client.renew(lease)
     else:
         raise SystemExit(f"unknown command {cmd}")
     return 0

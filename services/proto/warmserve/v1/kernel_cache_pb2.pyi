@@ -130,7 +130,7 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("root", "entries", "total_bytes", "max_bytes", "hits", "misses", "publishes", "evictions", "quarantined")
+    __slots__ = ("root", "entries", "total_bytes", "max_bytes", "hits", "misses", "publishes", "evictions", "quarantined", "claims", "waits", "builds", "takeovers", "leases")
     ROOT_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,11 @@ class StatResponse(_message.Message):
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FIELD_NUMBER: _ClassVar[int]
+    BUILDS_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     root: str
     entries: int
     total_bytes: int
@@ -149,7 +154,12 @@ class StatResponse(_message.Message):
     publishes: int
     evictions: int
     quarantined: int
-    def __init__(self, root: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., publishes: _Optional[int] = ..., evictions: _Optional[int] = ..., quarantined: _Optional[int] = ...) -> None: ...
+    claims: int
+    waits: int
+    builds: int
+    takeovers: int
+    leases: int
+    def __init__(self, root: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., publishes: _Optional[int] = ..., evictions: _Optional[int] = ..., quarantined: _Optional[int] = ..., claims: _Optional[int] = ..., waits: _Optional[int] = ..., builds: _Optional[int] = ..., takeovers: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("key", "all")
@@ -166,3 +176,67 @@ class EvictResponse(_message.Message):
     evicted: int
     freed_bytes: int
     def __init__(self, evicted: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("key", "lease_id", "holder", "expires_unix_s", "ttl_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    lease_id: str
+    holder: str
+    expires_unix_s: float
+    ttl_s: float
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., lease_id: _Optional[str] = ..., holder: _Optional[str] = ..., expires_unix_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("key", "holder", "ttl_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    key: ProgramKey
+    holder: str
+    ttl_s: float
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ClaimEvent(_message.Message):
+    __slots__ = ("status", "entry", "lease", "takeover")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[ClaimEvent.Status]
+        HIT: _ClassVar[ClaimEvent.Status]
+        OWNER: _ClassVar[ClaimEvent.Status]
+        WAIT: _ClassVar[ClaimEvent.Status]
+        PUBLISHED: _ClassVar[ClaimEvent.Status]
+        LEASE_EXPIRED: _ClassVar[ClaimEvent.Status]
+    STATUS_UNSPECIFIED: ClaimEvent.Status
+    HIT: ClaimEvent.Status
+    OWNER: ClaimEvent.Status
+    WAIT: ClaimEvent.Status
+    PUBLISHED: ClaimEvent.Status
+    LEASE_EXPIRED: ClaimEvent.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
+    status: ClaimEvent.Status
+    entry: EntryInfo
+    lease: Lease
+    takeover: bool
+    def __init__(self, status: _Optional[_Union[ClaimEvent.Status, str]] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., takeover: _Optional[bool] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("held", "lease")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    lease: Lease
+    def __init__(self, held: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,21 @@ class KernelCacheStub:
                 request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.EvictRequest.SerializeToString,
                 response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_stream(
+                '/warmserve.v1.KernelCache/Claim',
+                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.FromString,
+                _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/warmserve.v1.KernelCache/RenewLease',
+                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/warmserve.v1.KernelCache/ReleaseLease',
+                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KernelCacheServicer:
@@ -111,6 +126,35 @@ class KernelCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Single-flight builds: ask for the right to build a missing entry. The first event answers
+        HIT (fetch it), OWNER (build it; you hold `lease` and renew it with RenewLease while building;
+        your Publish ends it) or WAIT (`lease` is the builder's). After WAIT the stream stays open and
+        ends with one more event: PUBLISHED (fetch it) or LEASE_EXPIRED (the builder died, hung or gave
+        up: Claim again; one claimant becomes the new OWNER). Cancel the stream to stop waiting.
+        INVALID_ARGUMENT for a bad key, an UNKNOWN fingerprint or a TTL outside (0, 3600] s.
+        Needs the bearer token when the daemon was started with one (the owner will publish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """Extends a lease by its TTL from now; held=false when the lease is no longer held (taken over
+        after it expired, released, or ended by the publish of the entry) and nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Gives a lease up without publishing (the build failed): waiters get LEASE_EXPIRED at once.
+        Releasing a lease that is no longer held is not an error (held=false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KernelCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +187,21 @@ def add_KernelCacheServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.EvictRequest.FromString,
                     response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.EvictResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_stream_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +366,87 @@ class KernelCache:
             '/warmserve.v1.KernelCache/Evict',
             warmserve_dot_v1_dot_kernel__cache__pb2.EvictRequest.SerializeToString,
             warmserve_dot_v1_dot_kernel__cache__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/warmserve.v1.KernelCache/Claim',
+            warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warmserve.v1.KernelCache/RenewLease',
+            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warmserve.v1.KernelCache/ReleaseLease',
+            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
