@@ -50,6 +50,9 @@ class EngineConfig:
     - ``background_compile``: with ``compile="aoti"``, when the programs are not all in the
       kernel cache, serve eager at once and fetch/compile them in a background thread at lower
       CPU priority; each is installed between two engine steps (:meth:`LLMEngine.call_between_steps`).
+    - ``build_lease_s``: TTL in seconds of the kernel-cache build lease a runner holds while it
+      compiles a program others wait for (renewed every third of it; a runner that dies loses
+      it after this long and a waiter takes the build over).
     """
 
     max_num_seqs: int = 32
@@ -67,6 +70,7 @@ class EngineConfig:
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     background_compile: bool = False
+    build_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -88,6 +92,8 @@ class EngineConfig:
             raise InvalidArgument(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
+        if not 0 < self.build_lease_s <= 3600:
+            raise InvalidArgument(f"build_lease_s must be in (0, 3600] seconds, got {self.build_lease_s}")
         if self.default_max_tokens < 1:
             raise InvalidArgument(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
 

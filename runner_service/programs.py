@@ -73,6 +73,15 @@ and compile options. An ``UNKNOWN`` fingerprint is compiled locally and never fe
 A MISS compiles and publishes; a HIT whose bytes fail to load (corrupt entry that passed the
 sha256 check, e.g. published broken) is evicted, recompiled and republished. A corrupt entry the
 store detects is quarantined there and reads as a MISS.
+
+Single flight: in ``aoti`` mode a MISS does not compile at once; the runner claims the key
+(:meth:`KernelCacheClient.claim`, see :mod:`kernel_cache_service.leases`). OWNER compiles
+holding a build lease it renews every third of ``EngineConfig.build_lease_s`` and publishes
+(which ends the lease); WAIT blocks until the builder publishes (then fetches: "fetched
+llama.decode.aoti from runner-2's publish after waiting 41.3 s") or its lease ends (a builder
+that died: claim again, one waiter takes over). So N runners starting together on an empty
+cache compile each program once. ``inductor`` mode stays uncoordinated (its warm start
+re-traces anyway).
 """
 
 from __future__ import annotations
@@ -81,7 +90,9 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -99,6 +110,7 @@ from services.errors import InvalidArgument, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
+    from kernel_cache_service.entry import EntryInfo
     from runner_service.config import EngineConfig
     from runner_service.model_runner import ModelRunner
 
@@ -579,28 +591,28 @@ def _bind_kv(program: Callable, runner: ModelRunner) -> Callable:
     return decode
 
 
-def _publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path) -> str:
+def _publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, holder: str) -> str:
     from kernel_cache_service.fingerprint import UNKNOWN
 
     if cache is None or fp == UNKNOWN:
         return ""
     try:
-        return cache.publish(name, fp, path, producer=f"warmserve-runner:{os.getpid()}")
+        return cache.publish(name, fp, path, producer=holder)
     except (WarmserveError, OSError) as e:  # the compiled program is still used
         log.warning("publishing %s/%s failed (the program compiled here is used): %s", name, fp[:12], e)
         return "FAILED"
 
 
-def _fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> bool:
+def _fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> EntryInfo | None:
     from kernel_cache_service.fingerprint import UNKNOWN
 
     if cache is None or fp == UNKNOWN:
-        return False
+        return None
     try:
-        return cache.fetch(name, fp, dest) is not None
+        return cache.fetch(name, fp, dest)
     except (WarmserveError, OSError) as e:
         log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
-        return False
+        return None
 
 
 def _evict_broken(cache: KernelCacheClient, name: str, fp: str, error: Exception) -> None:
@@ -621,24 +633,140 @@ def _how(fp: str, cache: KernelCacheClient | None, published: str) -> str:
     return published or "not published"
 
 
+def holder_name(runner: ModelRunner) -> str:
+    """Who builds or publishes, as the kernel cache records it (lease holder, entry producer):
+    ``<runner id>@<host>:<pid>``."""
+    return f"{runner.config.runner_id}@{socket.gethostname()}:{os.getpid()}"
+
+
+def _who(holder: str) -> str:
+    """The runner id part of a :func:`holder_name` (the whole text for other producers)."""
+    return holder.split("@", 1)[0] or holder
+
+
+class _LeaseKeeper:
+    """While its ``with`` block runs (a build), renews ``lease`` every third of its TTL in a
+    daemon thread; on exit releases it if a publish did not end it already, so waiters learn
+    at once that a failed build will not publish. A lost lease (renewal refused: the kernel
+    cache restarted, or the lease expired and was taken over) is logged; the build goes on and
+    its publish then finds the key taken (``ALREADY_PRESENT``) or stores it."""
+
+    def __init__(self, cache: KernelCacheClient, lease) -> None:
+        self.cache, self.lease = cache, lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="build-lease", daemon=True)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease.ttl_s / 3):
+            try:
+                renewed = self.cache.renew(self.lease)
+            except WarmserveError as e:
+                log.warning("renewing the build lease on %s failed: %s", self.lease.name, e)
+                continue
+            if renewed is None:
+                log.warning("the build lease on %s/%s was lost; building on", self.lease.name,
+                            self.lease.fingerprint[:12])
+                return
+            self.lease = renewed
+
+    def __enter__(self) -> _LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.cache.release(self.lease)
+        except WarmserveError as e:  # it expires by itself after its TTL
+            log.warning("releasing the build lease on %s failed: %s", self.lease.name, e)
+
+
+#: Claim rounds before a runner stops coordinating and builds anyway (each round ends with a
+#: publish it fetches, or a builder that died: this bounds a chain of failing builders).
+MAX_CLAIM_ROUNDS = 5
+
+
+def _single_flight(runner: ModelRunner, cache: KernelCacheClient | None, name: str, fp: str,
+                   fetch: Callable[[], tuple[Callable, EntryInfo] | None],
+                   build: Callable[[str], tuple[Callable, str, float]]) -> tuple[Callable, str, str, str]:
+    """Get program ``name``/``fp``: ``fetch()`` it from the kernel cache, or, on a miss, claim
+    the key (:meth:`KernelCacheClient.claim`) and either ``build(holder)`` it holding the lease
+    (renewed by :class:`_LeaseKeeper`) or wait for whoever builds it and fetch their publish.
+    ``fetch`` returns ``(program, entry)`` or ``None``; ``build`` returns ``(program, published,
+    seconds)``. Without a cache, for an ``UNKNOWN`` key, or when claiming fails (an old daemon, no
+    token) it builds uncoordinated. Returns ``(program, source, published, detail)``."""
+    from kernel_cache_service.fingerprint import UNKNOWN
+
+    holder = holder_name(runner)
+
+    def built(note: str = "") -> tuple[Callable, str, str, str]:
+        program, published, seconds = build(holder)
+        return program, "compiled", published, \
+            f"compiled {name} in {seconds:.1f} s here ({_how(fp, cache, published)}{note})"
+
+    if cache is None or fp == UNKNOWN:
+        return built()
+    got = fetch()
+    if got is not None:
+        return got[0], "hit", "", f"kernel cache HIT {name} ({got[1].size_bytes / 2**20:.1f} MiB)"
+    t0 = time.perf_counter()
+    for _ in range(MAX_CLAIM_ROUNDS):
+        try:
+            handle = cache.claim(name, fp, holder=holder, ttl_s=runner.config.build_lease_s)
+        except WarmserveError as e:
+            log.warning("cannot claim the build of %s (%s); compiling without coordination", name, e)
+            return built()
+        with handle:
+            claim = handle.claim
+            if claim.status == "OWNER":
+                with _LeaseKeeper(cache, claim.lease):
+                    return built("; took over an expired build lease" if claim.takeover else "")
+            if claim.status == "WAIT":
+                log.info("waiting for %s to build %s", _who(claim.lease.holder), name,
+                         extra={"runner_id": runner.config.runner_id})
+                try:
+                    event = handle.wait()
+                except WarmserveError as e:
+                    log.warning("waiting for the build of %s failed (%s); compiling here", name, e)
+                    return built()
+                if event.status != "PUBLISHED":
+                    continue  # the builder is gone: claim again
+        got = fetch()
+        if got is not None:
+            program, entry = got
+            return program, "hit", "", (f"fetched {name} from {_who(entry.producer)}'s publish after waiting "
+                                        f"{time.perf_counter() - t0:.1f} s ({entry.size_bytes / 2**20:.1f} MiB)")
+    log.warning("no build of %s finished after %d claims; compiling here", name, MAX_CLAIM_ROUNDS)
+    return built()
+
+
 def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str, cache: KernelCacheClient | None,
                work: Path, example: Callable[[], tuple], dynamic: tuple) -> tuple[Callable, str, str, str]:
-    """Fetch program ``name``/``fp`` or export ``module`` at ``example()`` with ``dynamic``
-    shapes, compile and publish it; returns ``(program, source, published, detail)``."""
+    """Fetch program ``name``/``fp`` or (single-flight, :func:`_single_flight`) export ``module``
+    at ``example()`` with ``dynamic`` shapes, compile and publish it; returns ``(program,
+    source, published, detail)``."""
     package = work / f"{name}-{fp[:24]}.pt2"
-    if _fetch(cache, name, fp, package):
+
+    def fetch() -> tuple[Callable, EntryInfo] | None:
+        entry = _fetch(cache, name, fp, package)
+        if entry is None:
+            return None
         try:
-            program = AotiProgram(package, module, runner.device)
-            return program, "hit", "", f"kernel cache HIT {name} ({package.stat().st_size / 2**20:.1f} MiB)"
+            return AotiProgram(package, module, runner.device), entry
         except Exception as e:  # noqa: BLE001 - a broken package is recompiled, not fatal
             _evict_broken(cache, name, fp, e)
-    with tempfile.TemporaryDirectory(dir=work, prefix="compile-") as tmp:
-        t = time.perf_counter()
-        built = compile_aoti(module, example(), dynamic, Path(tmp) / "program.pt2", runner.forward_lock)
-        compile_s = time.perf_counter() - t
-        published = _publish(cache, name, fp, built)
-        program = AotiProgram(built, module, runner.device)  # the loader keeps its own extracted copy
-    return program, "compiled", published, f"compiled {name} in {compile_s:.1f} s ({_how(fp, cache, published)})"
+            return None
+
+    def build(holder: str) -> tuple[Callable, str, float]:
+        with tempfile.TemporaryDirectory(dir=work, prefix="compile-") as tmp:
+            t = time.perf_counter()
+            built = compile_aoti(module, example(), dynamic, Path(tmp) / "program.pt2", runner.forward_lock)
+            seconds = time.perf_counter() - t
+            published = _publish(cache, name, fp, built, holder)
+            return AotiProgram(built, module, runner.device), published, seconds  # the loader keeps its own copy
+
+    return _single_flight(runner, cache, name, fp, fetch, build)
 
 
 def _load_inductor(runner: ModelRunner, module: nn.Module, name: str, fp: str,
@@ -655,5 +783,5 @@ def _load_inductor(runner: ModelRunner, module: nn.Module, name: str, fp: str,
     build_s = time.perf_counter() - t
     if hit:
         return compiled, "hit", "", f"kernel cache HIT {name}, graphs loaded in {build_s:.1f} s"
-    published = _publish(cache, name, fp, cache_dir)
+    published = _publish(cache, name, fp, cache_dir, holder_name(runner))
     return compiled, "compiled", published, f"compiled {name} in {build_s:.1f} s ({_how(fp, cache, published)})"
