@@ -9,6 +9,8 @@ Heavy imports (torch, the engine) happen inside the handler, never at import tim
 
 from __future__ import annotations
 
+import argparse
+
 from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
 
 DEFAULT_PORT = 50061
@@ -36,11 +38,16 @@ def register(subparsers) -> None:
     serve.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="auto",
                        help="the weight sidecar's dtype; int4/int8 keep the weights quantized (default auto: the "
                             "checkpoint's own, int4 for a Q4_0/Q4_1 GGUF)")
-    serve.add_argument("--compile", choices=COMPILE_MODES, default="off",
-                       help="compiled decode programs (default off: eager)")
-    serve.add_argument("--compile-in-background", action="store_true",
-                       help="with --compile aoti: serve eager at once when the programs are not in the kernel "
-                            "cache, and install them between two steps once built (lower CPU priority)")
+    serve.add_argument("--compile", choices=COMPILE_MODES, default="aoti",
+                       help="compiled decode and prefill programs, through the kernel cache (default aoti; "
+                            "off: eager)")
+    serve.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --compile aoti: when the programs are not in the kernel cache, serve eager at "
+                            "once and install them between two steps once fetched or built (lower CPU "
+                            "priority); --no-compile-in-background waits for them before serving (default: on)")
+    serve.add_argument("--build-lease-ttl", type=float, default=30.0, metavar="SECONDS",
+                       help="TTL of the kernel-cache build lease this runner holds while it compiles a program "
+                            "other runners wait for; a runner that dies loses it after this long (default 30)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=32,
                        help="sequences decoded together at most (default 32)")
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=None,

@@ -37,6 +37,7 @@ def engine_config_from_args(args) -> EngineConfig:
         num_threads=args.threads,
         enable_prefix_caching=args.prefix_caching,
         background_compile=args.compile_in_background,
+        build_lease_s=args.build_lease_ttl,
         runner_id=args.runner_id or "runner",
     )
 

@@ -53,6 +53,11 @@ from services.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
+#: ``program_state`` values: ``off`` (``--compile off``), ``pending`` (serving eager while the
+#: programs are fetched, waited for or compiled in the background), ``installed``, ``eager``
+#: (they failed: serving eager).
+PROGRAM_STATES = ("off", "pending", "installed", "eager")
+
 
 @dataclass(frozen=True)
 class StartupPhase:
@@ -187,6 +192,12 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}  # stepping thread only
         self._thread: threading.Thread | None = None
         self._compiler: threading.Thread | None = None  # background compile, if any
+        #: Compiled programs: one of :data:`PROGRAM_STATES`; ``program_detail`` what was (or is
+        #: being) done; ``programs_installed_at_s`` seconds after start-up began (the report's
+        #: clock) when background-built programs took over, ``None`` otherwise.
+        self.program_state = "off"
+        self.program_detail = ""
+        self.programs_installed_at_s: float | None = None
         self._stopping = False
         self.generated_tokens_total = 0
         self.args = args
@@ -246,6 +257,7 @@ class LLMEngine:
         if config.warmup:
             self.runner.warmup(self.warmup_buckets())
         self._phase("warmup", t0, f"decode buckets {self.warmup_buckets()}" if config.warmup else "skipped")
+        self._ready = time.perf_counter()  # serving from now on (eager while programs are pending)
         log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
 
 
@@ -293,7 +305,8 @@ class LLMEngine:
 
     def _load_programs(self) -> str:
         if self.config.compile == "off":
-            return "compile off (eager)"
+            self.program_state, self.program_detail = "off", "compile off (eager)"
+            return self.program_detail
         try:
             from runner_service import programs
         except ImportError as e:
@@ -301,28 +314,39 @@ class LLMEngine:
                                      f"which is not available: {e}") from e
         if (self.config.background_compile and self.config.compile == "aoti"
                 and not programs.programs_cached(self.runner, "aoti", self.kernel_cache)):
+            self.program_state = "pending"
+            self.program_detail = "not all in the kernel cache; serving eager while they are fetched or compiled"
             self._compiler = threading.Thread(target=self._compile_in_background,
                                               args=(programs, torch.get_num_threads()),
                                               name="background-compile", daemon=True)
             self._compiler.start()
-            return "aoti: not all in the kernel cache; serving eager while they compile in the background"
-        return str(programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache))
+            return f"{self.config.compile}: {self.program_detail}"
+        report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
+                                        progress=self._program_progress)
+        self.program_state = "eager" if report.source == "eager" else "installed"
+        self.program_detail = str(report)
+        return self.program_detail
+
+    def _program_progress(self, what: str) -> None:
+        """What the programs phase is doing now (``ModelInfo.program_detail``; logged)."""
+        self.program_detail = what
+        log.info("programs: %s", what, extra={"runner_id": self.config.runner_id})
 
     def _compile_in_background(self, programs, threads: int) -> None:
         """Fetch or compile the programs in this thread at lower CPU priority; each is installed
-        between two steps; then the ``programs_installed`` phase joins the start-up report."""
+        between two steps; then ``program_state`` becomes ``installed`` (or ``eager`` when they
+        failed) and ``programs_installed_at_s`` says when, counted like the start-up report."""
         _lower_thread_priority()
         torch.set_num_threads(threads)  # the engine's: OpenMP's thread count is per thread, and the key has it
-        t0 = time.perf_counter()
         report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
-                                        install=self.call_between_steps)
+                                        install=self.call_between_steps, progress=self._program_progress)
 
         def record() -> None:
-            after = time.perf_counter() - self._created
-            self.startup_report.phases.append(StartupPhase(
-                "programs_installed", time.perf_counter() - t0,
-                f"{report}; installed {after:.1f} s after start-up, between two steps"))
-            log.info("compiled programs installed: %s", report, extra={"runner_id": self.config.runner_id})
+            self.programs_installed_at_s = self.startup_report.total_seconds + time.perf_counter() - self._ready
+            self.program_state = "eager" if report.source == "eager" else "installed"
+            self.program_detail = str(report)
+            log.info("compiled programs installed %.1f s after start-up began, between two steps: %s",
+                     self.programs_installed_at_s, report, extra={"runner_id": self.config.runner_id})
 
         self.call_between_steps(record)
 

@@ -470,7 +470,8 @@ def _default_work_dir() -> Path:
 def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                   kernel_cache: KernelCacheClient | str | Path | None = None,
                   work_dir: str | Path | None = None, sources: list | None = None,
-                  install: Callable[[Callable[[], None]], None] | None = None) -> ProgramsReport:
+                  install: Callable[[Callable[[], None]], None] | None = None,
+                  progress: Callable[[str], None] | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``config.compile`` (default
     ``runner.config.compile``) and install it with :meth:`ModelRunner.install_decode_program`;
     in ``aoti`` mode then the prefill program likewise (:meth:`ModelRunner.install_prefill_program`;
@@ -482,10 +483,13 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
     sources in the key (tests). ``install``: how each ready program is installed: called with a
     no-argument function that installs it; ``None`` calls it at once. A caller that runs this in
     a background thread passes one that hands the function to the thread stepping the runner
-    (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step. Returns the
+    (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step.
+    ``progress``: called with a phrase at each step that can take long ("compiling
+    llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). Returns the
     report; on any failure the runner is left eager.
     """
     mode = (config or runner.config).compile
+    progress = progress or (lambda _what: None)
     t0 = time.perf_counter()
     if mode not in MODES:
         return ProgramsReport(mode, 0.0, f"compile {mode}: eager", source="eager")
@@ -509,7 +513,7 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
             if mode == "aoti":
                 program, source, published, detail = _load_aoti(
                     runner, module, name, fp, cache, work, lambda: example_inputs(runner, *_dims(runner)),
-                    dynamic_shapes(runner))
+                    dynamic_shapes(runner), progress)
             else:
                 program, source, published, detail = _load_inductor(runner, module, name, fp, cache, work)
         except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
@@ -518,7 +522,7 @@ def load_programs(runner: ModelRunner, config: EngineConfig | None = None, *,
                                   f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
         decode = _bind_kv(program, runner)
         install(lambda: runner.install_decode_program(decode))
-        prefill_source, prefill_detail = _load_prefill(runner, mode, cache, work, sources, install)
+        prefill_source, prefill_detail = _load_prefill(runner, mode, cache, work, sources, install, progress)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
@@ -552,7 +556,8 @@ def programs_cached(runner: ModelRunner, mode: str,
 
 
 def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | None, work: Path,
-                  sources: list | None, install: Callable[[Callable[[], None]], None]) -> tuple[str, str]:
+                  sources: list | None, install: Callable[[Callable[[], None]], None],
+                  progress: Callable[[str], None]) -> tuple[str, str]:
     """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
     prefill eager, its dynamic token count would recompile graphs at run time). Returns its
     source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
@@ -563,7 +568,7 @@ def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | Non
         name, fp = program_key(runner, mode, sources=sources, kind="prefill")
         program, source, _published, detail = _load_aoti(
             runner, runner.model, name, fp, cache, work, lambda: prefill_example_inputs(runner),
-            prefill_dynamic_shapes(runner))
+            prefill_dynamic_shapes(runner), progress)
     except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
         log.exception("compiled prefill unavailable; prefill runs eager")
         return "eager", f"prefill eager ({type(e).__name__}: {e})"
@@ -689,18 +694,21 @@ MAX_CLAIM_ROUNDS = 5
 
 def _single_flight(runner: ModelRunner, cache: KernelCacheClient | None, name: str, fp: str,
                    fetch: Callable[[], tuple[Callable, EntryInfo] | None],
-                   build: Callable[[str], tuple[Callable, str, float]]) -> tuple[Callable, str, str, str]:
+                   build: Callable[[str], tuple[Callable, str, float]],
+                   progress: Callable[[str], None]) -> tuple[Callable, str, str, str]:
     """Get program ``name``/``fp``: ``fetch()`` it from the kernel cache, or, on a miss, claim
     the key (:meth:`KernelCacheClient.claim`) and either ``build(holder)`` it holding the lease
     (renewed by :class:`_LeaseKeeper`) or wait for whoever builds it and fetch their publish.
     ``fetch`` returns ``(program, entry)`` or ``None``; ``build`` returns ``(program, published,
     seconds)``. Without a cache, for an ``UNKNOWN`` key, or when claiming fails (an old daemon, no
-    token) it builds uncoordinated. Returns ``(program, source, published, detail)``."""
+    token) it builds uncoordinated. ``progress`` hears what it is doing. Returns ``(program,
+    source, published, detail)``."""
     from kernel_cache_service.fingerprint import UNKNOWN
 
     holder = holder_name(runner)
 
     def built(note: str = "") -> tuple[Callable, str, str, str]:
+        progress(f"compiling {name} here")
         program, published, seconds = build(holder)
         return program, "compiled", published, \
             f"compiled {name} in {seconds:.1f} s here ({_how(fp, cache, published)}{note})"
@@ -723,8 +731,7 @@ def _single_flight(runner: ModelRunner, cache: KernelCacheClient | None, name: s
                 with _LeaseKeeper(cache, claim.lease):
                     return built("; took over an expired build lease" if claim.takeover else "")
             if claim.status == "WAIT":
-                log.info("waiting for %s to build %s", _who(claim.lease.holder), name,
-                         extra={"runner_id": runner.config.runner_id})
+                progress(f"waiting for {_who(claim.lease.holder)} to build {name}")
                 try:
                     event = handle.wait()
                 except WarmserveError as e:
@@ -742,7 +749,8 @@ def _single_flight(runner: ModelRunner, cache: KernelCacheClient | None, name: s
 
 
 def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str, cache: KernelCacheClient | None,
-               work: Path, example: Callable[[], tuple], dynamic: tuple) -> tuple[Callable, str, str, str]:
+               work: Path, example: Callable[[], tuple], dynamic: tuple,
+               progress: Callable[[str], None]) -> tuple[Callable, str, str, str]:
     """Fetch program ``name``/``fp`` or (single-flight, :func:`_single_flight`) export ``module``
     at ``example()`` with ``dynamic`` shapes, compile and publish it; returns ``(program,
     source, published, detail)``."""
@@ -766,7 +774,7 @@ def _load_aoti(runner: ModelRunner, module: nn.Module, name: str, fp: str, cache
             published = _publish(cache, name, fp, built, holder)
             return AotiProgram(built, module, runner.device), published, seconds  # the loader keeps its own copy
 
-    return _single_flight(runner, cache, name, fp, fetch, build)
+    return _single_flight(runner, cache, name, fp, fetch, build, progress)
 
 
 def _load_inductor(runner: ModelRunner, module: nn.Module, name: str, fp: str,

@@ -2,9 +2,10 @@
 
 1. start the stack (kernel-cache, weights, router, runner-0) in a fresh temporary
    ``WARMSERVE_HOME`` unless ``--home`` is given: runner-0 is the *cold* launch (it builds the
-   weight sidecar and any compiled programs);
-2. stream answers to a few chat prompts through the router;
-3. launch one more runner: the *warm* launch finds the sidecar (and programs) ready;
+   weight sidecar, serves eager at once and compiles its programs in the background);
+2. stream answers to a few chat prompts through the router (eager, beside the compile);
+3. wait for runner-0's compiled programs to take over, then launch one more runner: the
+   *warm* launch finds the sidecar and the programs ready;
 4. print both start-up reports side by side, send a burst of concurrent requests through the
    router to show them spread over the runners, print the router's runner table;
 5. stop everything and exit 0.
@@ -77,6 +78,14 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                     _say(out)
                     _say(out, f"  ({result.summary()})")
 
+            print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr,
+                  flush=True)
+            cold = stack.wait_programs(0)
+            if cold.programs_installed_at_s:
+                took = "installed" if cold.program_state == "installed" else "failed (eager)"
+                _say(out)
+                _say(out, f"runner-0: compiled programs {took} at {cold.programs_installed_at_s:.1f} s "
+                          f"({cold.program_detail})")
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))

@@ -5,11 +5,13 @@
 
 1. kernel-cache (``base_port + 1``), weights (``base_port + 2``) and the router (``base_port``),
    waiting until each answers SERVING on ``grpc.health.v1``;
-2. runner 0 (``base_port + 11``) alone: the first launch builds what is missing (sidecar,
-   compiled programs) and publishes it;
-3. runners 1..N-1 together: they find everything warm;
+2. every runner together (runner ``i`` at ``base_port + 11 + i``): the weight service prepares
+   the sidecar once for all of them, and the kernel cache's single-flight builds let one runner
+   compile each missing program while the others wait for its publish; meanwhile they all serve
+   eager (``runner serve`` compiles in the background by default);
 
 and finally waits until the router lists every runner READY (runners register with ``--router``).
+:meth:`LocalStack.wait_programs` waits for a runner's compiled programs to take over.
 ``base_port = 0`` picks free ports instead. Each child writes its JSON log to
 ``HOME/logs/NAME.log``; a child that exits while starting raises ``Unavailable`` quoting the tail
 of its log. ``stop()`` sends SIGTERM to every child (router first), waits ``stop_grace_s``
@@ -61,6 +63,7 @@ class StackConfig:
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
     core oversubscribe the CPU and OpenMP barriers then stall decode (see ``docs/benchmarks.md``).
+    ``first_token_timeout_s``: the router's ``--first-token-timeout`` (``None``: its default).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -88,6 +91,7 @@ class StackConfig:
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
     max_restarts_per_minute: int = 5
+    first_token_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -214,8 +218,11 @@ class LocalStack:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
         if name == WEIGHTS:
             return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *common)
-        return self._cli("router", "serve", *common, "--policy", cfg.policy,
+        argv = self._cli("router", "serve", *common, "--policy", cfg.policy,
                          "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s))
+        if cfg.first_token_timeout_s is not None:
+            argv += ["--first-token-timeout", str(cfg.first_token_timeout_s)]
+        return argv
 
     def runner_argv(self, index: int) -> list[str]:
         """The command line of runner ``index`` (registers with the router under ``runner-I``)."""
@@ -309,14 +316,14 @@ class LocalStack:
                     name, self._service_argv(name), self.address(name), self.log_dir / f"{name}.log"))
             self._progress("starting kernel-cache, weights and router ...")
             self._wait_serving(list(self.services.values()))
-            if self.config.runners:
-                self._progress("starting runner-0 (the first launch builds what is missing) ...")
-                self.start_runner(0)
-            if self.config.runners > 1:
-                self._progress(f"starting runner-1..{self.config.runners - 1} (warm) ...")
-                for i in range(1, self.config.runners):
+            n = self.config.runners
+            if n:
+                self._progress(f"starting {n} runner{'s' if n > 1 else ''} together (a missing program is "
+                               "built once, by one of them) ...")
+                for i in range(n):
                     self.start_runner(i, wait=False)
-                self.wait_runners(range(1, self.config.runners))
+                self.wait_runners(range(n))
+            self.write_state()
             return self
         except BaseException:
             self.stop()
@@ -348,6 +355,25 @@ class LocalStack:
         self._wait_serving(children)
         self.wait_registered([c.name for c in children])
 
+    def wait_programs(self, index: int, timeout_s: float | None = None) -> object:
+        """Wait until runner ``index``'s compiled programs are no longer ``pending`` (installed,
+        failed, or compile off), noting what it is doing every 10 s; returns its
+        ``ModelInfoResponse``. ``Unavailable`` after ``timeout_s`` seconds (default the start-up
+        timeout)."""
+        end = time.monotonic() + (self.config.startup_timeout_s if timeout_s is None else timeout_s)
+        next_note = time.monotonic() + 10
+        while True:
+            info = self.startup_report(index)
+            if info.program_state != "pending":
+                return info
+            now = time.monotonic()
+            if now > end:
+                raise Unavailable(f"runner-{index}'s compiled programs are still pending: {info.program_detail}")
+            if now > next_note:
+                self._progress(f"  ... runner-{index} serves eager; {info.program_detail}")
+                next_note = now + 10
+            time.sleep(0.5)
+
     def kill_runner(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to runner ``index`` and reap it."""
         child = self.runners[index]
@@ -363,7 +389,9 @@ class LocalStack:
             return client.model_info()
 
     def stop(self) -> None:
-        """SIGTERM every child (router first), wait ``stop_grace_s`` s, then SIGKILL stragglers."""
+        """SIGTERM every child (router first), wait ``stop_grace_s`` s, then SIGKILL stragglers;
+        the state file goes too."""
+        self.remove_state()
         order = [self.services.get(ROUTER), *self.runners, self.services.get(WEIGHTS),
                  self.services.get(KERNEL_CACHE)]
         children = [c for c in order if c is not None and c.running]
@@ -416,11 +444,54 @@ class LocalStack:
                 child.restart_times.append(now)
                 self._launch(child)
                 self._progress(f"warmserve: {child.name} restarted (pid {child.proc.pid})")
+                self.write_state()
         return given_up
 
     def restarts(self) -> dict[str, int]:
         """Restarts so far per child name (every launched child, 0 included)."""
         return {c.name: c.restarts for c in [*self.services.values(), *self.runners] if c is not None}
+
+    @property
+    def state_path(self) -> Path:
+        """``HOME/stack.json``: what ``warmserve status`` reads about this stack (see
+        :meth:`write_state`)."""
+        return self.home / STATE_FILE
+
+    def write_state(self) -> None:
+        """Record the stack for ``warmserve status``: the router address, and per child its
+        address, pid and restarts (JSON, replaced atomically)."""
+        import json
+
+        doc = {"router": self.router_address, "pid": os.getpid(),
+               "children": {c.name: {"address": c.address, "pid": c.proc.pid if c.proc else None,
+                                     "restarts": c.restarts}
+                            for c in [*self.services.values(), *self.runners] if c is not None}}
+        tmp = self.state_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.state_path)
+
+    def remove_state(self) -> None:
+        """Forget the state file (the stack stopped)."""
+        self.state_path.unlink(missing_ok=True)
+
+
+#: The stack's state file under its home (:meth:`LocalStack.write_state`).
+STATE_FILE = "stack.json"
+
+
+def read_state(home: Path, router_address: str) -> dict:
+    """The restarts per child of the ``warmserve up`` whose home is ``home``, when it runs the
+    router at ``router_address`` and is still alive; ``{}`` otherwise."""
+    import json
+
+    try:
+        doc = json.loads((home / STATE_FILE).read_text())
+        os.kill(int(doc["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if doc.get("router") != router_address:
+        return {}
+    return {name: int(c.get("restarts", 0)) for name, c in doc.get("children", {}).items()}
 
 
 def _last_log_msg(child: ChildProcess) -> str:
@@ -450,35 +521,77 @@ def format_startup_report(info, title: str = "") -> str:
     width = max((len(p.name) for p in info.startup.phases), default=0)
     for p in info.startup.phases:
         lines.append(f"  {p.name:<{width}}  {p.seconds:7.2f} s  {p.detail}")
+    if info.program_state == "pending":
+        lines.append(f"  serving eager at {info.startup.total_seconds:.1f} s; compiled programs pending: "
+                     f"{info.program_detail}")
+    elif info.programs_installed_at_s:
+        took = "installed" if info.program_state == "installed" else "failed (staying eager)"
+        lines.append(f"  serving eager at {info.startup.total_seconds:.1f} s; compiled programs {took} at "
+                     f"{info.programs_installed_at_s:.1f} s ({info.program_detail})")
     return "\n".join(lines)
 
 
-def print_status(router_address: str, services: dict[str, str], *, out: TextIO) -> int:
-    """Print the router's runners (state, outstanding, lease, load, KV use) and the health of
-    the router and of each ``name -> address`` in ``services``. Returns 0, or 1 when the router
-    cannot be reached."""
+def _program_state(address: str) -> str:
+    """A runner's compiled-program state from its ``ModelInfo`` ("?" when it does not answer)."""
+    from services.generation_client import GenerationClient
+
+    try:
+        with GenerationClient(address) as client:
+            info = client.model_info(timeout_s=2.0)
+    except Exception:  # noqa: BLE001 - a status line, not an error
+        return "?"
+    return info.program_state or info.compile_mode or "?"
+
+
+def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
+                 restarts: dict[str, int] | None = None) -> int:
+    """Print the health of the router and of each ``name -> address`` in ``services``, then the
+    router's runners (state, compiled programs from each runner's ``ModelInfo``, outstanding,
+    lease, load, KV use, failures). ``restarts`` (name -> count, from :func:`read_state`) adds
+    a restarts column. Returns 0, or 1 when the router cannot be reached."""
     from services.healthcheck import check_health
     from services.proto import router_pb2
 
-    rows = [("service", "address", "health")]
+    restarts = restarts or {}
+    extra = ("restarts",) if restarts else ()
+    rows = [("service", "address", "health", *extra)]
     for name, addr in {"router": router_address, **services}.items():
-        rows.append((name, addr, check_health(addr, timeout_s=2.0)))
+        rows.append((name, addr, check_health(addr, timeout_s=2.0),
+                     *((str(restarts.get(name, 0)),) if restarts else ())))
     out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":
         return 1
     runners = list_runners(router_address)
     out.write("\n")
-    table = [("runner", "address", "state", "outstanding", "lease", "running/waiting", "KV blocks", "failures")]
+    table = [("runner", "address", "state", "programs", "outstanding", "lease", "running/waiting", "KV blocks",
+              "failures", *extra)]
     for r in runners:
         lease = "static" if r.static else f"{r.lease_expires_in_s:.1f} s"
         kv = f"{r.load.kv_blocks_used}/{r.load.kv_blocks_total}" if r.load.kv_blocks_total else "-"
-        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), str(r.outstanding),
-                      lease, f"{r.load.running}/{r.load.waiting}", kv, str(r.consecutive_failures)))
+        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), _program_state(r.address),
+                      str(r.outstanding), lease, f"{r.load.running}/{r.load.waiting}", kv, str(r.consecutive_failures),
+                      *((str(restarts.get(r.runner_id, 0)),) if restarts else ())))
     if len(table) == 1:
         out.write("no runners\n")
     else:
         out.write(format_table(table) + "\n")
     return 0
+
+
+def _announce_programs(stack: LocalStack, pending: set[int], out: TextIO) -> None:
+    """One line per runner in ``pending`` whose compiled programs took over (or failed) since the
+    last look; those leave ``pending``."""
+    for i in sorted(pending):
+        try:
+            info = stack.startup_report(i)
+        except Exception:  # noqa: BLE001 - restarting, or busy: look again later
+            continue
+        if info.program_state != "pending":
+            pending.discard(i)
+            took = "installed" if info.program_state == "installed" else "failed (serving eager)"
+            out.write(f"runner-{i}: compiled programs {took} at {info.programs_installed_at_s:.1f} s "
+                      f"({info.program_detail})\n")
+            out.flush()
 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
@@ -501,11 +614,19 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
         out.write("\nendpoints:\n")
         for name, addr in stack.endpoints().items():
             out.write(f"  {name:<13} {addr}\n")
+        pending = set()
         for i in range(len(stack.runners)):
-            out.write("\n" + format_startup_report(stack.startup_report(i)) + "\n")
+            info = stack.startup_report(i)
+            out.write("\n" + format_startup_report(info) + "\n")
+            if info.program_state == "pending":
+                pending.add(i)
         out.write(f"\nready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)\n")
         out.flush()
+        ticks = 0
         while not stop.wait(1.0):
+            ticks += 1
+            if pending and ticks % 5 == 0:
+                _announce_programs(stack, pending, out)
             given_up = stack.heal()
             if given_up:
                 for c in given_up:

@@ -72,6 +72,8 @@ def register(subparsers) -> None:
     status.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
     status.add_argument("--service", action="append", default=[], metavar="NAME=ADDR",
                         help="another service to health-check (repeatable), e.g. weights=127.0.0.1:50052")
+    status.add_argument("--home", default=None,
+                        help="the home of the `warmserve up` to report restarts of (default $WARMSERVE_HOME)")
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
@@ -142,7 +144,13 @@ def _status(args: argparse.Namespace) -> int:
 
             raise InvalidArgument(f"--service wants NAME=ADDR, got {item!r}")
         services[name] = addr
-    return print_status(args.addr, services, out=sys.stdout)
+    from pathlib import Path
+
+    from services.paths import warmserve_home
+    from warmserve.stack import read_state
+
+    home = Path(args.home).expanduser() if args.home else warmserve_home()
+    return print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
 
 
 def _demo(args: argparse.Namespace) -> int:

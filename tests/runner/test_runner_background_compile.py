@@ -28,7 +28,7 @@ def _params() -> SamplingParams:
 def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tmp_path):
     eng = _engine(tmp_path / "kc", background_compile=True)
     programs_phase = {p.name: p.detail for p in eng.startup_report.phases}["programs"]
-    assert "serving eager" in programs_phase
+    assert "serving eager" in programs_phase and eng.program_state == "pending"
     runner = eng.runner
     # 8 streams run eager, stepped from this thread while the compile runs beside them (the
     # trace, then Inductor and the C++ compiler): a step every 0.3 s, at most 40 of 60 tokens
@@ -50,13 +50,16 @@ def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tm
     assert not eng.programs_pending
     eng.run_until_done()
     got = [s.result(timeout=0).token_ids for s in streams]
-    installed = {p.name: p.detail for p in eng.startup_report.phases}["programs_installed"]
-    assert "compiled llama.decode.aoti" in installed and "between two steps" in installed
+    assert eng.program_state == "installed"
+    assert "compiled llama.decode.aoti" in eng.program_detail and "compiled llama.prefill.aoti" in eng.program_detail
+    # installed after start-up, on the report's clock (the compile took seconds)
+    assert eng.programs_installed_at_s > eng.startup_report.total_seconds + 1.0
     eng.close()
 
     # a runner compiled from the start (its programs now come from the cache: HIT)
     ref = _engine(tmp_path / "kc")
     assert "HIT llama.decode.aoti" in {p.name: p.detail for p in ref.startup_report.phases}["programs"]
+    assert (ref.program_state, ref.programs_installed_at_s) == ("installed", None)
     want_streams = [ref.add_request(_params(), token_ids=p) for p in PROMPTS]
     ref.run_until_done()
     want = [s.result(timeout=0).token_ids for s in want_streams]
@@ -69,7 +72,8 @@ def test_programs_already_in_the_cache_load_in_the_foreground(tmp_path, monkeypa
 
     monkeypatch.setattr(programs, "programs_cached", lambda *a, **k: True)
     calls = []
-    monkeypatch.setattr(programs, "load_programs", lambda *a, **k: calls.append(k) or "aoti: loaded")
+    loaded = programs.ProgramsReport("aoti", 0.1, "aoti: loaded", source="hit")
+    monkeypatch.setattr(programs, "load_programs", lambda *a, **k: calls.append(k) or loaded)
     eng = _engine(tmp_path / "kc", background_compile=True)
     assert eng._compiler is None and calls and "install" not in calls[0]
     assert {p.name: p.detail for p in eng.startup_report.phases}["programs"] == "aoti: loaded"

@@ -22,7 +22,7 @@ from services.proto import generation_pb2_grpc
 def _serve_cmd(ckpt, sidecars, *extra):
     return [sys.executable, "-m", "warmserve.cli", "runner", "serve", "--model", str(ckpt), "--sidecar-dir",
             str(sidecars), "--port", "0", "--max-model-len", "64", "--kv-cache-bytes", "2000000",
-            "--max-num-seqs", "4", "--drain-grace", "2", "--threads", "1", *extra]
+            "--max-num-seqs", "4", "--drain-grace", "2", "--threads", "1", "--compile", "off", *extra]
 
 
 @pytest.fixture

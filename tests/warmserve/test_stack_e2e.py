@@ -4,6 +4,7 @@ runner-1 and heals it, then the router is killed and healed."""
 
 from __future__ import annotations
 
+import io
 import queue
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from services.errors import Unavailable
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
-from warmserve.stack import LocalStack, StackConfig
+from warmserve.stack import LocalStack, StackConfig, print_status, read_state
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +159,12 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
         time.sleep(0.1)
     stack.wait_runners([1])
     assert stack.restarts() == {"kernel-cache": 0, "weights": 0, "router": 0, "runner-0": 0, "runner-1": 1}
+    # `warmserve status` shows the restarts (from the stack's state file) and each runner's programs
+    buf = io.StringIO()
+    assert print_status(stack.router_address, {}, out=buf, restarts=read_state(stack.home, stack.router_address)) == 0
+    rows = {line.split()[0]: line.split() for line in buf.getvalue().splitlines()}
+    assert rows["runner-1"][-1] == "1" and rows["runner-0"][-1] == "0" and rows["router"][-1] == "0", buf.getvalue()
+    assert rows["runner-0"][3] == rows["runner-1"][3] == "off", buf.getvalue()  # --compile off
     assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.READY,
                                      "runner-1": router_pb2.RunnerStatus.READY}
     with GenerationClient(stack.router_address) as client:
@@ -212,6 +219,13 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         with GenerationClient(endpoints["router"]) as client:
             result = client.complete(chat_request([("user", "Hi")], sampling_params(max_tokens=3)))
         assert (result.completion_tokens, result.runner_id) == (3, "runner-0")
+        status = subprocess.run([sys.executable, "-m", "warmserve.cli", "status", "--addr", endpoints["router"],
+                                 "--home", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        table = [line.split() for line in status.stdout.splitlines()]
+        assert ["service", "address", "health", "restarts"] in table, status.stdout
+        runner_row = next(r for r in table if r[0] == "runner-0")
+        assert runner_row[2:4] == ["READY", "off"] and runner_row[-1] == "0", status.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         for addr in endpoints.values():

@@ -156,7 +156,7 @@ class StartupReport(_message.Message):
     def __init__(self, phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup", "weights_dtype")
+    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup", "weights_dtype", "program_state", "program_detail", "programs_installed_at_s")
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,9 @@ class ModelInfoResponse(_message.Message):
     SIDECAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_INSTALLED_AT_S_FIELD_NUMBER: _ClassVar[int]
     runner_id: str
     model: str
     family: str
@@ -185,4 +188,7 @@ class ModelInfoResponse(_message.Message):
     sidecar_fingerprint: str
     startup: StartupReport
     weights_dtype: str
-    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ..., weights_dtype: _Optional[str] = ...) -> None: ...
+    program_state: str
+    program_detail: str
+    programs_installed_at_s: float
+    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ..., weights_dtype: _Optional[str] = ..., program_state: _Optional[str] = ..., program_detail: _Optional[str] = ..., programs_installed_at_s: _Optional[float] = ...) -> None: ...
