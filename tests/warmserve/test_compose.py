@@ -70,7 +70,10 @@ class ComposeOnLoopback:
         return arg
 
     def command(self, name: str) -> list[str]:
-        return [self._arg(name, a) for a in self.services[name]["command"]]
+        argv = [self._arg(name, a) for a in self.services[name]["command"]]
+        if argv[3:5] == ["runner", "serve"]:  # not a compile test: no background compile on 2 cores
+            argv += ["--compile", "off"]
+        return argv
 
     def healthcheck(self, name: str) -> list[str]:
         test = self.services[name]["healthcheck"]["test"]
