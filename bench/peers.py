@@ -417,18 +417,26 @@ class WarmserveServer(StreamingServer):
         return cmd, env, self.checkout
 
     def ready(self) -> bool:
-        """The gRPC health check answers ``SERVING``."""
+        """The gRPC health check answers ``SERVING`` and the compiled programs are not pending (a
+        cold runner serves eager while they build; checkouts without ``program_state`` wait for
+        them before serving)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from services.proto import generation_pb2, generation_pb2_grpc
 
         if self._channel is None:
             self._channel = grpc.insecure_channel(f"{HOST}:{self.port}")
         try:
             resp = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                    timeout=1.0)
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+            info = generation_pb2_grpc.GenerationStub(self._channel).ModelInfo(generation_pb2.ModelInfoRequest(),
+                                                                               timeout=5.0)
         except grpc.RpcError:
             return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        return getattr(info, "program_state", "") != "pending"
 
     def stream_one(self, prompt: str, tokens: int) -> Stream:
         """Stream ``Generation.Generate`` (raw text, greedy, EOS ignored)."""

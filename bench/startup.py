@@ -12,10 +12,30 @@ subprocesses, each with its own empty ``WARMSERVE_HOME`` and empty ``TORCHINDUCT
 For each launch it measures the wall time from ``Popen`` to the gRPC health check answering
 ``SERVING`` (the runner starts its server only after the engine is built and warmed up), then
 reads the runner's own phase breakdown through ``ModelInfo`` and sends SIGTERM.
-Prints one JSON document, then a Markdown table. Acceptance: ``cold / warm >= 10``.
+Prints one JSON document, then a Markdown table. Acceptance: ``cold / warm >= 10``. These two
+launches wait for their programs before serving (``--no-compile-in-background``), so the cold
+figure is the whole compile.
+
+**Fleet** (``--fleet N``, e.g. 4): N runners on an empty kernel cache (the sidecar is prepared
+first, so only programs are missing), each with ``--threads 1`` and its own empty Inductor cache
+(as separate machines would be), started four ways:
+
+- ``each-compiles``: all at once, each with its own kernel-cache directory, waiting for their
+  programs (a fleet roll-out without a shared cache or single-flight builds);
+- ``sequential``: runner 0 alone until it serves (it compiles), then the others at once (what
+  ``warmserve up`` did before single-flight builds);
+- ``single-flight``: all at once on one shared kernel-cache directory, serving eager at once
+  (the defaults): one compile per program, the others wait for its publish;
+- ``warm``: all at once on the cache ``single-flight`` filled (nothing to compile).
+
+Per way: seconds from the launch to the fleet's first token (a 1-token request sent to each
+runner as soon as it serves; the earliest answer), to every runner's first token, to every
+runner running compiled programs; and the CPU-seconds of the runner processes and their
+children (the C++ compiler, Inductor's workers) until then. ``compile_cpu_s`` is that minus
+the ``warm`` way's (which compiles nothing).
 
 Usage: ``python bench/startup.py [--compile aoti|inductor|off] [--max-num-seqs 8]
-[--kv-cache-bytes 268435456] [--keep DIR]``.
+[--kv-cache-bytes 268435456] [--keep DIR] [--fleet N]``.
 """
 
 from __future__ import annotations
@@ -86,7 +106,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path) -
     cmd = [*warmserve_command(), "runner", "serve", "--model", MODEL, "--compile", args.compile,
            "--kernel-cache-dir", str(kernel_cache), "--sidecar-dir", str(sidecars), "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(args.kv_cache_bytes),
-           "--dtype", args.dtype, "--log-level", "WARNING"]
+           "--dtype", args.dtype, "--log-level", "WARNING", "--no-compile-in-background"]
     env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
     log_path = scratch / f"runner-{name}.log"
     with open(log_path, "wb") as log:
@@ -124,6 +144,152 @@ def markdown(cold: dict, warm: dict, ratio: float) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------- fleet
+
+FLEET_WAYS = ("each-compiles", "sequential", "single-flight", "warm")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, its reaped children, and its live
+    descendants with theirs (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # after the ")": state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based from state
+            stats[int(d.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats:
+            total += stats[p][1]
+            todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total / tick
+
+
+class FleetRunner:
+    """One runner of a fleet: its process and the times (s after the fleet's launch) it reached."""
+
+    def __init__(self, index: int, cmd: list[str], env: dict, log: Path, t0: float) -> None:
+        self.index, self.cmd, self.env, self.log, self.t0 = index, cmd, env, log, t0
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.serving_s = self.first_token_s = self.compiled_s = None
+        self.detail = ""
+
+    def start(self) -> None:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def follow(self, timeout_s: float) -> None:
+        """Wait until serving, send a 1-token request, then wait for compiled programs."""
+        wait_serving(self.address, self.proc, timeout_s)
+        self.serving_s = time.perf_counter() - self.t0
+        with grpc.insecure_channel(self.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            req = generation_pb2.GenerateRequest(text="Hello", sampling=generation_pb2.SamplingParams(
+                max_tokens=1, temperature=0.0, ignore_eos=True))
+            for msg in stub.Generate(req, timeout=timeout_s):
+                if msg.token_ids and self.first_token_s is None:
+                    self.first_token_s = time.perf_counter() - self.t0
+            end = time.monotonic() + timeout_s
+            while True:
+                info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=30)
+                if info.program_state != "pending":
+                    self.compiled_s = time.perf_counter() - self.t0
+                    self.detail = info.program_detail
+                    return
+                if time.monotonic() > end:
+                    raise TimeoutError(f"runner {self.index}: programs still pending: {info.program_detail}")
+                time.sleep(0.25)
+
+
+def run_fleet_way(way: str, args, scratch: Path, sidecars: Path, shared_cache: Path) -> dict:
+    """Start ``args.fleet`` runners the ``way`` way (see the module docstring) and time them."""
+    import threading
+
+    n, base = args.fleet, scratch / way
+    base.mkdir()
+    t0 = time.perf_counter()
+    runners = []
+    for i in range(n):
+        home, inductor = base / f"home-{i}", base / f"inductor-{i}"
+        home.mkdir()
+        inductor.mkdir()
+        cache = base / f"kernel-cache-{i}" if way == "each-compiles" else shared_cache
+        cmd = [*warmserve_command(), "runner", "serve", "--model", MODEL, "--compile", args.compile,
+               "--kernel-cache-dir", str(cache), "--sidecar-dir", str(sidecars), "--port", str(free_port()),
+               "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(args.kv_cache_bytes),
+               "--dtype", args.dtype, "--threads", "1", "--runner-id", f"runner-{i}", "--log-level", "WARNING"]
+        if way in ("each-compiles", "sequential"):
+            cmd.append("--no-compile-in-background")
+        env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
+        runners.append(FleetRunner(i, cmd, env, base / f"runner-{i}.log", t0))
+    errors: list[BaseException] = []
+
+    def follow(r: FleetRunner) -> None:
+        try:
+            r.follow(args.timeout)
+        except BaseException as e:  # noqa: BLE001 - reported below with the log
+            errors.append(e)
+            sys.stderr.write(f"{way} runner {r.index}: {e}\n{r.log.read_text(errors='replace')[-3000:]}\n")
+
+    try:
+        order = [runners[:1], runners[1:]] if way == "sequential" else [runners]
+        threads = []
+        for group in order:
+            for r in group:
+                r.start()
+            group_threads = [threading.Thread(target=follow, args=(r,)) for r in group]
+            for t in group_threads:
+                t.start()
+            if way == "sequential" and group is order[0]:
+                for t in group_threads:  # the others start once runner 0 serves (it compiled first)
+                    t.join()
+            threads += group_threads
+        for t in threads:
+            t.join()
+        cpu = sum(tree_cpu_s(r.proc.pid) for r in runners)
+    finally:
+        for r in runners:
+            if r.proc is not None:
+                stop_process(r.proc, grace_s=30)
+    if errors:
+        raise RuntimeError(f"{way}: {errors[0]}")
+    return {"way": way, "runners": n, "first_token_s": round(min(r.first_token_s for r in runners), 2),
+            "all_first_token_s": round(max(r.first_token_s for r in runners), 2),
+            "all_compiled_s": round(max(r.compiled_s for r in runners), 2), "cpu_s": round(cpu, 1),
+            "details": [r.detail for r in runners]}
+
+
+def run_fleet(args, scratch: Path) -> dict:
+    """Every fleet way, one after the other, on one prepared sidecar; then the compile CPU."""
+    sidecars, shared = scratch / "sidecars", scratch / "kernel-cache-shared"
+    prep = launch("prepare-sidecar", argparse.Namespace(**{**vars(args), "compile": "off"}), scratch / "prep-kc",
+                  sidecars, scratch)
+    ways = {w: run_fleet_way(w, args, scratch, sidecars, shared) for w in FLEET_WAYS}
+    warm_cpu = ways["warm"]["cpu_s"]
+    for w in ways.values():
+        w["compile_cpu_s"] = round(max(0.0, w["cpu_s"] - warm_cpu), 1)
+    return {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "fleet": args.fleet, "threads_per_runner": 1,
+            "sidecar_prepared_s": prep["wall_to_serving_s"], "ways": ways}
+
+
+def fleet_markdown(result: dict) -> str:
+    lines = [f"| {result['fleet']} runners, empty kernel cache | fleet's first token (s) | every runner's first "
+             "token (s) | every runner compiled (s) | runner CPU (s) | compile CPU (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for w in result["ways"].values():
+        lines.append(f"| {w['way']} | {w['first_token_s']:.1f} | {w['all_first_token_s']:.1f} | "
+                     f"{w['all_compiled_s']:.1f} | {w['cpu_s']:.0f} | {w['compile_cpu_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile", choices=("aoti", "inductor", "off"), default="aoti")
@@ -132,10 +298,22 @@ def main() -> int:
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 2**20)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a launch may take to serve")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep caches and logs under DIR")
+    parser.add_argument("--fleet", type=int, default=0, metavar="N",
+                        help="measure N runners started on an empty kernel cache four ways instead")
     args = parser.parse_args()
 
     scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="warmserve-startup-"))
     scratch.mkdir(parents=True, exist_ok=True)
+    if args.fleet:
+        try:
+            result = run_fleet(args, scratch)
+        finally:
+            if not args.keep:
+                shutil.rmtree(scratch, ignore_errors=True)
+        print(json.dumps(result, indent=2))
+        print()
+        print(fleet_markdown(result))
+        return 0
     kernel_cache, sidecars = scratch / "kernel-cache", scratch / "sidecars"
     try:
         cold = launch("cold", args, kernel_cache, sidecars, scratch)

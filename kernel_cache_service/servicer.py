@@ -22,7 +22,13 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernel_cache_service.artifact import CorruptArtifact
-from kernel_cache_service.convert import claim_to_proto, entry_to_proto, lease_from_proto, lease_to_proto, publish_to_proto
+from kernel_cache_service.convert import (
+    claim_to_proto,
+    entry_to_proto,
+    lease_from_proto,
+    lease_to_proto,
+    publish_to_proto,
+)
 from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.leases import WAIT
 from kernel_cache_service.store import COUNTERS, KernelStore

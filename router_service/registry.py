@@ -96,6 +96,7 @@ class RunnerRegistry:
         self._lock = threading.Lock()
         self._runners: dict[str, Runner] = {}
         self._removed_listeners: list[Callable[[Runner], None]] = []
+        self._ejected_listeners: list[Callable[[Runner], None]] = []
         for address in config.static_runners:
             self._runners[address] = Runner(runner_id=address, address=address, static=True,
                                             state=RunnerState.UNHEALTHY, last_error="not yet health-checked")
@@ -103,6 +104,16 @@ class RunnerRegistry:
     def on_removed(self, listener: Callable[[Runner], None]) -> None:
         """Call ``listener(runner_copy)`` (outside the lock) whenever a runner leaves the table."""
         self._removed_listeners.append(listener)
+
+    def on_ejected(self, listener: Callable[[Runner], None]) -> None:
+        """Call ``listener(runner_copy)`` (outside the lock) whenever a READY runner becomes
+        UNHEALTHY (failed health checks, or :meth:`eject`)."""
+        self._ejected_listeners.append(listener)
+
+    def _notify_ejected(self, runner: Runner | None) -> None:
+        if runner is not None:
+            for listener in self._ejected_listeners:
+                listener(runner)
 
     # --- leases -------------------------------------------------------------------------------
 
@@ -179,6 +190,7 @@ class RunnerRegistry:
     def record_result(self, runner_id: str, ok: bool, error: str = "") -> None:
         """Count a health check or call outcome; ejects / re-admits per the config thresholds.
         A DRAINING runner stays DRAINING. Unknown ids are ignored (the runner left meanwhile)."""
+        ejected = None
         with self._lock:
             r = self._runners.get(runner_id)
             if r is None:
@@ -194,9 +206,12 @@ class RunnerRegistry:
                 r.last_error = error
                 if r.state is RunnerState.READY and r.consecutive_failures >= self._config.eject_after:
                     r.state = RunnerState.UNHEALTHY
+                    ejected = replace(r)
+        self._notify_ejected(ejected)
 
     def eject(self, runner_id: str, error: str) -> None:
         """Mark a READY runner UNHEALTHY at once (its connection failed); health checks re-admit it."""
+        ejected = None
         with self._lock:
             r = self._runners.get(runner_id)
             if r is None:
@@ -206,6 +221,8 @@ class RunnerRegistry:
             r.last_error = error
             if r.state is RunnerState.READY:
                 r.state = RunnerState.UNHEALTHY
+                ejected = replace(r)
+        self._notify_ejected(ejected)
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -231,6 +248,12 @@ class RunnerRegistry:
                 r.outstanding -= 1
 
     # --- views --------------------------------------------------------------------------------
+
+    def is_ready(self, runner_id: str) -> bool:
+        """Whether ``runner_id`` is in the table and READY now."""
+        with self._lock:
+            r = self._runners.get(runner_id)
+            return r is not None and r.state is RunnerState.READY
 
     def snapshot(self) -> list[Runner]:
         """Copies of every runner, sorted by id."""

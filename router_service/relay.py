@@ -12,7 +12,11 @@
   failing runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
   see duplicated text);
 - :meth:`RelayStream.cancel` (wired to the client's cancellation) cancels the runner's call, which
-  makes the runner free the sequence's KV blocks.
+  makes the runner free the sequence's KV blocks;
+- a call that relays nothing within ``first_token_timeout_s`` is cancelled, its runner ejected
+  and the request retried; and when a runner is ejected or leaves the table for any reason,
+  :meth:`InFlight.abandon` cancels its calls that have not streamed output yet, which are
+  retried too, so a frozen runner holds no request until its lease lapses.
 
 Errors raised while iterating are :class:`services.errors.WarmserveError` with the gRPC code to
 return: ``UNAVAILABLE`` (no runner ready / runner died), ``DEADLINE_EXCEEDED``, ``CANCELLED``, or
@@ -59,6 +63,36 @@ def upstream_error(err: grpc.RpcError, runner: Runner) -> WarmserveError:
     return out
 
 
+class InFlight:
+    """The relays calling each runner now (thread-safe), so that when the router ejects a runner
+    it can :meth:`abandon` the calls that have not streamed output yet."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_runner: dict[str, set[RelayStream]] = {}
+
+    def add(self, runner_id: str, relay: RelayStream) -> None:
+        """``relay`` is calling ``runner_id``."""
+        with self._lock:
+            self._by_runner.setdefault(runner_id, set()).add(relay)
+
+    def discard(self, runner_id: str, relay: RelayStream) -> None:
+        """``relay``'s call to ``runner_id`` ended."""
+        with self._lock:
+            relays = self._by_runner.get(runner_id)
+            if relays is not None:
+                relays.discard(relay)
+                if not relays:
+                    del self._by_runner[runner_id]
+
+    def abandon(self, runner_id: str, why: str) -> int:
+        """Cancel every call to ``runner_id`` that has streamed nothing yet (each relay then
+        retries on another runner); returns how many."""
+        with self._lock:
+            relays = list(self._by_runner.get(runner_id, ()))
+        return sum(relay.abandon(runner_id, why) for relay in relays)
+
+
 def _carries_output(resp: generation_pb2.GenerateResponse) -> bool:
     return bool(resp.token_ids or resp.text or resp.finish_reason)
 
@@ -71,7 +105,8 @@ class RelayStream:
 
     def __init__(self, request: generation_pb2.GenerateRequest, chooser: Chooser, *,
                  registry: RunnerRegistry, channels: ChannelPool, max_attempts: int,
-                 deadline: float | None, first_token_timeout_s: float = 0.0) -> None:
+                 deadline: float | None, first_token_timeout_s: float = 0.0,
+                 in_flight: InFlight | None = None) -> None:
         self._request = request
         self._chooser = chooser
         self._registry = registry
@@ -80,6 +115,8 @@ class RelayStream:
         self._deadline = deadline
         self._first_token_timeout_s = first_token_timeout_s
         self._first_token_missed = False  # this attempt's call was cancelled for want of a first token
+        self._abandoned = ""  # why this attempt's call was cancelled by abandon() ("" = it was not)
+        self._in_flight = in_flight
         self._lock = threading.Lock()
         self._call: grpc.Call | None = None
         self._cancelled = False
@@ -95,6 +132,17 @@ class RelayStream:
             call = self._call
         if call is not None:
             call.cancel()
+
+    def abandon(self, runner_id: str, why: str) -> bool:
+        """Cancel the call to ``runner_id`` if it is this relay's current one and nothing has been
+        relayed yet (the relay then retries elsewhere); ``True`` when it was cancelled."""
+        with self._lock:
+            call = self._call
+            if call is None or self.runner_id != runner_id or self.messages_relayed or self._cancelled:
+                return False
+            self._abandoned = why
+        call.cancel()
+        return True
 
     def __iter__(self) -> Iterator[generation_pb2.GenerateResponse]:
         return self._run()
@@ -139,6 +187,9 @@ class RelayStream:
         held: list[generation_pb2.GenerateResponse] = []
         watchdog = None
         self._first_token_missed = False
+        self._abandoned = ""
+        if self._in_flight is not None:
+            self._in_flight.add(runner.runner_id, self)
         try:
             stub = generation_pb2_grpc.GenerationStub(self._channels.get(runner.address))
             call = stub.Generate(self._request, timeout=timeout)
@@ -147,6 +198,8 @@ class RelayStream:
                 cancelled = self._cancelled
             if cancelled:
                 call.cancel()
+            elif not self._registry.is_ready(runner.runner_id):  # ejected before the call was known
+                self.abandon(runner.runner_id, "it was ejected")
             if self._first_token_timeout_s > 0 and not self.messages_relayed:
                 watchdog = threading.Timer(self._first_token_timeout_s, self._no_first_token, args=(call,))
                 watchdog.daemon = True
@@ -177,6 +230,8 @@ class RelayStream:
                 watchdog.cancel()
             with self._lock:
                 self._call = None
+            if self._in_flight is not None:
+                self._in_flight.discard(runner.runner_id, self)
 
     def _no_first_token(self, call: grpc.Call) -> None:
         """The first-token watchdog fired: nothing usable came within the timeout; cancel the
@@ -197,7 +252,9 @@ class RelayStream:
                 f"the request's deadline passed while runner {runner.runner_id} ({runner.address}) "
                 f"was generating ({self.tokens_relayed} tokens relayed)") from e
         # A closed channel (runner dropped meanwhile) reads as CANCELLED without a client cancel.
-        if self._first_token_missed:
+        if self._abandoned:
+            details = f"cancelled before its first token: {self._abandoned}"
+        elif self._first_token_missed:
             details = f"no first token within {self._first_token_timeout_s:g} s (first-token timeout)"
         elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             raise upstream_error(e, runner) from e

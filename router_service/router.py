@@ -18,7 +18,7 @@ from router_service.config import RouterConfig
 from router_service.health_checker import HealthChecker
 from router_service.policy import PolicySet
 from router_service.registry import Runner, RunnerRegistry, RunnerState
-from router_service.relay import RelayStream, upstream_error
+from router_service.relay import InFlight, RelayStream, upstream_error
 from services.errors import Unavailable
 from services.proto import generation_pb2, generation_pb2_grpc
 
@@ -34,7 +34,10 @@ class Router:
         self.channels = ChannelPool()
         self.policies = PolicySet(config)
         self.health = HealthChecker(config, self.registry, self.channels)
+        #: Relays calling each runner now: an ejected runner's calls without output are retried.
+        self.in_flight = InFlight()
         self.registry.on_removed(self._on_runner_removed)
+        self.registry.on_ejected(self._on_runner_ejected)
 
     def start(self) -> None:
         """Start health checks and lease expiry (the first round runs at once)."""
@@ -45,9 +48,15 @@ class Router:
         self.health.stop()
         self.channels.close_all()
 
+    def _on_runner_ejected(self, runner: Runner) -> None:
+        moved = self.in_flight.abandon(runner.runner_id, f"the router ejected {runner.runner_id} ({runner.last_error})")
+        log.info("runner ejected", extra={"runner_id": runner.runner_id, "address": runner.address,
+                                          "reason": runner.last_error, "calls_retried": moved})
+
     def _on_runner_removed(self, runner: Runner) -> None:
+        moved = self.in_flight.abandon(runner.runner_id, f"{runner.runner_id} left the router's table")
         log.info("runner removed", extra={"runner_id": runner.runner_id, "address": runner.address,
-                                          "reason": "lease expired"})
+                                          "reason": "lease expired", "calls_retried": moved})
         if all(r.address != runner.address for r in self.registry.snapshot()):
             self.channels.close(runner.address)
 
@@ -61,7 +70,7 @@ class Router:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return RelayStream(request, chooser, registry=self.registry, channels=self.channels,
                            max_attempts=self.config.max_attempts, deadline=deadline,
-                           first_token_timeout_s=self.config.first_token_timeout_s)
+                           first_token_timeout_s=self.config.first_token_timeout_s, in_flight=self.in_flight)
 
     def model_info(self, *, timeout_s: float = 5.0) -> generation_pb2.ModelInfoResponse:
         """``ModelInfo`` of a READY runner (the default policy picks it; an unreachable runner is

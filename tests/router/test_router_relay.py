@@ -299,3 +299,45 @@ def test_a_runner_silent_past_the_first_token_timeout_is_ejected_and_the_request
         frozen_gate.set()
     finally:
         h.close()
+
+
+def test_ejecting_a_runner_retries_its_calls_that_streamed_nothing() -> None:
+    """No first-token timeout: calls stuck on a frozen runner are moved as soon as health checks
+    eject it, not when its lease lapses (60 s here) or their deadline passes (30 s)."""
+    h = Harness(RouterConfig(health_interval_s=0.1, health_timeout_s=0.5, first_token_timeout_s=0))
+    try:
+        gate = threading.Event()  # never set while the test runs: the runner hangs before any token
+        frozen = h.add("frozen", FakeBehaviour(gate=gate))
+        h.add("ok")
+        results: dict[int, tuple[list[int], set[str], float]] = {}
+
+        def one(i: int) -> None:
+            req = text_request(f"hi {i}", max_tokens=5, routing=generation_pb2.ROUND_ROBIN)
+            ids, msgs = collect(h.gen.Generate(req, timeout=30))
+            results[i] = (ids, {m.runner_id for m in msgs}, time.monotonic())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 5
+        while frozen.stats.requests < 2:  # round robin sends every other request there
+            assert time.monotonic() < end, frozen.stats
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert len(results) == 2  # the two on the frozen runner are stuck
+        ejected_at = time.monotonic()
+        frozen.set_serving(False)  # health checks now fail: the router ejects it
+        for t in threads:
+            t.join(timeout=15)
+        assert not any(t.is_alive() for t in threads)
+        for i, (ids, runners, done_at) in results.items():
+            assert ids == [ord(c) for c in f"hi {i}"] and runners == {"ok"}
+            assert done_at - ejected_at < 5.0  # moved at the ejection
+        assert h.states()["frozen"] == router_pb2.RunnerStatus.UNHEALTHY
+        end = time.monotonic() + 5
+        while frozen.stats.cancelled < 2:  # the stuck calls were cancelled on the frozen runner
+            assert time.monotonic() < end, frozen.stats
+            time.sleep(0.02)
+    finally:
+        gate.set()
+        h.close()

@@ -3,6 +3,7 @@ order and health waits, a child that dies while starting, and a clean stop."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -14,7 +15,7 @@ import pytest
 from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
-from warmserve.stack import ChildProcess, LocalStack, StackConfig, format_startup_report
+from warmserve.stack import ChildProcess, LocalStack, StackConfig, format_startup_report, read_state
 
 
 def test_config_is_validated() -> None:
@@ -75,6 +76,32 @@ def test_startup_report_formatting() -> None:
         "  weights      1.25 s  sidecar HOT 100% resident",
         "  kv_cache     0.50 s  100 blocks",
     ]
+    info.compile_mode = "aoti"
+    info.program_state, info.program_detail = "pending", "waiting for runner-1 to build llama.decode.aoti"
+    assert format_startup_report(info).splitlines()[-1] == (
+        "  serving eager at 3.5 s; compiled programs pending: waiting for runner-1 to build llama.decode.aoti")
+    info.program_state, info.programs_installed_at_s = "installed", 131.04
+    info.program_detail = "fetched llama.decode.aoti from runner-1's publish after waiting 120.2 s (3.6 MiB)"
+    assert format_startup_report(info).splitlines()[-1] == (
+        "  serving eager at 3.5 s; compiled programs installed at 131.0 s (fetched llama.decode.aoti from "
+        "runner-1's publish after waiting 120.2 s (3.6 MiB))")
+
+
+def test_stack_state_file_gives_status_its_restarts(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig(runners=1, base_port=50100, home=tmp_path, compile="off"), progress=None)
+    stack.write_state()
+    assert read_state(tmp_path, "127.0.0.1:50100") == {}  # no child launched yet: nothing to report
+    doc = json.loads(stack.state_path.read_text())
+    assert doc["router"] == "127.0.0.1:50100" and doc["pid"] == os.getpid()
+    doc["children"] = {"router": {"restarts": 2}, "runner-0": {"restarts": 0}}
+    stack.state_path.write_text(json.dumps(doc))
+    assert read_state(tmp_path, "127.0.0.1:50100") == {"router": 2, "runner-0": 0}
+    assert read_state(tmp_path, "127.0.0.1:60000") == {}  # another stack's router
+    doc["pid"] = 2 ** 22 + 17  # no such process: a stack that is gone
+    stack.state_path.write_text(json.dumps(doc))
+    assert read_state(tmp_path, "127.0.0.1:50100") == {}
+    stack.stop()
+    assert not stack.state_path.exists()
 
 
 def test_services_start_in_order_and_stop_cleanly(tmp_path: Path) -> None:
