@@ -221,7 +221,9 @@ def run_fleet_way(way: str, args, scratch: Path, sidecars: Path, shared_cache: P
         home, inductor = base / f"home-{i}", base / f"inductor-{i}"
         home.mkdir()
         inductor.mkdir()
-        cache = base / f"kernel-cache-{i}" if way == "each-compiles" else shared_cache
+        # each-compiles: a cache per runner; sequential: one of its own; single-flight fills the shared
+        # one, which the warm way then finds full
+        cache = {"each-compiles": base / f"kernel-cache-{i}", "sequential": base / "kernel-cache"}.get(way, shared_cache)
         cmd = [*warmserve_command(), "runner", "serve", "--model", MODEL, "--compile", args.compile,
                "--kernel-cache-dir", str(cache), "--sidecar-dir", str(sidecars), "--port", str(free_port()),
                "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(args.kv_cache_bytes),

@@ -269,6 +269,31 @@ def program_module(runner: ModelRunner, kind: str) -> nn.Module:
     return runner.decode_module if kind == "decode" else runner.model
 
 
+#: Name prefixes of the environment variables Inductor reads into its config (``TORCHINDUCTOR_MAX_AUTOTUNE``,
+#: ``AOT_INDUCTOR_ENABLE_LTO``, ...), and single names that reach code generation (``CXX``: the compiler).
+CODEGEN_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_INDUCTOR_", "AOT_INDUCTOR_", "AOTINDUCTOR_", "INDUCTOR_")
+CODEGEN_ENV_NAMES = ("CXX",)
+#: Those of them that name caches, logs, timeouts or worker pools only: the code is the same.
+NOT_CODEGEN_ENV = frozenset({
+    "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
+    "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_WORKER_START",
+    "TORCHINDUCTOR_FILE_LOCK_TIMEOUT", "TORCHINDUCTOR_COMPILE_WORKER_WAIT_TIMEOUT", "TORCHINDUCTOR_WORKER_SUPPRESS_LOGGING",
+    "TORCHINDUCTOR_WORKER_LOGPATH", "TORCHINDUCTOR_DEBUG_FUSION", "TORCHINDUCTOR_ENABLED_METRIC_TABLES",
+})
+
+
+def codegen_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables (of ``environ``, default ``os.environ``) that can change the code
+    Inductor generates: every one named by :data:`CODEGEN_ENV_PREFIXES` / :data:`CODEGEN_ENV_NAMES`
+    except :data:`NOT_CODEGEN_ENV`, sorted. Part of the program key; reading the environment
+    instead of Inductor's config keeps ``torch._inductor`` out of a warm start. Over-inclusion
+    only costs a cache miss; a missing variable would let a differently built program be fetched."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env) if (k.startswith(CODEGEN_ENV_PREFIXES) or k in CODEGEN_ENV_NAMES)
+            and k not in NOT_CODEGEN_ENV}
+
+
 def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
                 kind: str = "decode") -> tuple[str, str]:
     """``(name, fingerprint)`` of the ``kind`` program (:data:`PROGRAM_KINDS`) of ``runner``
@@ -277,7 +302,8 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
     max model length, max batch, max blocks per sequence, dynamic dims, KV pools; for prefill the
     most tokens per row), the family and its config, the dtype, the device type, the torch thread
-    count and the compile options; ``UNKNOWN`` when any part is unknown.
+    count, the compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is
+    unknown.
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 
@@ -298,7 +324,8 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
         layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=prefill_tokens_max(runner))
     # Inductor writes the thread count into CPU code (``num_threads(N)`` on its OpenMP loops when
     # it differs from the core count), so a program built under N threads is another program.
-    options = {"mode": mode, "device": runner.device.type, "threads": torch.get_num_threads()}
+    options = {"mode": mode, "device": runner.device.type, "threads": torch.get_num_threads(),
+               "environment": codegen_environment()}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
     else:

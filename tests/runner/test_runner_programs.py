@@ -179,6 +179,24 @@ def test_the_thread_count_is_in_the_key_and_a_null_rope_scaling_entry_is_not_unk
     assert key != UNKNOWN and key == programs.program_key(without, "aoti")[1] != base[1]
 
 
+def test_environment_variables_inductor_reads_are_in_the_key(monkeypatch):
+    runner = make_runner()
+    for name in [k for k in os.environ if k.startswith(programs.CODEGEN_ENV_PREFIXES) or k == "CXX"]:
+        monkeypatch.delenv(name)
+    base = programs.program_key(runner, "aoti")
+    for name, value in (("TORCHINDUCTOR_MAX_AUTOTUNE", "1"), ("TORCHINDUCTOR_CPP_WRAPPER", "1"),
+                        ("AOT_INDUCTOR_ENABLE_LTO", "1"), ("TORCHINDUCTOR_FREEZING", "1"), ("CXX", "clang++")):
+        monkeypatch.setenv(name, value)
+        assert programs.program_key(runner, "aoti") != base, name  # changes the code: another program
+        monkeypatch.delenv(name)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", "OMP_PROC_BIND", "HOME"):
+        monkeypatch.setenv(name, "/elsewhere" if name.endswith("DIR") or name == "HOME" else "3")
+        assert programs.program_key(runner, "aoti") == base, name  # same code: the same key
+    assert programs.codegen_environment({"TORCHINDUCTOR_FREEZING": "1", "PATH": "/bin", "CXX": "g++",
+                                         "TORCHINDUCTOR_CACHE_DIR": "/x"}) == {"CXX": "g++",
+                                                                             "TORCHINDUCTOR_FREEZING": "1"}
+
+
 def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(tmp_path):
     runner = make_runner(layers=1)  # a key of its own: compiled here, not fetched
     report = programs.load_programs(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"),
