@@ -246,8 +246,11 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
         tool = fake_bin / name
         tool.write_text(f"#!/bin/sh\necho \"$0 $@\" >> {marker}\nexit 1\n")
         tool.chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}", CXX=str(fake_bin / "g++"),
-               CC=str(fake_bin / "gcc"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor-cache"))
+    # the fake compilers come first on PATH (CXX is not set: it names the compiler, so it is part of
+    # the program key, and a warm launch under another CXX would rightly be another program)
+    env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor-cache"))
+    env.pop("CXX", None)
     script = WARM_SCRIPT.format(tests=str(TESTS_DIR), here=str(Path(__file__).resolve().parent), kc=str(root / "kc"), work=str(tmp_path / "work"))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -162,7 +162,7 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
     # `warmserve status` shows the restarts (from the stack's state file) and each runner's programs
     buf = io.StringIO()
     assert print_status(stack.router_address, {}, out=buf, restarts=read_state(stack.home, stack.router_address)) == 0
-    rows = {line.split()[0]: line.split() for line in buf.getvalue().splitlines()}
+    rows = {line.split()[0]: line.split() for line in buf.getvalue().splitlines() if line.strip()}
     assert rows["runner-1"][-1] == "1" and rows["runner-0"][-1] == "0" and rows["router"][-1] == "0", buf.getvalue()
     assert rows["runner-0"][3] == rows["runner-1"][3] == "off", buf.getvalue()  # --compile off
     assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.READY,
@@ -222,7 +222,7 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         status = subprocess.run([sys.executable, "-m", "warmserve.cli", "status", "--addr", endpoints["router"],
                                  "--home", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        table = [line.split() for line in status.stdout.splitlines()]
+        table = [line.split() for line in status.stdout.splitlines() if line.strip()]
         assert ["service", "address", "health", "restarts"] in table, status.stdout
         runner_row = next(r for r in table if r[0] == "runner-0")
         assert runner_row[2:4] == ["READY", "off"] and runner_row[-1] == "0", status.stdout
