@@ -15,6 +15,7 @@ Progress goes to stderr, results to stdout.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -59,6 +60,10 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
         tmp_home = Path(tempfile.mkdtemp(prefix="warmserve-demo-"))
         config = replace(config, home=tmp_home)
     config = replace(config, runners=max(1, config.runners))
+    # the demo ends with one runner more than it starts with (the warm launch): split the cores
+    # between all of them, or two runners' OpenMP threads oversubscribe the CPU and stall decode
+    config = replace(config, runner_threads=config.runner_threads
+                     or max(1, (os.cpu_count() or 1) // (config.runners + 1)))
     sampling = sampling_params(max_tokens=max_tokens, temperature=0.0)
     try:
         with LocalStack(config) as stack:
