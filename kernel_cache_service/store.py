@@ -42,6 +42,7 @@ quarantined, which for a cache is the same as a miss. Counters (hits, misses, ..
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -547,16 +548,23 @@ class KernelStore:
                                                           "previous_holder": record.holder})
         return Claim(OWNER, lease=lease, takeover=takeover)
 
-    def renew(self, lease: Lease) -> Lease | None:
-        """``lease`` extended by its TTL from now, or ``None`` when it is no longer held (taken
-        over, released, or ended by the entry's publish); then nothing changes."""
+    @contextlib.contextmanager
+    def _held(self, lease: Lease) -> Iterator[LeaseFile | None]:
+        """Holding the key's lock: the key's lease file when ``lease`` is the one recorded there,
+        else ``None`` (taken over, released, or ended by the entry's publish)."""
         validate_key(lease.name, lease.fingerprint)
         with self._lock(lease.name, lease.fingerprint):
             file = self._lease_file(lease.name, lease.fingerprint)
             record = file.read()
-            if record is None or record.lease_id != lease.lease_id:
+            yield file if record is not None and record.lease_id == lease.lease_id else None
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """``lease`` extended by its TTL from now, or ``None`` when it is no longer held (taken
+        over, released, or ended by the entry's publish); then nothing changes."""
+        with self._held(lease) as file:
+            if file is None:
                 return None
-            renewed = record.renewed()
+            renewed = lease.renewed()
             try:
                 file.write(renewed)
             except OSError as e:
@@ -566,14 +574,10 @@ class KernelStore:
     def release(self, lease: Lease) -> bool:
         """Give ``lease`` up without publishing (waiters see ``LEASE_EXPIRED``); ``False`` when it
         was no longer held."""
-        validate_key(lease.name, lease.fingerprint)
-        with self._lock(lease.name, lease.fingerprint):
-            file = self._lease_file(lease.name, lease.fingerprint)
-            record = file.read()
-            if record is None or record.lease_id != lease.lease_id:
-                return False
-            file.remove()
-            return True
+        with self._held(lease) as file:
+            if file is not None:
+                file.remove()
+            return file is not None
 
     def wait_build(self, name: str, fingerprint: str, timeout_s: float | None = None,
                    poll_s: float = 0.1) -> Claim | None:
