@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 #: programs are fetched, waited for or compiled in the background), ``installed``, ``eager``
 #: (they failed: serving eager).
 PROGRAM_STATES = ("off", "pending", "installed", "eager")
+#: The interpreter's GIL switch interval (seconds) while programs compile beside eager serving.
+COMPILE_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -338,8 +340,17 @@ class LLMEngine:
         failed) and ``programs_installed_at_s`` says when, counted like the start-up report."""
         _lower_thread_priority()
         torch.set_num_threads(threads)  # the engine's: OpenMP's thread count is per thread, and the key has it
-        report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
-                                        install=self.call_between_steps, progress=self._program_progress)
+        # Tracing and Inductor's code generation are Python that holds the GIL; an eager step takes
+        # the GIL back after every torch op, waiting up to the switch interval each time (5 ms by
+        # default: 32 tokens took 22 s instead of 0.5 s beside a trace). A short interval while
+        # compiling bounds that wait.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
+        try:
+            report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
+                                            install=self.call_between_steps, progress=self._program_progress)
+        finally:
+            sys.setswitchinterval(interval)
 
         def record() -> None:
             self.programs_installed_at_s = self.startup_report.total_seconds + time.perf_counter() - self._ready
