@@ -199,8 +199,9 @@ class KernelCacheClient:
         return [entry_from_proto(e) for e in resp.entries]
 
     def stat(self) -> dict:
-        """``root``, ``entries``, ``total_bytes``, ``max_bytes``, ``hits``, ``misses``,
-        ``publishes``, ``evictions``, ``quarantined`` (counters since the store/daemon started)."""
+        """``root``, ``entries``, ``total_bytes``, ``max_bytes``, the counters since the store /
+        daemon started (:data:`kernel_cache_service.store.COUNTERS`: hits, misses, publishes,
+        evictions, quarantined, claims, waits, builds, takeovers) and ``leases`` held now."""
         if self._store is not None:
             return self._store.stat()
         resp = self._unary(self._stub.Stat, pb.StatRequest())

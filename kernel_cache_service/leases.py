@@ -39,17 +39,19 @@ HIT, OWNER, WAIT = "HIT", "OWNER", "WAIT"
 PUBLISHED_EVENT, LEASE_EXPIRED = "PUBLISHED", "LEASE_EXPIRED"
 #: Lease TTL in seconds when the claimant gives none; a builder renews every third of it.
 DEFAULT_LEASE_TTL_S = 30.0
+MIN_LEASE_TTL_S = 0.1
 MAX_LEASE_TTL_S = 3600.0
 
 
 def validate_ttl(ttl_s: float | None) -> float:
     """``ttl_s`` in seconds as a float (``None`` or 0: :data:`DEFAULT_LEASE_TTL_S`); raises
-    ``InvalidArgument`` outside ``(0, MAX_LEASE_TTL_S]``."""
+    ``InvalidArgument`` outside ``[MIN_LEASE_TTL_S, MAX_LEASE_TTL_S]``."""
     if not ttl_s:
         return DEFAULT_LEASE_TTL_S
     ttl = float(ttl_s)
-    if not (math.isfinite(ttl) and 0 < ttl <= MAX_LEASE_TTL_S):
-        raise InvalidArgument(f"a lease TTL must be in (0, {MAX_LEASE_TTL_S:g}] seconds, got {ttl_s!r}")
+    if not (math.isfinite(ttl) and MIN_LEASE_TTL_S <= ttl <= MAX_LEASE_TTL_S):
+        raise InvalidArgument(f"a lease TTL must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
+                              f"got {ttl_s!r}")
     return ttl
 
 

@@ -19,6 +19,8 @@ When the daemon has a token, Publish, Evict, Claim, RenewLease and ReleaseLease 
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernel_cache_service.artifact import CorruptArtifact
@@ -33,7 +35,7 @@ from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.leases import WAIT
 from kernel_cache_service.store import COUNTERS, KernelStore
 from services.bootstrap import ServerConfig, ServiceServer
-from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
+from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 
@@ -51,6 +53,9 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
 
     def __init__(self, store: KernelStore) -> None:
         self.store = store
+        #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
+        #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
+        self.draining = threading.Event()
 
     def Lookup(self, request, context):
         """HIT with the entry's info, or MISS."""
@@ -149,7 +154,9 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         if claim.status != WAIT:
             return
         while context.is_active():
-            event = self.store.wait_build(key.name, key.fingerprint, timeout_s=1.0, poll_s=WAIT_POLL_S)
+            if self.draining.is_set():
+                abort_with(context, Unavailable("the kernel cache is shutting down; claim again"))
+            event = self.store.wait_build(key.name, key.fingerprint, timeout_s=0.5, poll_s=WAIT_POLL_S)
             if event is not None:
                 yield claim_to_proto(event)
                 return
@@ -177,6 +184,9 @@ class StoreCollector:
 
     def __init__(self, store: KernelStore) -> None:
         self.store = store
+        #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
+        #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
+        self.draining = threading.Event()
 
     def collect(self):
         """Prometheus collector protocol: the metrics, read now."""
@@ -197,4 +207,5 @@ def build_server(store: KernelStore, config: ServerConfig) -> ServiceServer:
     servicer = KernelCacheServicer(store)
     server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])
     server.registry.register(StoreCollector(store))
+    server.on_drain.append(servicer.draining.set)
     return server

@@ -313,8 +313,16 @@ class KernelStore:
         return LeaseFile(self.root / "leases" / name / f"{fingerprint}.json")
 
     def sweep(self) -> int:
-        """Remove unowned temp directories and leftover trash; returns how many were removed."""
+        """Remove unowned temp directories, leftover trash and expired lease records (of builders
+        that died; a live builder renews its own); returns how many were removed."""
         removed = sweep_unowned(self.root / "tmp")
+        for path in list((self.root / "leases").glob("*/*.json")):
+            name, fp = path.parent.name, path.name.removesuffix(".json")
+            with self._lock(name, fp):
+                record = self._lease_file(name, fp).read()
+                if record is not None and record.remaining_s() <= 0:
+                    self._lease_file(name, fp).remove()
+                    removed += 1
         for child in list((self.root / "trash").iterdir()):
             shutil.rmtree(child, ignore_errors=True)
             removed += 1
@@ -519,7 +527,7 @@ class KernelStore:
         ``HIT`` (with the entry), ``OWNER`` (with a new lease of ``ttl_s`` seconds, default 30 s,
         that names ``holder``) or ``WAIT`` (with the live lease of whoever builds). Raises
         ``InvalidArgument`` for a bad key, an ``UNKNOWN`` fingerprint (never stored, so never
-        built for the store) or a TTL outside (0, 3600] s; ``FailedPrecondition`` /
+        built for the store) or a TTL outside [0.1, 3600] s; ``FailedPrecondition`` /
         ``ResourceExhausted`` when the lease cannot be written."""
         validate_key(name, fingerprint)
         if fingerprint == UNKNOWN:
@@ -544,27 +552,30 @@ class KernelStore:
         self._count("builds")
         if takeover:
             self._count("takeovers")
-            log.warning("build lease taken over", extra={"entry": f"{name}/{fingerprint}", "holder": holder,
+            log.info("build lease taken over", extra={"entry": f"{name}/{fingerprint}", "holder": holder,
                                                           "previous_holder": record.holder})
         return Claim(OWNER, lease=lease, takeover=takeover)
 
     @contextlib.contextmanager
-    def _held(self, lease: Lease) -> Iterator[LeaseFile | None]:
-        """Holding the key's lock: the key's lease file when ``lease`` is the one recorded there,
-        else ``None`` (taken over, released, or ended by the entry's publish)."""
+    def _held(self, lease: Lease) -> Iterator[tuple[LeaseFile, Lease] | None]:
+        """Holding the key's lock: ``(the key's lease file, the recorded lease)`` when ``lease``
+        is the one recorded there (same id), else ``None`` (taken over, released, or ended by the
+        entry's publish)."""
         validate_key(lease.name, lease.fingerprint)
         with self._lock(lease.name, lease.fingerprint):
             file = self._lease_file(lease.name, lease.fingerprint)
             record = file.read()
-            yield file if record is not None and record.lease_id == lease.lease_id else None
+            yield (file, record) if record is not None and record.lease_id == lease.lease_id else None
 
     def renew(self, lease: Lease) -> Lease | None:
-        """``lease`` extended by its TTL from now, or ``None`` when it is no longer held (taken
-        over, released, or ended by the entry's publish); then nothing changes."""
-        with self._held(lease) as file:
-            if file is None:
+        """The lease recorded under ``lease``'s id extended by *its* TTL from now (the holder,
+        TTL and expiry the caller sends are not trusted), or ``None`` when it is no longer held
+        (taken over, released, or ended by the entry's publish); then nothing changes."""
+        with self._held(lease) as held:
+            if held is None:
                 return None
-            renewed = lease.renewed()
+            file, record = held
+            renewed = record.renewed()
             try:
                 file.write(renewed)
             except OSError as e:
@@ -574,10 +585,10 @@ class KernelStore:
     def release(self, lease: Lease) -> bool:
         """Give ``lease`` up without publishing (waiters see ``LEASE_EXPIRED``); ``False`` when it
         was no longer held."""
-        with self._held(lease) as file:
-            if file is not None:
-                file.remove()
-            return file is not None
+        with self._held(lease) as held:
+            if held is not None:
+                held[0].remove()
+            return held is not None
 
     def wait_build(self, name: str, fingerprint: str, timeout_s: float | None = None,
                    poll_s: float = 0.1) -> Claim | None:
@@ -735,7 +746,8 @@ class KernelStore:
     def evict(self, name: str | None = None, fingerprint: str | None = None, *,
               all: bool = False) -> tuple[int, int]:
         """Evict one entry (``name`` + ``fingerprint``), every fingerprint of ``name``, or, with
-        ``all``, everything (and empty ``quarantine/``). Entries being read are skipped.
+        ``all``, everything (and empty ``quarantine/``), with their build leases (a stuck build is
+        broken this way). Entries being read are skipped.
         Returns ``(entries evicted, bytes freed)``. Raises ``InvalidArgument`` for a bad key or
         a bad combination (``all`` with a key, a fingerprint without a name, nothing given)."""
         if all:
@@ -760,4 +772,18 @@ class KernelStore:
             if size is not None:
                 count += 1
                 freed += size
+        self._break_leases(name, fingerprint)
         return count, freed
+
+    def _break_leases(self, name: str | None, fingerprint: str | None) -> None:
+        """Remove the lease records of one key, of every fingerprint of ``name``, or (both
+        ``None``) of every key: an evicted key is forgotten entirely, so an operator can break
+        a stuck build (its holder's next renewal finds the lease gone; waiters claim again)."""
+        pattern = f"{name or '*'}/{fingerprint or '*'}.json"
+        for path in list((self.root / "leases").glob(pattern)):
+            n, fp = path.parent.name, path.name.removesuffix(".json")
+            with self._lock(n, fp):
+                record = self._lease_file(n, fp).read()
+                self._lease_file(n, fp).remove()
+            if record is not None:
+                log.info("build lease broken by evict", extra={"entry": f"{n}/{fp}", "holder": record.holder})

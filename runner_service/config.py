@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kernel_cache_service.leases import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
 from services.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -92,8 +93,9 @@ class EngineConfig:
             raise InvalidArgument(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
-        if not 0 < self.build_lease_s <= 3600:
-            raise InvalidArgument(f"build_lease_s must be in (0, 3600] seconds, got {self.build_lease_s}")
+        if not MIN_LEASE_TTL_S <= self.build_lease_s <= MAX_LEASE_TTL_S:
+            raise InvalidArgument(f"build_lease_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
+                                  f"got {self.build_lease_s}")
         if self.default_max_tokens < 1:
             raise InvalidArgument(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
 

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.leases import LeaseFile
 from kernel_cache_service.servicer import StoreCollector
 from kernel_cache_service.store import KernelStore
-from services.errors import InvalidArgument, Unauthenticated
+from services.errors import InvalidArgument, Unauthenticated, Unavailable
 
 FP = "ab" * 32
 
@@ -169,7 +170,8 @@ def test_bad_claims_are_refused(clients, tmp_path):
     make, _store, mode = clients
     c = make()
     for kwargs, needle in (({"fingerprint": "UNKNOWN"}, "UNKNOWN"), ({"ttl_s": -1}, "TTL"),
-                           ({"ttl_s": 4000}, "TTL"), ({"name": "../x"}, "name")):
+                           ({"ttl_s": 4000}, "TTL"), ({"ttl_s": 1e-300}, "TTL"), ({"ttl_s": float("nan")}, "TTL"),
+                           ({"name": "../x"}, "name")):
         args = {"name": "p.decode", "fingerprint": FP, **kwargs}
         with pytest.raises(InvalidArgument, match=needle):
             c.claim(args["name"], args["fingerprint"], ttl_s=args.get("ttl_s"))
@@ -249,3 +251,56 @@ def test_a_sigkilled_builder_loses_its_lease_after_its_ttl(tmp_path, worker, dae
         assert client.publish("p.decode", FP, _artifact(tmp_path)) == "PUBLISHED"
         assert client.stat()["leases"] == 0
     assert _lease_files(root) == [] and list((root / "tmp").iterdir()) == []
+
+
+def test_a_renewal_uses_the_granted_lease_not_what_the_caller_sends(clients):
+    make, _store, _mode = clients
+    c = make()
+    lease = c.claim("p.decode", FP, holder="honest", ttl_s=2).claim.lease
+    forged = replace(lease, holder="mallory", ttl_s=1e9, expires=0.0)
+    renewed = c.renew(forged)
+    assert (renewed.holder, renewed.ttl_s) == ("honest", 2.0) and 1.5 < renewed.remaining_s() <= 2.0
+    nan = c.renew(replace(lease, ttl_s=float("nan")))
+    assert nan.ttl_s == 2.0 and 1.5 < nan.remaining_s() <= 2.0
+    assert make().claim("p.decode", FP).claim.lease.holder == "honest"
+
+
+def test_a_store_that_starts_removes_expired_lease_records(tmp_path):
+    root = tmp_path / "root"
+    store = KernelStore(root)
+    store.claim("p.decode", FP, "dead builder", ttl_s=0.1)
+    store.claim("p.prefill", FP, "live builder", ttl_s=60)
+    time.sleep(0.2)
+    again = KernelStore(root)
+    assert again.swept == 1
+    assert [p.parent.name for p in _lease_files(root)] == ["p.prefill"]
+    assert [lease.holder for lease in again.leases()] == ["live builder"]
+
+
+def test_a_draining_daemon_ends_waiting_claims_at_once(grpc_cache):
+    cache = grpc_cache()
+    with KernelCacheClient(cache.address) as builder, KernelCacheClient(cache.address) as waiter:
+        assert builder.claim("p.decode", FP).status == "OWNER"
+        h = waiter.claim("p.decode", FP)
+        assert h.status == "WAIT"
+        drained = threading.Thread(target=cache.server.drain, args=(30.0,))
+        t0 = time.monotonic()
+        drained.start()
+        with pytest.raises(Unavailable, match="shutting down"):
+            h.wait()
+        drained.join(timeout=10)
+        assert not drained.is_alive() and time.monotonic() - t0 < 5  # not the 30 s grace
+
+
+def test_evict_breaks_a_stuck_build_lease(clients):
+    make, store, _mode = clients
+    builder, other = make(), make()
+    lease = builder.claim("p.decode", FP, holder="stuck", ttl_s=3600).claim.lease
+    builder.claim("p.prefill", FP, holder="stuck", ttl_s=3600)
+    assert other.claim("p.decode", FP).status == "WAIT"
+    assert other.evict("p.decode", FP) == (0, 0)  # no entry yet; the lease goes
+    assert builder.renew(lease) is None  # the stuck builder finds it gone
+    assert other.claim("p.decode", FP).status == "OWNER"
+    assert other.claim("p.prefill", FP).status == "WAIT"  # another key: untouched
+    other.evict(all=True)
+    assert _lease_files(store.root) == []

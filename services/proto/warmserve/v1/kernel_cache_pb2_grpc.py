@@ -132,7 +132,7 @@ class KernelCacheServicer:
         your Publish ends it) or WAIT (`lease` is the builder's). After WAIT the stream stays open and
         ends with one more event: PUBLISHED (fetch it) or LEASE_EXPIRED (the builder died, hung or gave
         up: Claim again; one claimant becomes the new OWNER). Cancel the stream to stop waiting.
-        INVALID_ARGUMENT for a bad key, an UNKNOWN fingerprint or a TTL outside (0, 3600] s.
+        INVALID_ARGUMENT for a bad key, an UNKNOWN fingerprint or a TTL outside [0.1, 3600] s.
         Needs the bearer token when the daemon was started with one (the owner will publish).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -140,7 +140,8 @@ class KernelCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Extends a lease by its TTL from now; held=false when the lease is no longer held (taken over
+        """Extends the lease with this id by the TTL it was granted with (the holder, TTL and expiry in the
+        request are not used); held=false when the lease is no longer held (taken over
         after it expired, released, or ended by the publish of the entry) and nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
