@@ -479,19 +479,31 @@ class LocalStack:
 STATE_FILE = "stack.json"
 
 
-def read_state(home: Path, router_address: str) -> dict:
-    """The restarts per child of the ``warmserve up`` whose home is ``home``, when it runs the
-    router at ``router_address`` and is still alive; ``{}`` otherwise."""
+def _state_doc(home: Path, router_address: str) -> dict | None:
+    """The state file of the ``warmserve up`` whose home is ``home``, when it runs the router at
+    ``router_address`` and is still alive; ``None`` otherwise."""
     import json
 
     try:
         doc = json.loads((home / STATE_FILE).read_text())
         os.kill(int(doc["pid"]), 0)
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    if doc.get("router") != router_address:
-        return {}
+        return None
+    return doc if doc.get("router") == router_address else None
+
+
+def read_state(home: Path, router_address: str) -> dict[str, int]:
+    """The restarts per child of the ``warmserve up`` whose home is ``home`` (see
+    :func:`_state_doc`); ``{}`` when there is no such stack."""
+    doc = _state_doc(home, router_address) or {}
     return {name: int(c.get("restarts", 0)) for name, c in doc.get("children", {}).items()}
+
+
+def stack_services(home: Path, router_address: str) -> dict[str, str]:
+    """The control-plane services (kernel-cache, weights) of that stack: name -> address."""
+    doc = _state_doc(home, router_address) or {}
+    return {name: c["address"] for name, c in doc.get("children", {}).items()
+            if name in (KERNEL_CACHE, WEIGHTS) and c.get("address")}
 
 
 def _last_log_msg(child: ChildProcess) -> str:
@@ -594,6 +606,23 @@ def _announce_programs(stack: LocalStack, pending: set[int], out: TextIO) -> Non
             out.flush()
 
 
+def _announce_back(stack: LocalStack, back: set[int], pending: set[int], out: TextIO) -> None:
+    """One line per restarted runner in ``back`` once it answers again: its start-up time and
+    programs (a restarted runner usually finds them in the kernel cache); a runner whose programs
+    are still pending joins ``pending``."""
+    for i in sorted(back):
+        try:
+            info = stack.startup_report(i)
+        except Exception:  # noqa: BLE001 - still starting
+            continue
+        back.discard(i)
+        if info.program_state == "pending":
+            pending.add(i)
+        out.write(f"runner-{i} is back: serving after {info.startup.total_seconds:.1f} s; programs "
+                  f"{info.program_state or info.compile_mode}: {info.program_detail}\n")
+        out.flush()
+
+
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
     """``warmserve up``: start the stack, print endpoints and start-up reports, then run until
     SIGINT/SIGTERM (exit 0), relaunching children that exit (:meth:`LocalStack.heal`), or until
@@ -622,12 +651,18 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
                 pending.add(i)
         out.write(f"\nready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)\n")
         out.flush()
-        ticks = 0
+        ticks, restarts, back = 0, stack.restarts(), set()
         while not stop.wait(1.0):
             ticks += 1
             if pending and ticks % 5 == 0:
                 _announce_programs(stack, pending, out)
+            if back:
+                _announce_back(stack, back, pending, out)
             given_up = stack.heal()
+            now = stack.restarts()
+            back |= {int(n.removeprefix("runner-")) for n, c in now.items()
+                     if n.startswith("runner-") and c > restarts.get(n, 0)}
+            restarts = now
             if given_up:
                 for c in given_up:
                     print(f"warmserve: {c.name} keeps exiting (status {c.proc.returncode}, "

@@ -73,7 +73,8 @@ def register(subparsers) -> None:
     status.add_argument("--service", action="append", default=[], metavar="NAME=ADDR",
                         help="another service to health-check (repeatable), e.g. weights=127.0.0.1:50052")
     status.add_argument("--home", default=None,
-                        help="the home of the `warmserve up` to report restarts of (default $WARMSERVE_HOME)")
+                        help="the home of the `warmserve up` whose services and restarts to report too "
+                             "(default $WARMSERVE_HOME)")
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
@@ -147,9 +148,10 @@ def _status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from services.paths import warmserve_home
-    from warmserve.stack import read_state
+    from warmserve.stack import read_state, stack_services
 
     home = Path(args.home).expanduser() if args.home else warmserve_home()
+    services = {**stack_services(home, args.addr), **services}  # a running `up`'s own, then --service
     return print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
 
 

@@ -15,7 +15,14 @@ import pytest
 from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
-from warmserve.stack import ChildProcess, LocalStack, StackConfig, format_startup_report, read_state
+from warmserve.stack import (
+    ChildProcess,
+    LocalStack,
+    StackConfig,
+    format_startup_report,
+    read_state,
+    stack_services,
+)
 
 
 def test_config_is_validated() -> None:
@@ -93,9 +100,11 @@ def test_stack_state_file_gives_status_its_restarts(tmp_path: Path) -> None:
     assert read_state(tmp_path, "127.0.0.1:50100") == {}  # no child launched yet: nothing to report
     doc = json.loads(stack.state_path.read_text())
     assert doc["router"] == "127.0.0.1:50100" and doc["pid"] == os.getpid()
-    doc["children"] = {"router": {"restarts": 2}, "runner-0": {"restarts": 0}}
+    doc["children"] = {"router": {"restarts": 2}, "runner-0": {"restarts": 0},
+                       "weights": {"restarts": 1, "address": "127.0.0.1:50102"}}
     stack.state_path.write_text(json.dumps(doc))
-    assert read_state(tmp_path, "127.0.0.1:50100") == {"router": 2, "runner-0": 0}
+    assert read_state(tmp_path, "127.0.0.1:50100") == {"router": 2, "runner-0": 0, "weights": 1}
+    assert stack_services(tmp_path, "127.0.0.1:50100") == {"weights": "127.0.0.1:50102"}
     assert read_state(tmp_path, "127.0.0.1:60000") == {}  # another stack's router
     doc["pid"] = 2 ** 22 + 17  # no such process: a stack that is gone
     stack.state_path.write_text(json.dumps(doc))

@@ -224,6 +224,8 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         assert status.returncode == 0, status.stderr
         table = [line.split() for line in status.stdout.splitlines() if line.strip()]
         assert ["service", "address", "health", "restarts"] in table, status.stdout
+        assert ["kernel-cache", endpoints["kernel-cache"], "SERVING", "0"] in table, status.stdout  # from stack.json
+        assert ["weights", endpoints["weights"], "SERVING", "0"] in table, status.stdout
         runner_row = next(r for r in table if r[0] == "runner-0")
         assert runner_row[2:4] == ["READY", "off"] and runner_row[-1] == "0", status.stdout
         proc.send_signal(signal.SIGTERM)
