@@ -3,9 +3,9 @@
 1. start the stack (kernel-cache, weights, router, runner-0) in a fresh temporary
    ``WARMSERVE_HOME`` unless ``--home`` is given: runner-0 is the *cold* launch (it builds the
    weight sidecar, serves eager at once and compiles its programs in the background);
-2. stream answers to a few chat prompts through the router (eager, beside the compile);
-3. wait for runner-0's compiled programs to take over, then launch one more runner: the
-   *warm* launch finds the sidecar and the programs ready;
+2. stream the answer to a chat prompt through the router (eager, beside the compile), wait for
+   runner-0's compiled programs to take over, then stream two more (compiled);
+3. launch one more runner: the *warm* launch finds the sidecar and the programs ready;
 4. print both start-up reports side by side, send a burst of concurrent requests through the
    router to show them spread over the runners, print the router's runner table;
 5. stop everything and exit 0.
@@ -53,6 +53,17 @@ def _phase_seconds(info) -> dict[str, float]:
     return {p.name: p.seconds for p in info.startup.phases}
 
 
+def _wait_for_programs(stack: LocalStack, out: TextIO):
+    """Wait for runner-0's compiled programs, say when they took over; its ``ModelInfoResponse``."""
+    print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr, flush=True)
+    cold = stack.wait_programs(0)
+    if cold.programs_installed_at_s:
+        took = "installed" if cold.program_state == "installed" else "failed (eager)"
+        _say(out)
+        _say(out, f"runner-0: compiled programs {took} at {cold.programs_installed_at_s:.1f} s ({cold.program_detail})")
+    return cold
+
+
 def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64) -> int:
     """Run the demo (see the module docstring); returns the exit code."""
     tmp_home = None
@@ -75,7 +86,9 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
             _say(out)
             _say(out, f"== chat through the router at {stack.router_address} (greedy, {max_tokens} tokens max)")
             with GenerationClient(stack.router_address) as client:
-                for prompt in DEMO_PROMPTS:
+                for n, prompt in enumerate(DEMO_PROMPTS):
+                    if n == 1:  # the first answer came eager, beside the compile; the rest compiled
+                        cold = _wait_for_programs(stack, out)
                     _say(out)
                     _say(out, f"user: {prompt}")
                     out.write("assistant: ")
@@ -83,14 +96,6 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                     _say(out)
                     _say(out, f"  ({result.summary()})")
 
-            print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr,
-                  flush=True)
-            cold = stack.wait_programs(0)
-            if cold.programs_installed_at_s:
-                took = "installed" if cold.program_state == "installed" else "failed (eager)"
-                _say(out)
-                _say(out, f"runner-0: compiled programs {took} at {cold.programs_installed_at_s:.1f} s "
-                          f"({cold.program_detail})")
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))
