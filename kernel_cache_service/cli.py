@@ -22,8 +22,10 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from services.bootstrap import add_server_args, int_at_least, read_token_file
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.table import format_table
@@ -85,7 +87,10 @@ def _target_args(parser: argparse.ArgumentParser, *, token: bool = False) -> Non
         parser.add_argument("--token-file", default=None, help="file holding the daemon's bearer token")
 
 
-def _client(args):
+def _client(args, *, create: bool = False):
+    """A client for the command's target. An embedded store is created only by a command that
+    stores (``create``): a read-only command (or evict) on a directory that holds no store raises
+    ``NotFound`` and creates nothing, so a typo in ``--root`` leaves no state behind."""
     from kernel_cache_service.client import KernelCacheClient
     from services.paths import default_kernel_cache_root
 
@@ -93,7 +98,10 @@ def _client(args):
     address = args.addr or (None if args.root else os.environ.get(ADDR_ENV) or None)
     if address is not None:
         return KernelCacheClient(address, token=token)
-    return KernelCacheClient(root=args.root or default_kernel_cache_root())
+    root = Path(args.root or default_kernel_cache_root()).expanduser()
+    if not create and not (root / "entries").is_dir():
+        raise NotFound(f"no kernel-cache store at {root}, so every key is a MISS (nothing was created there)")
+    return KernelCacheClient(root=root)
 
 
 def _cmd_serve(args) -> int:
@@ -106,7 +114,10 @@ def _cmd_serve(args) -> int:
 def _cmd_put(args) -> int:
     if args.fingerprint == UNKNOWN:
         raise InvalidArgument("fingerprint UNKNOWN is never stored: compute a real program fingerprint")
-    client = _client(args)
+    validate_key(args.name, args.fingerprint)
+    if not (Path(args.path).is_file() or Path(args.path).is_dir()):  # before a store is created for it
+        raise InvalidArgument(f"{args.path} is not a file or a directory")
+    client = _client(args, create=True)
     try:
         result = client.publish_result(args.name, args.fingerprint, args.path, producer=args.producer)
     finally:
@@ -118,6 +129,7 @@ def _cmd_put(args) -> int:
 
 
 def _cmd_get(args) -> int:
+    validate_key(args.name, args.fingerprint)  # bad input first: exit 2, whatever the target
     client = _client(args)
     try:
         info = client.fetch(args.name, args.fingerprint, args.out)
@@ -130,6 +142,7 @@ def _cmd_get(args) -> int:
 
 
 def _cmd_ls(args) -> int:
+    validate_prefix(args.prefix)
     client = _client(args)
     try:
         entries = client.list(args.prefix)
@@ -162,6 +175,10 @@ def _cmd_evict(args) -> int:
         raise InvalidArgument("--all takes no NAME or FINGERPRINT")
     if not args.all and not args.name:
         raise InvalidArgument("give NAME [FINGERPRINT], or --all")
+    if args.name:
+        validate_part(args.name, "name")
+    if args.fingerprint:
+        validate_part(args.fingerprint, "fingerprint")
     client = _client(args)
     try:
         count, freed = client.evict(args.name, args.fingerprint, all=args.all)

@@ -132,3 +132,20 @@ def test_real_processes_and_daemon(tmp_path, artifacts, daemon):
     busy = run_process("serve", "--root", str(tmp_path / "r2"), "--port", d.address.rsplit(":", 1)[1])
     assert busy.returncode == 1
     assert busy.stderr.strip().splitlines()[-1].startswith("warmserve: error: cannot serve on 127.0.0.1:")
+
+
+def test_commands_that_store_nothing_create_nothing(capsys, tmp_path, artifacts):
+    """A typo in --root leaves no directory behind: only put creates a store."""
+    f, _ = artifacts
+    typo = tmp_path / "no" / "such" / "dir"
+    for argv in (["ls"], ["stat"], ["get", "n", "f", str(tmp_path / "out")], ["evict", "n"], ["evict", "--all"]):
+        code, out, err = run(capsys, *argv, "--root", str(typo))
+        assert code == 1 and "no kernel-cache store at" in err and len(err.strip().splitlines()) == 1, argv
+        assert not (tmp_path / "no").exists(), argv
+    code, _, err = run(capsys, "put", "n", "f", str(tmp_path / "missing"), "--root", str(typo))
+    assert code == 2 and "not a file or a directory" in err and not (tmp_path / "no").exists()
+    code, _, err = run(capsys, "put", "../n", "f", str(f), "--root", str(typo))
+    assert code == 2 and not (tmp_path / "no").exists()
+    assert run(capsys, "put", "n", "f", str(f), "--root", str(typo))[0] == 0  # a store is made to store
+    code, out, _ = run(capsys, "ls", "--root", str(typo))
+    assert code == 0 and "n " in out
