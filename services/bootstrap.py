@@ -344,6 +344,18 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def positive_seconds(text: str) -> float:
+    """An ``argparse`` ``type=`` for a duration in seconds: a finite number > 0 (anything else,
+    ``0`` included, is a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An ``argparse`` ``type=`` accepting integers >= ``minimum`` (anything else is a usage error)."""
 

@@ -104,11 +104,16 @@ class GenerationResult:
 class GenerationClient:
     """Client of one ``Generation`` endpoint (``host:port``); use as a context manager.
 
-    ``ready_timeout_s``: seconds to wait for the connection (``Unavailable`` after that)."""
+    ``ready_timeout_s``: seconds to wait for the connection (``Unavailable`` after that);
+    ``fail_fast``: a refused or unreachable address raises ``Unavailable`` at once. Raises
+    ``InvalidArgument`` for an address that is not ``host:port``."""
 
-    def __init__(self, address: str, *, ready_timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, *, ready_timeout_s: float = 10.0, fail_fast: bool = False) -> None:
+        from services.address import parse_address
+
+        parse_address(address)
         self.address = address
-        self._channel = open_channel(address, ready_timeout_s=ready_timeout_s)
+        self._channel = open_channel(address, ready_timeout_s=ready_timeout_s, fail_fast=fail_fast)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> GenerationClient:

@@ -13,6 +13,7 @@ import argparse
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
 from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
 from services.address import format_address
+from services.bootstrap import positive_seconds
 from warmserve.stack import DEFAULT_BASE_PORT
 from weight_service.sources import BUNDLED_SMOLLM2
 
@@ -47,7 +48,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+    p.add_argument("--timeout", type=positive_seconds, default=120.0,
+                   help="request deadline in seconds, > 0 (default 120)")
 
 
 def register(subparsers) -> None:
@@ -108,6 +110,9 @@ def _sampling(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> int:
     import sys
 
+    import grpc
+
+    from services.errors import WarmserveError
     from services.generation_client import GenerationClient, chat_request, text_request
 
     if args.raw:
@@ -115,8 +120,15 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
-    with GenerationClient(args.addr) as client:
-        result = client.stream_to(request, sys.stdout, timeout_s=args.timeout)
+    with GenerationClient(args.addr, fail_fast=True) as client:
+        try:
+            result = client.stream_to(request, sys.stdout, timeout_s=args.timeout)
+        except WarmserveError as e:
+            print(flush=True)  # end the streamed line before the error goes to stderr
+            cause = e.__cause__
+            if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise WarmserveError(f"timed out after {args.timeout:g} s (--timeout)") from e
+            raise
     print()
     print(result.summary(), file=sys.stderr)
     return 0
@@ -127,7 +139,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     from services.generation_client import GenerationClient, interactive_chat
 
-    with GenerationClient(args.addr) as client:
+    with GenerationClient(args.addr, fail_fast=True) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
                                 stdin=sys.stdin, stdout=sys.stdout)
 

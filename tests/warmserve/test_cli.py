@@ -4,6 +4,7 @@ traceback. Per-command exit codes are tested with each package (e.g. tests/kerne
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -32,3 +33,43 @@ def test_generate_bad_sampling_values_are_usage_errors_before_dialing(capsys, ar
     assert main(["generate", "--addr", "127.0.0.1:9", *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"warmserve: error: {message}" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--timeout", "0"], "must be a number of seconds > 0, got '0'"),
+    (["--timeout", "-3"], "must be a number of seconds > 0"),
+    (["--timeout", "soon"], "expected seconds, got 'soon'"),
+])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--addr", "127.0.0.1:9", *argv, "Hi"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_malformed_address_is_invalid_and_a_refused_one_fails_at_once(capsys) -> None:
+    assert main(["generate", "--addr", "nonsense", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "address must be host:port" in err and "there is no port" in err and "cannot reach" not in err
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert main(["generate", "--addr", f"127.0.0.1:{closed}", "Hi"]) == 1
+    assert time.monotonic() - t0 < 5  # not the 10 s connect timeout
+    err = capsys.readouterr().err
+    assert f"cannot reach 127.0.0.1:{closed}: the connection was refused" in err and "Traceback" not in err
+
+
+def test_a_deadline_ends_the_streamed_line_and_names_the_flag(capsys) -> None:
+    from fake_runner import FakeBehaviour, FakeRunner
+
+    runner = FakeRunner("slow", FakeBehaviour(delay_s=0.4))
+    try:
+        assert main(["generate", "--addr", runner.address, "--raw", "--max-tokens", "8", "--timeout", "1",
+                     "abcdefgh"]) == 1
+    finally:
+        runner.stop()
+    out, err = capsys.readouterr()
+    assert out.startswith("ab") and out.endswith("\n") and len(out) < len("abcdefgh\n")  # cut, then a newline
+    # (other lines may come from an earlier in-process server's logging, bound to a closed stream)
+    assert "warmserve: error: timed out after 1 s (--timeout)" in err.splitlines()
