@@ -58,11 +58,13 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """All text not yet sent (call once the request has finished), including an incomplete
-        character at the very end."""
+        """All text not yet sent (call once the request has finished). An incomplete character at
+        the very end (``max_tokens`` cut a multi-byte character) is not emitted as U+FFFD: its
+        bytes stay only in the token ids. (A model that ends on a genuine U+FFFD character loses
+        it from the text too; the ids keep it.)"""
         if self._tok is not None and not self.stopped and self._read < len(self._ids):
             prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-            self.text += self._tok.decode(self._ids[self._prefix:])[len(prefix_text):]
+            self.text += self._tok.decode(self._ids[self._prefix:])[len(prefix_text):].rstrip("\ufffd")
             self._prefix = self._read = len(self._ids)
         out = self.text[self._sent:]
         self._sent = len(self.text)

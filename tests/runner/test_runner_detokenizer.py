@@ -31,6 +31,25 @@ def test_streamed_pieces_add_up_to_the_full_decode(tok, hf_tokenizer):
     assert sum(1 for p in pieces if p == "") > 0  # some tokens carried half a character
 
 
+def test_a_character_cut_by_max_tokens_is_not_a_replacement_character(tok, hf_tokenizer):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        if not hf_tokenizer.decode(ids[:cut]).endswith("\ufffd"):
+            continue  # the cut falls between characters
+        detok = IncrementalDetokenizer(tok)
+        pieces = []
+        for i in ids[:cut]:
+            detok.push(i)
+            pieces.append(detok.delta())
+        pieces.append(detok.flush())
+        text = "".join(pieces)
+        assert "\ufffd" not in text
+        assert text == hf_tokenizer.decode(ids[:cut]).rstrip("\ufffd")  # every complete character, in order
+        break
+    else:
+        pytest.fail("no cut of TEXT falls inside a character")
+
+
 def test_stop_string_split_over_tokens_is_cut_and_held_back(tok):
     ids = tok.encode(TEXT, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, stop=("says 🙂",))
