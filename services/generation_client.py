@@ -165,13 +165,33 @@ class GenerationClient:
             raise from_rpc_error(e) from e
 
 
+#: The chat loop's commands (a line that is one ``/word``); anything else goes to the model.
+CHAT_COMMANDS = {
+    "/exit": "leave (also /quit, or Ctrl-D)",
+    "/quit": "leave",
+    "/reset": "forget the conversation (the --system message stays)",
+    "/help": "list these commands",
+}
+
+
+def chat_banner(address: str) -> str:
+    """The line ``warmserve chat`` greets a terminal with."""
+    return f"chatting with {address}; /help lists the commands, /exit or Ctrl-D leaves"
+
+
 def interactive_chat(client: GenerationClient, sampling: generation_pb2.SamplingParams, *,
-                     system: str | None, timeout_s: float | None, stdin: TextIO, stdout: TextIO) -> int:
-    """Read user lines from ``stdin`` until EOF (or ``/exit``), stream each answer to ``stdout``,
-    and keep the conversation as history for the next turn. ``/reset`` clears the history.
-    A failed turn is reported and dropped from the history; returns 0."""
+                     system: str | None, timeout_s: float | None, stdin: TextIO, stdout: TextIO,
+                     banner: bool | None = None) -> int:
+    """Read user lines from ``stdin`` until EOF (or ``/exit`` / ``/quit``), stream each answer
+    to ``stdout``, and keep the conversation as history for the next turn; :data:`CHAT_COMMANDS`
+    (``/reset`` clears the history, ``/help`` lists them) are never sent to the model, and an
+    unknown ``/word`` is answered with a hint. ``banner`` (default: when ``stdin`` is a
+    terminal) prints :func:`chat_banner` first. A failed turn is reported and dropped from the
+    history; returns 0."""
     history: list[tuple[str, str]] = [("system", system)] if system else []
     interactive = stdin.isatty()
+    if interactive if banner is None else banner:
+        stdout.write(chat_banner(client.address) + "\n")
     while True:
         if interactive:
             stdout.write("> ")
@@ -182,11 +202,16 @@ def interactive_chat(client: GenerationClient, sampling: generation_pb2.Sampling
         line = line.strip()
         if not line:
             continue
-        if line == "/exit":
-            break
-        if line == "/reset":
-            history = history[:1] if system else []
-            stdout.write("(history cleared)\n")
+        if line.startswith("/") and len(line.split()) == 1:
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                history = history[:1] if system else []
+                stdout.write("(history cleared)\n")
+            elif line == "/help":
+                stdout.write("".join(f"  {c:<7} {what}\n" for c, what in CHAT_COMMANDS.items()))
+            else:
+                stdout.write(f"(unknown command {line}; /help lists the commands)\n")
             continue
         history.append(("user", line))
         try:

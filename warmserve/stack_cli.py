@@ -65,7 +65,13 @@ def register(subparsers) -> None:
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
 
-    chat = subparsers.add_parser("chat", help="interactive chat (reads stdin, keeps history)")
+    from services.generation_client import CHAT_COMMANDS
+
+    chat = subparsers.add_parser(
+        "chat", help="interactive chat (reads stdin, keeps history)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands (a line that is one of these):\n" + "".join(f"  {c:<8} {what}\n"
+                                                                   for c, what in CHAT_COMMANDS.items()))
     chat.add_argument("--system", default=None, help="system message")
     _add_sampling_args(chat)
     chat.set_defaults(func=_chat)

@@ -115,6 +115,32 @@ def test_interactive_chat_keeps_history() -> None:
         runner.stop()
 
 
+def test_chat_commands_are_never_sent_to_the_model_and_a_terminal_gets_a_banner(capsys) -> None:
+    from services.generation_client import CHAT_COMMANDS, chat_banner
+
+    runner = FakeRunner("fake-chat")
+    try:
+        out = io.StringIO()
+        with GenerationClient(runner.address) as client:
+            rc = chat_loop(client, sampling_params(max_tokens=6), system=None, timeout_s=5, banner=True,
+                           stdin=io.StringIO("/help\n/nope\nabc\n/reset\nxyz\n/quit\nnever\n"), stdout=out)
+        assert rc == 0
+        lines = out.getvalue().splitlines()
+        assert lines[0] == chat_banner(runner.address) and "/help" in lines[0]
+        assert [ln.split()[0] for ln in lines[1:1 + len(CHAT_COMMANDS)]] == list(CHAT_COMMANDS)
+        assert lines[1 + len(CHAT_COMMANDS):] == ["(unknown command /nope; /help lists the commands)", "abc",
+                                                  "(history cleared)", "xyz"]  # /reset: "abc" forgotten
+        assert runner.stats.requests == 2  # abc, xyz: no command reached the model, /quit left
+    finally:
+        runner.stop()
+    from warmserve.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--help"])
+    helptext = capsys.readouterr().out
+    assert all(c in helptext for c in CHAT_COMMANDS)
+
+
 def test_health_probe_exit_codes(capsys) -> None:
     runner = FakeRunner("probe")
     try:
