@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.generation_client import GenerationClient, chat_request, sampling_params
-from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status
+from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status, programs_took_over
 
 DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -58,9 +58,8 @@ def _wait_for_programs(stack: LocalStack, out: TextIO):
     print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr, flush=True)
     cold = stack.wait_programs(0)
     if cold.programs_installed_at_s:
-        took = "installed" if cold.program_state == "installed" else "failed (eager)"
         _say(out)
-        _say(out, f"runner-0: compiled programs {took} at {cold.programs_installed_at_s:.1f} s ({cold.program_detail})")
+        _say(out, f"runner-0: {programs_took_over(cold)}")
     return cold
 
 

@@ -523,6 +523,13 @@ def _last_log_msg(child: ChildProcess) -> str:
 # --- reports and status ---------------------------------------------------------------------------
 
 
+def programs_took_over(info) -> str:
+    """How a ``ModelInfoResponse``'s background-built programs ended: ``compiled programs
+    installed at 131.0 s (DETAIL)``, or ``failed (staying eager)`` in place of ``installed``."""
+    took = "installed" if info.program_state == "installed" else "failed (staying eager)"
+    return f"compiled programs {took} at {info.programs_installed_at_s:.1f} s ({info.program_detail})"
+
+
 def format_startup_report(info, title: str = "") -> str:
     """A ``ModelInfoResponse``'s start-up report as an aligned text block (seconds per phase)."""
     head = title or f"start-up report of {info.runner_id}"
@@ -537,9 +544,7 @@ def format_startup_report(info, title: str = "") -> str:
         lines.append(f"  serving eager at {info.startup.total_seconds:.1f} s; compiled programs pending: "
                      f"{info.program_detail}")
     elif info.programs_installed_at_s:
-        took = "installed" if info.program_state == "installed" else "failed (staying eager)"
-        lines.append(f"  serving eager at {info.startup.total_seconds:.1f} s; compiled programs {took} at "
-                     f"{info.programs_installed_at_s:.1f} s ({info.program_detail})")
+        lines.append(f"  serving eager at {info.startup.total_seconds:.1f} s; {programs_took_over(info)}")
     return "\n".join(lines)
 
 
@@ -600,9 +605,7 @@ def _announce_programs(stack: LocalStack, pending: set[int], out: TextIO) -> Non
             continue
         if info.program_state != "pending":
             pending.discard(i)
-            took = "installed" if info.program_state == "installed" else "failed (serving eager)"
-            out.write(f"runner-{i}: compiled programs {took} at {info.programs_installed_at_s:.1f} s "
-                      f"({info.program_detail})\n")
+            out.write(f"runner-{i}: {programs_took_over(info)}\n")
             out.flush()
 
 
