@@ -35,7 +35,7 @@ def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:
     """``text=`` / ``messages=`` / ``token_ids=`` keyword for :meth:`LLMEngine.add_request`."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return {"text": request.text}
+        return {"text": request.text, "allow_special_tokens": request.allow_special_tokens}
     if kind == "chat":
         return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
     if kind == "token_ids":

@@ -388,9 +388,11 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def tokenize(self, *, text: str | None = None, messages: Sequence[dict] | None = None,
-                 token_ids: Sequence[int] | None = None) -> list[int]:
+                 token_ids: Sequence[int] | None = None, allow_special_tokens: bool = False) -> list[int]:
         """Prompt token ids from exactly one of ``text``, chat ``messages`` or ``token_ids``.
-        Raises ``InvalidArgument`` for none/several, an empty prompt, ids outside
+        Text and message content are plain text: special-token text in them is encoded as its
+        characters (``allow_special_tokens`` lets raw ``text`` name control tokens; chat content
+        stays plain, see :mod:`runner_service.tokenizer`). Raises ``InvalidArgument`` for none/several, an empty prompt, ids outside
         ``[0, vocab_size)``, an unknown chat role, or a prompt that leaves no room to generate."""
         given = [x is not None for x in (text, messages, token_ids)]
         if sum(given) != 1:
@@ -401,7 +403,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidArgument("this engine has no tokenizer; send token ids")
             if text is not None:
-                ids = self.tokenizer.encode(text) if text else []
+                ids = self.tokenizer.encode(text, allow_special_tokens=allow_special_tokens) if text else []
             else:
                 ids = self.tokenizer.encode_chat(messages)
         if not ids:
@@ -416,11 +418,12 @@ class LLMEngine:
 
     def add_request(self, params: SamplingParams, *, text: str | None = None,
                     messages: Sequence[dict] | None = None, token_ids: Sequence[int] | None = None,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, allow_special_tokens: bool = False) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
         :meth:`tokenize`, bad stop token ids, a request id already in flight) or
         ``ResourceExhausted`` (the request can never fit the KV cache)."""
-        ids = self.tokenize(text=text, messages=messages, token_ids=token_ids)
+        ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
+                            allow_special_tokens=allow_special_tokens)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
         if bad:
             raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")

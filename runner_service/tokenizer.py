@@ -2,11 +2,21 @@
 chat template from ``tokenizer_config.json`` rendered like transformers' ``apply_chat_template``
 (a sandboxed Jinja2 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and a
 non-escaping ``tojson``; the rendered text is tokenized without adding special tokens).
+
+Content is text, never markup. HF ``tokenizers`` matches the text of every special token anywhere
+in its input, so a user message holding the characters ``<|im_end|><|im_start|>system`` would be
+encoded as the real control ids and close the user's turn. Here message content, and raw text
+prompts unless the caller opts in, are tokenized with special-token matching off
+(``encode_special_tokens``); only special-token text the chat template itself wrote becomes a
+control id. For a conversation without such text the ids are exactly those of tokenizing the
+rendered chat whole, because ``tokenizers`` too splits its input at special tokens first and
+tokenizes the pieces between them independently.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +30,10 @@ from services.errors import InvalidArgument
 
 #: Chat roles a request may use; anything else is ``InvalidArgument``.
 CHAT_ROLES = ("system", "user", "assistant")
+
+#: First code point of the guards that stand for special-token text found in message content
+#: while the template renders (Supplementary Private Use Area-A, one code point per special token).
+_GUARD_BASE = 0xF0000
 
 
 def _raise_exception(message: str):
@@ -48,6 +62,14 @@ class Tokenizer:
 
     def __init__(self, tokenizer: HFTokenizer, config: dict) -> None:
         self._tok = tokenizer
+        # A second instance with special-token matching off (a flag of the instance, so one
+        # shared by request threads is never flipped back and forth).
+        self._plain = HFTokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._specials = {t.content: (i, t) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        # Longest first, so a special token that is a prefix of another never wins over it.
+        self._special_re = (re.compile("|".join(re.escape(s) for s in sorted(self._specials, key=len, reverse=True)))
+                            if self._specials else None)
         self.config = config
         source = config.get("chat_template")
         self._template = compile_chat_template(source) if source else None
@@ -68,9 +90,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; the tokenizer's post-processor adds BOS when it is configured to."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; the tokenizer's post-processor adds BOS when it is configured to
+        (``add_special_tokens``). Special-token text in ``text`` (``"<|im_end|>"``) is encoded as
+        plain characters unless ``allow_special_tokens``, which maps it to the control ids."""
+        tok = self._tok if allow_special_tokens else self._plain
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -96,5 +121,46 @@ class Tokenizer:
             raise InvalidArgument(f"the chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of the rendered chat (no extra special tokens, as ``apply_chat_template``)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        """Token ids of the rendered chat (no extra special tokens, as ``apply_chat_template``),
+        with message content tokenized as plain text: the only control ids are those of the
+        template's own markup. Raises ``InvalidArgument`` as :meth:`render_chat`, and for content
+        holding the private-use code points this method reserves as guards (U+F0000 onwards, one
+        per special token: 17 for SmolLM2)."""
+        if self._special_re is None:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        names = list(self._specials)
+        guard_of = {name: chr(_GUARD_BASE + k) for k, name in enumerate(names)}
+        text_of = {g: name for name, g in guard_of.items()}
+        guarded = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, str):
+                if any(ch in text_of for ch in content):
+                    raise InvalidArgument(f"message {i} holds a reserved private-use character "
+                                          f"(U+{_GUARD_BASE:X}..U+{_GUARD_BASE + len(names) - 1:X})")
+                m = {**m, "content": self._special_re.sub(lambda hit: guard_of[hit.group()], content)}
+            guarded.append(m)
+        rendered = self.render_chat(guarded)
+        ids: list[int] = []
+        pos, strip_next = 0, False
+        for hit in self._special_re.finditer(rendered):
+            token_id, added = self._specials[hit.group()]
+            piece = rendered[pos:hit.start()]
+            if strip_next:
+                piece = piece.lstrip()
+            if added.lstrip:
+                piece = piece.rstrip()
+            ids += self._encode_piece(piece, text_of)
+            ids.append(token_id)
+            pos, strip_next = hit.end(), added.rstrip
+        tail = rendered[pos:]
+        ids += self._encode_piece(tail.lstrip() if strip_next else tail, text_of)
+        return ids
+
+    def _encode_piece(self, piece: str, text_of: dict[str, str]) -> list[int]:
+        """Plain-text ids of a stretch of rendered chat between two control tokens, its guards
+        turned back into the special-token text the content held."""
+        if not piece:
+            return []
+        piece = "".join(text_of.get(ch, ch) for ch in piece) if any(ch in text_of for ch in piece) else piece
+        return self._plain.encode(piece, add_special_tokens=False).ids

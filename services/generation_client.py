@@ -54,10 +54,13 @@ def _valid_text(text: str, what: str) -> str:
 
 
 def text_request(text: str, sampling: generation_pb2.SamplingParams | None = None, *,
-                 routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
-    """A raw-text request (no chat template). Raises ``InvalidArgument`` for text that is not
-    valid Unicode (e.g. undecodable bytes from a command line)."""
-    return generation_pb2.GenerateRequest(text=_valid_text(text, "the prompt"), sampling=sampling, routing=routing)
+                 routing: int = generation_pb2.ROUTING_POLICY_UNSPECIFIED,
+                 allow_special_tokens: bool = False) -> generation_pb2.GenerateRequest:
+    """A raw-text request (no chat template); special-token text in it is plain text unless
+    ``allow_special_tokens``. Raises ``InvalidArgument`` for text that is not valid Unicode (e.g.
+    undecodable bytes from a command line)."""
+    return generation_pb2.GenerateRequest(text=_valid_text(text, "the prompt"), sampling=sampling, routing=routing,
+                                          allow_special_tokens=allow_special_tokens)
 
 
 def chat_request(messages: Sequence[tuple[str, str]], sampling: generation_pb2.SamplingParams | None = None, *,

@@ -61,6 +61,9 @@ def register(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send plain text, without the chat template")
+    gen.add_argument("--allow-special-tokens", action="store_true",
+                     help="with --raw: special-token text in the prompt (e.g. <|im_end|>) becomes the control "
+                          "token; by default it is plain text, and chat messages are always plain text")
     gen.add_argument("--system", default=None, help="system message (chat mode)")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
@@ -121,8 +124,12 @@ def _generate(args: argparse.Namespace) -> int:
     from services.errors import WarmserveError
     from services.generation_client import GenerationClient, chat_request, text_request
 
+    if args.allow_special_tokens and not args.raw:
+        print("warmserve: error: --allow-special-tokens needs --raw (chat messages are always plain text)",
+              file=sys.stderr)
+        return 2
     if args.raw:
-        request = text_request(args.prompt, _sampling(args))
+        request = text_request(args.prompt, _sampling(args), allow_special_tokens=args.allow_special_tokens)
     else:
         messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))

@@ -82,6 +82,18 @@ def test_generate_streams_token_deltas_then_finish_and_usage(served):
     assert out[-1].usage.prompt_tokens == len(engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
 
 
+def test_special_token_text_in_a_raw_prompt_is_plain_unless_allowed(served):
+    """``<|im_end|>`` is one control id (2 in SmolLM2's vocabulary) only with ``allow_special_tokens``;
+    otherwise its 10 characters are tokenized as text (several ids, none of them 2)."""
+    stub, engine, _, _ = served
+    plain = list(stub.Generate(pb.GenerateRequest(text="<|im_end|>", sampling=_greedy(1))))
+    allowed = list(stub.Generate(pb.GenerateRequest(text="<|im_end|>", allow_special_tokens=True,
+                                                    sampling=_greedy(1))))
+    assert allowed[-1].usage.prompt_tokens == 1
+    assert plain[-1].usage.prompt_tokens > 1
+    assert 2 not in engine.tokenizer.encode("<|im_end|>")
+
+
 def test_max_tokens_zero_means_the_default(served):
     stub, engine, _, _ = served
     msgs = list(stub.Generate(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(ignore_eos=True))))

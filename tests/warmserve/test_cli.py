@@ -73,3 +73,8 @@ def test_a_deadline_ends_the_streamed_line_and_names_the_flag(capsys) -> None:
     assert out.startswith("ab") and out.endswith("\n") and len(out) < len("abcdefgh\n")  # cut, then a newline
     # (other lines may come from an earlier in-process server's logging, bound to a closed stream)
     assert "warmserve: error: timed out after 1 s (--timeout)" in err.splitlines()
+
+
+def test_allow_special_tokens_needs_a_raw_prompt(capsys) -> None:
+    assert main(["generate", "--addr", "127.0.0.1:9", "--allow-special-tokens", "Hi<|im_end|>"]) == 2
+    assert "--allow-special-tokens needs --raw" in capsys.readouterr().err
