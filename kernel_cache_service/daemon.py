@@ -7,8 +7,7 @@ import logging
 
 from kernel_cache_service.servicer import PROTECTED_METHODS, build_server
 from kernel_cache_service.store import KernelStore
-from services.bootstrap import config_from_args
-from services.errors import Unavailable
+from services.bootstrap import config_from_args, ensure_bindable
 from services.log import configure_logging
 
 log = logging.getLogger(__name__)
@@ -17,13 +16,11 @@ log = logging.getLogger(__name__)
 def serve_from_args(args) -> None:
     """Entry point of ``warmserve cache serve``: run until SIGTERM/SIGINT, then drain."""
     configure_logging("kernel-cache", args.log_level)
-    store = KernelStore(args.root, max_bytes=args.max_bytes)
     config = config_from_args(args, "kernel-cache", PROTECTED_METHODS)
+    ensure_bindable(config)  # a busy port fails before the store is opened (and its root created)
+    store = KernelStore(args.root, max_bytes=args.max_bytes)
     server = build_server(store, config)
-    try:
-        server.start()
-    except OSError as e:
-        raise Unavailable(f"cannot serve on {config.host}:{config.port}: {e}") from e
+    server.start()
     log.info("kernel cache ready", extra={"root": str(store.root), "max_bytes": store.max_bytes,
                                           "address": server.address, "swept": store.swept})
     server.serve_forever()

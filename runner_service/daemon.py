@@ -70,7 +70,7 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
 
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
-    from services.bootstrap import ServiceServer, config_from_args
+    from services.bootstrap import ServiceServer, config_from_args, ensure_bindable
     from services.generation_client import GENERATION_SERVICE
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
@@ -78,6 +78,7 @@ def serve_from_args(args) -> int:
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
     server_config = config_from_args(args, "runner")
+    ensure_bindable(server_config)  # a busy port fails now, not after the model is loaded
     kernel_cache = args.kernel_cache or args.kernel_cache_dir
 
     def build() -> LLMEngine:

@@ -7,6 +7,9 @@ them back.
 
 from __future__ import annotations
 
+import errno
+import socket
+
 from services.errors import InvalidArgument
 
 
@@ -38,3 +41,24 @@ def parse_address(text: str, *, what: str = "address", allow_empty_host: bool = 
 def format_address(host: str, port: int) -> str:
     """``host:port``, with an IPv6 ``host`` in brackets: the inverse of :func:`parse_address`."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (``"address already in use"``, or the
+    OS's reason), or ``None`` when it could. A trial bind with ``SO_REUSEADDR``, as gRPC binds:
+    a port left in TIME_WAIT by a stopped server counts as free, one with a listener does not.
+    Port 0 (any free port) is always ``None``. Racy by nature (the port may be taken right after);
+    callers use it to say a clear sentence before they start anything, not as a lock."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+    except socket.gaierror as e:
+        return f"unknown host ({e.strerror})"
+    except OSError as e:
+        return "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+    return None

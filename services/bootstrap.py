@@ -3,7 +3,8 @@
 :class:`ServiceServer` wraps a ``grpc.Server`` with what every service needs:
 
 - bind address (default ``127.0.0.1``; port 0 picks a free port, see :attr:`ServiceServer.port`);
-- ``grpc.health.v1.Health`` (overall ``""`` plus each registered service name);
+- ``grpc.health.v1.Health`` (overall ``""`` plus each registered service name); a ``Check``
+  answer carries the server's pid as initial metadata (:data:`PID_METADATA_KEY`);
 - server reflection, so ``grpcurl -plaintext 127.0.0.1:PORT list`` works;
 - an optional bearer-token check (``authorization: Bearer <token>`` metadata) on all or on a
   chosen set of methods, answering ``UNAUTHENTICATED``;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
+import os
 import signal
 import threading
 import time
@@ -34,9 +36,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from services.address import format_address
+from services.address import bind_problem, format_address
 from services.channel import MAX_MESSAGE_BYTES
 from services.errors import InvalidArgument
+from services.healthcheck import PID_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +202,25 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
 Registration = tuple[Callable[[object, grpc.Server], None], object, str]
 
 
+def ensure_bindable(config: ServerConfig) -> None:
+    """Raise ``OSError("cannot bind HOST:PORT: address already in use")`` (or the OS's other
+    reason) when ``config``'s address cannot be listened on now. :meth:`ServiceServer.start` asks
+    the OS this way first because gRPC's own failed bind logs its reason only natively (an
+    ``E... add_port`` line on stderr, ahead of any message of ours) and then raises without it; a
+    daemon with a slow start-up (a runner loading its model) calls it before that work."""
+    problem = bind_problem(config.host, config.port)
+    if problem is not None:
+        raise OSError(f"cannot bind {format_address(config.host, config.port)}: {problem}")
+
+
+class _HealthServicer(health.HealthServicer):
+    """``grpc.health.v1.Health`` whose ``Check`` answers also carry :data:`PID_METADATA_KEY`."""
+
+    def Check(self, request, context):  # noqa: N802 (the RPC's name)
+        context.send_initial_metadata(((PID_METADATA_KEY, str(os.getpid())),))
+        return super().Check(request, context)
+
+
 class ServiceServer:
     """A started-on-demand gRPC server with health, reflection, auth, metrics and drain.
 
@@ -216,7 +238,7 @@ class ServiceServer:
     def __init__(self, config: ServerConfig, registrations: Iterable[Registration]) -> None:
         self.config = config
         self.registry = CollectorRegistry()
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.health = _HealthServicer(experimental_non_blocking=True)
         self._registrations = list(registrations)
         self._server: grpc.Server | None = None
         self._stopped = threading.Event()
@@ -259,12 +281,14 @@ class ServiceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        address = format_address(cfg.host, cfg.port)
+        ensure_bindable(cfg)
         try:
-            port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            port = server.add_insecure_port(address)
         except RuntimeError:  # grpcio >= 1.5x raises on a failed bind instead of returning 0
             port = 0
         if port == 0:
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+            raise OSError(f"cannot bind {address}")
         server.start()
         self._server, self.port = server, port
         if cfg.metrics_port is not None:

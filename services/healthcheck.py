@@ -15,14 +15,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.channel import open_channel
 
+#: Initial-metadata key of every health ``Check`` answer of a warmserve server
+#: (``services.bootstrap``): the serving process's pid, so a launcher can tell its own child from
+#: another server that answers on the same port.
+PID_METADATA_KEY = "warmserve-pid"
+#: The status :func:`check_health` gives when the answer came from a process other than ``pid``.
+FOREIGN = "FOREIGN"
 
-def check_health(address: str, *, service: str = "", timeout_s: float = 2.0) -> str:
+
+def check_health(address: str, *, service: str = "", timeout_s: float = 2.0, pid: int | None = None) -> str:
     """The serving status name of ``service`` at ``address`` (``SERVING``, ``NOT_SERVING``, ...),
-    or ``UNREACHABLE: <code>`` when the RPC fails within ``timeout_s`` seconds."""
+    or ``UNREACHABLE: <code>`` when the RPC fails within ``timeout_s`` seconds. With ``pid``, an
+    answer from any other process (by the pid a warmserve server sends with it, see
+    :data:`PID_METADATA_KEY`; none counts as another) is ``FOREIGN: pid N``: a
+    launcher's own child is not up just because something else answers on its port."""
     channel = open_channel(address)
     try:
-        resp = health_pb2_grpc.HealthStub(channel).Check(
+        resp, call = health_pb2_grpc.HealthStub(channel).Check.with_call(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)
+        if pid is not None:
+            theirs = dict(call.initial_metadata() or ()).get(PID_METADATA_KEY)
+            if theirs != str(pid):
+                return f"{FOREIGN}: pid {theirs or 'unknown'}"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError as e:
         return f"UNREACHABLE: {e.code().name}"

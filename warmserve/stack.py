@@ -261,7 +261,7 @@ class LocalStack:
         return child
 
     def _wait_serving(self, children: list[ChildProcess]) -> None:
-        from services.healthcheck import check_health
+        from services.healthcheck import FOREIGN, check_health
 
         pending = list(children)
         end = time.monotonic() + self.config.startup_timeout_s
@@ -272,7 +272,13 @@ class LocalStack:
                     code = child.proc.returncode if child.proc else None
                     raise Unavailable(f"{child.name} exited with status {code} while starting; "
                                       f"its log ({child.log_path}) ends:\n{child.log_tail()}")
-                if check_health(child.address, timeout_s=0.5) == "SERVING":
+                health = check_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+                if health.startswith(FOREIGN):
+                    raise Unavailable(f"{child.name}'s address {child.address} is answered by another process "
+                                      f"({health.split(': ', 1)[1]}), not by the {child.name} started here (pid "
+                                      f"{child.proc.pid}); another stack holds the port? Stop it, or use "
+                                      "--base-port 0")
+                if health == "SERVING":
                     child.ready_s = time.monotonic() - child.started_at
                     self._progress(f"  {child.name} SERVING on {child.address} after {child.ready_s:.1f} s")
                     pending.remove(child)
@@ -305,9 +311,29 @@ class LocalStack:
                 raise Unavailable(f"the router has not admitted {sorted(set(names) - ready)} after {timeout_s:g} s")
             time.sleep(0.1)
 
+    def preflight(self) -> None:
+        """Check what would make the launch fail, before anything starts: the model source must
+        resolve (``InvalidArgument``: no such file, not a checkpoint), and every fixed port must be
+        free (``Unavailable`` naming each busy port and its service; ``base_port`` 0 picks free
+        ones). Creates nothing."""
+        from services.address import bind_problem
+        from weight_service.sources import resolve_source
+
+        resolve_source(self.config.model)
+        if self.config.base_port == 0:
+            return
+        names = [KERNEL_CACHE, WEIGHTS, ROUTER, *(f"runner-{i}" for i in range(self.config.runners))]
+        busy = [(n, self.port(n), problem) for n in names
+                if (problem := bind_problem(self.config.host, self.port(n))) is not None]
+        if busy:
+            what = ", ".join(f"{port} ({name}: {problem})" for name, port, problem in busy)
+            raise Unavailable(f"cannot start the stack on {self.config.host}: port {what}; another stack or "
+                              "program holds it. Stop it, or start this one on free ports with --base-port 0")
+
     def start(self) -> LocalStack:
-        """Launch everything and wait until it is ready (see the module docstring). On failure
-        every child is stopped and the error re-raised."""
+        """Launch everything and wait until it is ready (see the module docstring), after
+        :meth:`preflight`. On failure every child is stopped and the error re-raised."""
+        self.preflight()
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
@@ -626,6 +652,16 @@ def _announce_back(stack: LocalStack, back: set[int], pending: set[int], out: Te
         out.flush()
 
 
+def ready_hint(stack: LocalStack) -> str:
+    """What ``up`` prints once started: a ``generate`` command that works now, or, for a stack
+    without runners, how to add one (its router answers UNAVAILABLE until one registers)."""
+    if stack.runners:
+        return f"ready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)"
+    return (f"ready, with no runners: the router at {stack.router_address} answers UNAVAILABLE until one "
+            f"registers, e.g.\n  warmserve runner serve --model {stack.config.model} --router "
+            f"{stack.router_address} --port 0   (Ctrl-C stops the stack)")
+
+
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
     """``warmserve up``: start the stack, print endpoints and start-up reports, then run until
     SIGINT/SIGTERM (exit 0), relaunching children that exit (:meth:`LocalStack.heal`), or until
@@ -652,7 +688,7 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
             out.write("\n" + format_startup_report(info) + "\n")
             if info.program_state == "pending":
                 pending.add(i)
-        out.write(f"\nready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)\n")
+        out.write("\n" + ready_hint(stack) + "\n")
         out.flush()
         ticks, restarts, back = 0, stack.restarts(), set()
         while not stop.wait(1.0):

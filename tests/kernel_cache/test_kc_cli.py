@@ -131,7 +131,8 @@ def test_real_processes_and_daemon(tmp_path, artifacts, daemon):
     assert stat.returncode == 0 and json.loads(stat.stdout)["max_bytes"] == 1_000_000
     busy = run_process("serve", "--root", str(tmp_path / "r2"), "--port", d.address.rsplit(":", 1)[1])
     assert busy.returncode == 1
-    assert busy.stderr.strip().splitlines()[-1].startswith("warmserve: error: cannot serve on 127.0.0.1:")
+    assert busy.stderr.strip().splitlines()[-1].startswith("warmserve: error: cannot bind 127.0.0.1:")
+    assert busy.stderr.strip().endswith(": address already in use") and not (tmp_path / "r2").exists()
 
 
 def test_commands_that_store_nothing_create_nothing(capsys, tmp_path, artifacts):

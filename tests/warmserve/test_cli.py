@@ -11,15 +11,23 @@ import pytest
 from warmserve.cli import main
 
 
-def test_busy_port_is_a_failed_operation_exit_1(capsys) -> None:
+@pytest.mark.parametrize("argv", [["router", "serve"], ["cache", "serve", "--root", "ROOT"],
+                                  ["runner", "serve", "--model", "smollm2-135m-instruct", "--compile", "off"]])
+def test_busy_port_is_a_failed_operation_exit_1(capfd, tmp_path, argv) -> None:
+    """One line with the reason, no gRPC-internal log line (``capfd`` also sees what native code
+    writes to fd 2), and a runner fails before it loads the model."""
+    argv = [str(tmp_path / "kc") if a == "ROOT" else a for a in argv]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert main(["router", "serve", "--port", str(port)]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert f"warmserve: error: cannot bind 127.0.0.1:{port}" in err
+        t0 = time.monotonic()
+        assert main([*argv, "--port", str(port)]) == 1
+        took = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "add_port" not in err and "E1" not in err
+    assert err.strip().splitlines()[-1] == f"warmserve: error: cannot bind 127.0.0.1:{port}: address already in use"
+    assert took < 5  # the runner never got to pack or load the model
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from warmserve.stack import (
     StackConfig,
     format_startup_report,
     read_state,
+    ready_hint,
     stack_services,
 )
 
@@ -128,14 +128,63 @@ def test_services_start_in_order_and_stop_cleanly(tmp_path: Path) -> None:
 
 
 def test_a_child_that_dies_while_starting_is_reported_and_the_rest_stopped(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        base = taken.getsockname()[1]  # the router's port is busy: the router exits
-        stack = LocalStack(StackConfig(runners=0, base_port=base, home=tmp_path), progress=None)
-        with pytest.raises(Unavailable, match=r"router exited with status 1 while starting; its log .* ends:"):
-            stack.start()
-    assert all(not c.running for c in stack.services.values())
+    (tmp_path / "kernel-cache").write_text("")  # the kernel cache's root is a file: it exits
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path), progress=None)
+    with pytest.raises(Unavailable, match=r"kernel-cache exited with status 2 while starting; its log .* ends:"):
+        stack.start()
+    assert len(stack.services) == 3 and all(not c.running for c in stack.services.values())
+
+
+def test_a_second_stack_on_busy_ports_fails_before_anything_starts(tmp_path: Path) -> None:
+    """Issue 11 item 1: a stack whose ports another stack holds is one clear error before any child
+    starts (not a false "ready" from the other stack's health answers), and its home stays empty."""
+    first = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "a"), progress=None)
+    with first:
+        base = first.port("router")  # the second stack's router port is the first one's
+        lines: list[str] = []
+        second = LocalStack(StackConfig(runners=1, base_port=base, home=tmp_path / "b"), progress=lines.append)
+        with pytest.raises(Unavailable, match=rf"port {base} \(router: address already in use\).*--base-port 0"):
+            second.start()
+        assert not second.services and not second.runners and not lines
+        assert not (tmp_path / "b").exists()
+        for addr in first.endpoints().values():
+            assert check_health(addr) == "SERVING"  # the first stack is untouched
+
+
+def test_a_port_answered_by_another_process_is_never_taken_for_our_child(tmp_path: Path) -> None:
+    """The health check proves it reached our child: a port answered by some other server (here the
+    first stack's router, for a child that never binds) is an error naming that process."""
+    first = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "a"), progress=None)
+    with first:
+        stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "b"), progress=None)
+        impostor = ChildProcess("router", [sys.executable, "-c", "import time; time.sleep(60)"],
+                                first.router_address, tmp_path / "router.log")
+        stack.services["router"] = stack._launch(impostor)
+        try:
+            router_pid = first.services["router"].proc.pid
+            with pytest.raises(Unavailable, match=rf"answered by another process \(pid {router_pid}\)"):
+                stack._wait_serving([impostor])
+        finally:
+            stack.stop()
+        assert check_health(first.router_address, pid=router_pid) == "SERVING"
+        assert check_health(first.router_address, pid=impostor.proc.pid) == f"FOREIGN: pid {router_pid}"
+
+
+def test_a_missing_model_is_bad_input_before_anything_starts(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig(runners=1, base_port=0, home=tmp_path / "h", model=str(tmp_path / "nope.gguf")),
+                       progress=None)
+    with pytest.raises(InvalidArgument, match=r"nope.gguf' does not exist"):
+        stack.start()
+    assert not stack.services and not (tmp_path / "h").exists()
+
+
+def test_the_ready_hint_works_with_and_without_runners(tmp_path: Path) -> None:
+    none = LocalStack(StackConfig(runners=0, base_port=50100, home=tmp_path), progress=None)
+    assert "no runners" in ready_hint(none) and "warmserve generate" not in ready_hint(none)
+    assert "warmserve runner serve --model smollm2-135m-instruct --router 127.0.0.1:50100" in ready_hint(none)
+    two = LocalStack(StackConfig(runners=2, base_port=50100, home=tmp_path), progress=None)
+    two.runners = [None, None]  # as after start()
+    assert ready_hint(two).startswith('ready: warmserve generate --addr 127.0.0.1:50100 "Hello!"')
 
 
 def test_heal_relaunches_with_doubling_backoff_and_gives_up_past_the_cap(tmp_path: Path) -> None:
