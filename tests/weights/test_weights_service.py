@@ -154,7 +154,10 @@ def test_cli_prepack_with_progress_bar_and_bad_source(ckpt, tmp_path):
     out = tmp_path / "out"
     done = _warmserve("prepack", str(ckpt), "--dtype", "bf16", "--out", str(out), cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
-    assert "\r[" in done.stderr and "2/2 layers" in done.stderr
+    # stderr is a pipe, not a terminal: one plain line per phase, no carriage-return bar
+    assert "\r" not in done.stderr and "2/2 layers" in done.stderr
+    phases = [line.split(":")[0] for line in done.stderr.splitlines()]
+    assert "pack" in phases and len(phases) == len(set(phases))
     assert done.stdout.startswith("BUILT ") and "-llama-bf16" in done.stdout
     (sidecar,) = [p for p in out.iterdir() if not p.name.startswith(".")]
     assert validate_sidecar(sidecar).dtype == "bf16"
@@ -162,7 +165,33 @@ def test_cli_prepack_with_progress_bar_and_bad_source(ckpt, tmp_path):
     assert again.returncode == 0 and again.stdout.startswith("HOT ")
     bad = _warmserve("prepack", str(tmp_path / "missing"), "--out", str(out), cwd=Path(__file__).parents[2])
     assert bad.returncode == 2
-    assert "warmserve: error: source" in bad.stderr and "is neither a safetensors directory" in bad.stderr
+    assert f"warmserve: error: model source '{tmp_path / 'missing'}' does not exist" in bad.stderr
+    (tmp_path / "notes.txt").write_text("x")
+    bad = _warmserve("prepack", str(tmp_path / "notes.txt"), "--out", str(out), cwd=Path(__file__).parents[2])
+    assert bad.returncode == 2 and "is a file but not a .gguf file" in bad.stderr
+
+
+def test_progress_bar_redraws_one_line_only_on_a_terminal():
+    import io
+
+    from weight_service.progress import ProgressBar, ProgressEvent
+
+    events = [ProgressEvent("read"), *(ProgressEvent("pack", i, 3, i << 20) for i in range(4)), ProgressEvent("validate")]
+    for tty in (True, False):
+        stream = io.StringIO()
+        bar = ProgressBar(stream, tty=tty)
+        for e in events:
+            bar.update(e)
+        bar.finish()
+        text = stream.getvalue()
+        if tty:
+            assert text.count("\r") == len(events) and text.endswith("\n") and text.count("\n") == 1
+            assert "[" + "#" * 30 + "] 3/3 layers" in text
+        else:
+            assert "\r" not in text
+            assert text.splitlines() == ["read: 0/0 layers 0.0 MiB", "pack: 0/3 layers 0.0 MiB",
+                                         "validate: 3/3 layers 3.0 MiB"]
+    assert ProgressBar(io.StringIO())._tty is False  # a StringIO is not a terminal
 
 
 def test_cli_weights_serve_runs_the_daemon(ckpt, tmp_path):
