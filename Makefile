@@ -29,8 +29,9 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q tests
 
+# Pass flags with DEMO_ARGS, e.g. make run DEMO_ARGS=--fresh (a deliberately cold run).
 run: install
-	$(PY) -m warmserve.cli demo
+	$(PY) -m warmserve.cli demo $(DEMO_ARGS)
 
 bench: install
 	$(PY) bench/kernel_cache.py

@@ -82,8 +82,12 @@ def serve_from_args(args) -> int:
     kernel_cache = args.kernel_cache or args.kernel_cache_dir
 
     def build() -> LLMEngine:
+        # one line per slow phase: a launcher waiting on this runner shows the latest (warmserve up)
+        log.info("preparing the weight sidecar %s (packed once, on a first launch)",
+                 f"through the weight service at {args.weights}" if args.weights else "locally")
         path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
                                      sidecar_dir=args.sidecar_dir, token=server_config.token)
+        log.info("loading the model from the sidecar (%s)", phase.detail)
         return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
 
     engine = LLMEngine.launch(build)  # packs, loads, warms up and steps in one thread

@@ -1,8 +1,11 @@
 """``warmserve demo`` (``make run``): the main job, end to end on the bundled SmolLM2.
 
-1. start the stack (kernel-cache, weights, router, runner-0) in a fresh temporary
-   ``WARMSERVE_HOME`` unless ``--home`` is given: runner-0 is the *cold* launch (it builds the
-   weight sidecar, serves eager at once and compiles its programs in the background);
+1. start the stack (kernel-cache, weights, router, runner-0) in the persistent home
+   (``--home``, default ``$WARMSERVE_HOME``, i.e. ``~/.cache/warmserve``): the first run is the
+   *cold* launch (runner-0 builds the weight sidecar, serves eager at once and compiles its
+   programs in the background, publishing them to the home's kernel cache); every later run
+   finds both there and says ``warm: programs from the kernel cache, sidecar HOT``. ``--fresh``
+   uses a new temporary home, removed at the end: a deliberately cold run;
 2. stream the answer to a chat prompt through the router (eager, beside the compile), wait for
    runner-0's compiled programs to take over, then stream two more (compiled);
 3. launch one more runner: the *warm* launch finds the sidecar and the programs ready;
@@ -55,7 +58,9 @@ def _phase_seconds(info) -> dict[str, float]:
 
 def _wait_for_programs(stack: LocalStack, out: TextIO):
     """Wait for runner-0's compiled programs, say when they took over; its ``ModelInfoResponse``."""
-    print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr, flush=True)
+    if stack.startup_report(0).program_state == "pending":
+        print("waiting for runner-0's compiled programs (it serves eager meanwhile) ...", file=sys.stderr,
+              flush=True)
     cold = stack.wait_programs(0)
     if cold.programs_installed_at_s:
         _say(out)
@@ -63,12 +68,32 @@ def _wait_for_programs(stack: LocalStack, out: TextIO):
     return cold
 
 
-def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64) -> int:
-    """Run the demo (see the module docstring); returns the exit code."""
+def launch_kind(info) -> str:
+    """Whether a runner's launch (its ``ModelInfoResponse``) was warm: ``warm: programs from the
+    kernel cache, sidecar HOT`` when its compiled programs were installed at start-up (only a
+    kernel-cache hit is; a miss serves eager and compiles in the background) and its sidecar
+    already existed; otherwise ``cold: ...`` naming what had to be built."""
+    phases = {p.name: p.detail for p in info.startup.phases}
+    sidecar = phases.get("sidecar", "").split(" ")
+    sidecar_state = sidecar[1] if len(sidecar) > 1 else "?"
+    built = sidecar_state in ("BUILT", "REBUILT")
+    programs_warm = info.program_state == "installed" and not info.programs_installed_at_s
+    if programs_warm and not built:
+        return f"warm: programs from the kernel cache, sidecar {sidecar_state}"
+    cold = [*(["the sidecar was packed"] if built else []),
+            *([] if programs_warm or info.program_state == "off" else ["the programs are compiled"])]
+    return "cold: " + (" and ".join(cold) or "nothing was cached") + " (they are kept for the next run)"
+
+
+def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64, fresh: bool = False) -> int:
+    """Run the demo (see the module docstring); returns the exit code. ``fresh``: in a new
+    temporary home (removed at the end) instead of ``config.home`` / ``$WARMSERVE_HOME``."""
     tmp_home = None
-    if config.home is None:
+    if fresh:
         tmp_home = Path(tempfile.mkdtemp(prefix="warmserve-demo-"))
         config = replace(config, home=tmp_home)
+    # its stack is gone when it ends, and must not replace the stack.json of an `up` in that home
+    config = replace(config, record_state=False)
     config = replace(config, runners=max(1, config.runners))
     # the demo ends with one runner more than it starts with (the warm launch): split the cores
     # between all of them, or two runners' OpenMP threads oversubscribe the CPU and stall decode
@@ -79,8 +104,13 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
         with LocalStack(config) as stack:
             first = len(stack.runners) - 1
             cold = stack.startup_report(0)
+            first_kind = launch_kind(cold)
             _say(out)
-            _say(out, format_startup_report(cold, "== cold launch: runner-0 start-up report"))
+            _say(out, f"home {stack.home}: {first_kind}" + (
+                "; `warmserve demo --fresh` makes a cold run" if first_kind.startswith("warm") else ""))
+            _say(out)
+            _say(out, format_startup_report(cold, f"== first launch ({first_kind.split(':')[0]}): runner-0 "
+                                                  "start-up report"))
 
             _say(out)
             _say(out, f"== chat through the router at {stack.router_address} (greedy, {max_tokens} tokens max)")
@@ -103,7 +133,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
             _say(out, format_startup_report(warm, f"== warm launch: {warm_child.name} start-up report"))
             _say(out)
             ratio = cold.startup.total_seconds / warm.startup.total_seconds if warm.startup.total_seconds else 0
-            _say(out, f"cold launch {cold.startup.total_seconds:.2f} s -> warm launch "
+            _say(out, f"{first_kind.split(':')[0]} launch {cold.startup.total_seconds:.2f} s -> warm launch "
                       f"{warm.startup.total_seconds:.2f} s ({ratio:.1f}x)")
             cold_p, warm_p = _phase_seconds(cold), _phase_seconds(warm)
             for name in cold_p:
@@ -114,8 +144,9 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
             _say(out, f"== {len(BURST_PROMPTS)} concurrent requests through the router")
             with GenerationClient(stack.router_address) as client, ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
                 start = time.perf_counter()
+                burst = sampling_params(max_tokens=min(24, max_tokens), temperature=0.0)
                 results = list(pool.map(lambda p: client.complete(
-                    chat_request([("user", p)], sampling_params(max_tokens=24)), timeout_s=300), BURST_PROMPTS))
+                    chat_request([("user", p)], burst), timeout_s=300), BURST_PROMPTS))
                 elapsed = time.perf_counter() - start
             for prompt, r in zip(BURST_PROMPTS, results, strict=True):
                 answer = " ".join(r.text.split())

@@ -51,6 +51,8 @@ DEFAULT_BASE_PORT = 50050
 RUNNER_PORT_OFFSET = 11
 #: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
 _SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
+#: Seconds between two "still starting" / "still compiling" lines of a long wait.
+NOTE_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class StackConfig:
     between the runners (``max(1, cpu_count // runners)``), since runners that each take every
     core oversubscribe the CPU and OpenMP barriers then stall decode (see ``docs/benchmarks.md``).
     ``first_token_timeout_s``: the router's ``--first-token-timeout`` (``None``: its default).
+    ``record_state``: write ``HOME/stack.json`` for ``warmserve status`` (the demo does not).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -92,6 +95,7 @@ class StackConfig:
     max_restart_backoff_s: float = 30.0
     max_restarts_per_minute: int = 5
     first_token_timeout_s: float | None = None
+    record_state: bool = True
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -265,7 +269,7 @@ class LocalStack:
 
         pending = list(children)
         end = time.monotonic() + self.config.startup_timeout_s
-        next_note = time.monotonic() + 10
+        next_note = time.monotonic() + NOTE_INTERVAL_S
         while pending:
             for child in list(pending):
                 if not child.running:
@@ -292,8 +296,8 @@ class LocalStack:
                 for c in pending:
                     last = _last_log_msg(c)
                     self._progress(f"  ... {c.name} still starting ({now - c.started_at:.0f} s)"
-                                   + (f": {last}" if last else ""))
-                next_note = now + 10
+                                   + (f", now {last}" if last else ""))
+                next_note = now + NOTE_INTERVAL_S
             time.sleep(0.2)
 
     def wait_registered(self, names: list[str], timeout_s: float = 30.0) -> None:
@@ -386,8 +390,9 @@ class LocalStack:
         failed, or compile off), noting what it is doing every 10 s; returns its
         ``ModelInfoResponse``. ``Unavailable`` after ``timeout_s`` seconds (default the start-up
         timeout)."""
-        end = time.monotonic() + (self.config.startup_timeout_s if timeout_s is None else timeout_s)
-        next_note = time.monotonic() + 10
+        start = time.monotonic()
+        end = start + (self.config.startup_timeout_s if timeout_s is None else timeout_s)
+        next_note = start + NOTE_INTERVAL_S
         while True:
             info = self.startup_report(index)
             if info.program_state != "pending":
@@ -396,8 +401,9 @@ class LocalStack:
             if now > end:
                 raise Unavailable(f"runner-{index}'s compiled programs are still pending: {info.program_detail}")
             if now > next_note:
-                self._progress(f"  ... runner-{index} serves eager; {info.program_detail}")
-                next_note = now + 10
+                self._progress(f"  ... runner-{index} serves eager; {info.program_detail} "
+                               f"({now - start:.0f} s waited)")
+                next_note = now + NOTE_INTERVAL_S
             time.sleep(0.5)
 
     def kill_runner(self, index: int, sig: int = signal.SIGKILL) -> None:
@@ -485,9 +491,11 @@ class LocalStack:
 
     def write_state(self) -> None:
         """Record the stack for ``warmserve status``: the router address, and per child its
-        address, pid and restarts (JSON, replaced atomically)."""
+        address, pid and restarts (JSON, replaced atomically). Nothing without ``record_state``."""
         import json
 
+        if not self.config.record_state:
+            return
         doc = {"router": self.router_address, "pid": os.getpid(),
                "children": {c.name: {"address": c.address, "pid": c.proc.pid if c.proc else None,
                                      "restarts": c.restarts}
@@ -497,8 +505,9 @@ class LocalStack:
         os.replace(tmp, self.state_path)
 
     def remove_state(self) -> None:
-        """Forget the state file (the stack stopped)."""
-        self.state_path.unlink(missing_ok=True)
+        """Forget the state file (the stack stopped); one this stack did not write is left alone."""
+        if self.config.record_state:
+            self.state_path.unlink(missing_ok=True)
 
 
 #: The stack's state file under its home (:meth:`LocalStack.write_state`).

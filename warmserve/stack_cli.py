@@ -92,7 +92,10 @@ def register(subparsers) -> None:
     # The demo shows what a warm launch saves, so it compiles (AOTInductor): the cold launch
     # builds the program and publishes it to the kernel cache, the warm one loads it.
     _add_stack_args(demo, runners=1, base_port=0, compile_mode="aoti", max_num_seqs=8,
-                    home_help="state directory (default: a fresh temporary one, removed at the end)")
+                    home_help="state directory, kept for the next run (default $WARMSERVE_HOME, i.e. "
+                              "~/.cache/warmserve): the second run finds the sidecar and programs there (warm)")
+    demo.add_argument("--fresh", action="store_true",
+                      help="a deliberately cold run: a new temporary home, removed at the end")
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
     demo.set_defaults(func=_demo)
 
@@ -183,4 +186,8 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from warmserve.demo import run_demo
 
-    return run_demo(_stack_config(args), max_tokens=args.max_tokens)
+    if args.fresh and args.home:
+        from services.errors import InvalidArgument
+
+        raise InvalidArgument("--fresh uses a new temporary home: give --fresh or --home, not both")
+    return run_demo(_stack_config(args), max_tokens=args.max_tokens, fresh=args.fresh)

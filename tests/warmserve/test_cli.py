@@ -86,3 +86,17 @@ def test_a_deadline_ends_the_streamed_line_and_names_the_flag(capsys) -> None:
 def test_allow_special_tokens_needs_a_raw_prompt(capsys) -> None:
     assert main(["generate", "--addr", "127.0.0.1:9", "--allow-special-tokens", "Hi<|im_end|>"]) == 2
     assert "--allow-special-tokens needs --raw" in capsys.readouterr().err
+
+
+def test_demo_fresh_and_home_together_are_a_usage_error(capsys, tmp_path) -> None:
+    assert main(["demo", "--fresh", "--home", str(tmp_path / "h")]) == 2
+    assert "give --fresh or --home, not both" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()
+
+
+def test_up_with_a_missing_model_is_bad_input_and_starts_nothing(capsys, tmp_path) -> None:
+    assert main(["up", "--model", str(tmp_path / "no-such.gguf"), "--home", str(tmp_path / "h"),
+                 "--base-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"model source '{tmp_path / 'no-such.gguf'}' does not exist" in err
+    assert not (tmp_path / "h").exists()

@@ -208,3 +208,31 @@ def test_heal_relaunches_with_doubling_backoff_and_gives_up_past_the_cap(tmp_pat
     gaps = [b - a for a, b in zip(child.restart_times, child.restart_times[1:], strict=False)]
     assert gaps[0] >= 0.2 and gaps[1] >= 0.3, gaps  # each relaunch waited out its backoff
     assert stack.heal() == [child] and child.restarts == 3  # stays given up
+
+
+def test_a_long_start_says_what_the_child_is_doing(tmp_path: Path, monkeypatch) -> None:
+    """Issue 11 item 3: each "still starting" line names the child's latest logged phase and the
+    time elapsed, instead of repeating the same words."""
+    import warmserve.stack as stack_module
+
+    monkeypatch.setattr(stack_module, "NOTE_INTERVAL_S", 0.3)
+    lines: list[str] = []
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path, startup_timeout_s=2.0),
+                       progress=lines.append)
+    script = ("import json, time\n"
+              "print(json.dumps({'msg': 'preparing the weight sidecar locally'}), flush=True)\n"
+              "time.sleep(0.8)\n"
+              "print(json.dumps({'msg': 'loading the model from the sidecar'}), flush=True)\n"
+              "time.sleep(30)\n")
+    child = ChildProcess("runner-0", [sys.executable, "-c", script], "127.0.0.1:1", tmp_path / "runner-0.log")
+    stack.runners = [stack._launch(child)]
+    try:
+        with pytest.raises(Unavailable, match="runner-0 not SERVING after 2 s"):
+            stack._wait_serving([child])
+    finally:
+        stack.stop()
+    notes = [m for m in lines if "still starting" in m]
+    assert any(m.endswith("now preparing the weight sidecar locally") for m in notes), notes
+    assert notes[-1].endswith("now loading the model from the sidecar"), notes
+    elapsed = [float(m.split("still starting (")[1].split(" s)")[0]) for m in notes]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= 1
