@@ -41,7 +41,8 @@ class EngineConfig:
     - ``compile``: ``"off"`` (eager), ``"inductor"`` or ``"aoti"`` (programs from
       :mod:`runner_service.programs`).
     - ``device``: ``"auto"``, ``"cpu"``, ``"cuda[:N]"`` or ``"npu[:N]"``.
-    - ``default_max_tokens``: used when a request asks for 0 tokens.
+    - ``default_max_tokens``: used when a request leaves ``max_tokens`` unset (or 0) and the model's
+      ``generation_config.json`` gives no ``max_new_tokens``; capped to what the context leaves.
     - ``num_threads``: CPU threads for torch ops (``torch.set_num_threads``, process-wide);
       ``None`` keeps torch's default. On a shared, oversubscribed host 1 thread avoids OpenMP
       barrier stalls.

@@ -6,29 +6,40 @@ from __future__ import annotations
 import math
 
 from runner_service.engine import RequestOutput, StartupReport
-from runner_service.sampling_params import SamplingParams
+from runner_service.sampling_params import SamplingDefaults, SamplingParams
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
 
 
-def sampling_from_proto(sp: generation_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Map the proto's conventions (``max_tokens`` 0 = default, ``top_p`` 0 = unset) and validate.
-    Raises ``InvalidArgument``."""
-    if sp.max_tokens < 0:
-        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default {default_max_tokens}), got {sp.max_tokens}")
-    if not math.isfinite(sp.temperature) or not math.isfinite(sp.top_p):
+def sampling_from_proto(sp: generation_pb2.SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    """Map the proto's conventions and validate: ``max_tokens``, ``temperature``, ``top_k`` and
+    ``top_p`` left unset take ``defaults`` (the model's generation config, else the runner's);
+    a field set is used as given, except ``max_tokens`` 0 (the default) and ``top_p`` 0 (1.0,
+    off). Raises ``InvalidArgument``."""
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 0
+    if max_tokens < 0:
+        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default {defaults.max_tokens}), got {max_tokens}")
+    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
+    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
+    if not math.isfinite(temperature) or not math.isfinite(top_p):
         raise InvalidArgument("temperature and top_p must be finite numbers")
     return SamplingParams(
-        max_tokens=sp.max_tokens or default_max_tokens,
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p if sp.top_p != 0 else 1.0,
+        max_tokens=max_tokens or None,  # the default, capped to the context by LLMEngine.add_request
+        temperature=temperature,
+        top_k=sp.top_k if sp.HasField("top_k") else defaults.top_k,
+        top_p=top_p if top_p != 0 else 1.0,
         seed=sp.seed if sp.HasField("seed") else None,
         stop=tuple(sp.stop),
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
     )
+
+
+def sampling_defaults_to_proto(defaults: SamplingDefaults) -> generation_pb2.SamplingParams:
+    """``ModelInfoResponse.default_sampling``: the four defaults, every one set."""
+    return generation_pb2.SamplingParams(max_tokens=defaults.max_tokens, temperature=defaults.temperature,
+                                         top_k=defaults.top_k, top_p=defaults.top_p)
 
 
 def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from runner_service.block_manager import BlockManager
 from runner_service.config import EngineConfig
 from runner_service.detokenizer import IncrementalDetokenizer
 from runner_service.device import free_memory_bytes, resolve_dtype, select_device, torch_dtype
+from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.sampler import Sampler, TokenLogprobs
@@ -176,15 +177,21 @@ class LLMEngine:
         kernel_cache: kernel-cache service address or directory, for compiled programs.
         weights_dtype: the sidecar's weights dtype, reported by ``ModelInfo`` (default: the
             weights' quantization, or their float dtype).
+        generation_config: the model's generation defaults (the sidecar's
+            ``generation_config.json``, :mod:`runner_service.generation_config`; default none).
 
     ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
-    device), ``dtype`` its torch dtype.
+    device), ``dtype`` its torch dtype. ``eos_token_ids`` are the tokens that end a sequence
+    (unless ``ignore_eos``): ``args.eos_token_ids`` then the generation config's, each once.
+    ``sampling_defaults`` is what a request's unset sampling fields become
+    (:meth:`GenerationConfig.sampling_defaults` over ``config.default_max_tokens``).
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, config: EngineConfig,
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
                  family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
-                 kernel_cache: str | None = None, weights_dtype: str = "") -> None:
+                 kernel_cache: str | None = None, weights_dtype: str = "",
+                 generation_config: GenerationConfig | None = None) -> None:
         self._created = time.perf_counter()
         self.sampler = Sampler()
         self._lock = threading.Lock()
@@ -218,6 +225,9 @@ class LLMEngine:
         self.dtype = torch_dtype(self.dtype_name)
         self.max_model_len = config.resolved_max_model_len(args)
         self.weights_dtype = weights_dtype or weights.quantization or str(weights.dtype).removeprefix("torch.")
+        self.generation_config = generation_config or GenerationConfig()
+        self.eos_token_ids = tuple(dict.fromkeys((*args.eos_token_ids, *self.generation_config.eos_token_ids)))
+        self.sampling_defaults = self.generation_config.sampling_defaults(config.default_max_tokens)
 
         if weights.dtype != self.dtype or weights.device != self.device:
             t0 = time.perf_counter()
@@ -239,7 +249,7 @@ class LLMEngine:
         self.prefix_caching = config.enable_prefix_caching and self.model_family.supports_prefix_caching
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.resolved_max_num_batched_tokens(self.max_model_len), args.eos_token_ids)
+                                   config.resolved_max_num_batched_tokens(self.max_model_len), self.eos_token_ids)
         touched = self.kv.touched_bytes()
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
                                     f"{self.kv.nbytes / 2**20:.1f} MiB reserved"
@@ -269,8 +279,9 @@ class LLMEngine:
     def from_sidecar(cls, path: str | Path, config: EngineConfig, *, model: str = "",
                      startup: Sequence[StartupPhase] = (), kernel_cache: str | None = None,
                      detail: str = "") -> LLMEngine:
-        """Load a sidecar directory (``model.safetensors``, ``config.json``, tokenizer files)
-        through :func:`weight_service.loader.load_sidecar` and build the engine; the load is the
+        """Load a sidecar directory (``model.safetensors``, ``config.json``,
+        ``generation_config.json``, tokenizer files) through
+        :func:`weight_service.loader.load_sidecar` and build the engine; the load is the
         ``weights`` phase of the report."""
         from weight_service.loader import load_sidecar
 
@@ -282,11 +293,13 @@ class LLMEngine:
         dtype = torch_dtype(resolve_dtype(config.dtype, device))
         weights = family.load_weights(args, sidecar.tensors, dtype, device, sidecar.weights_dtype)
         tokenizer = Tokenizer.from_dir(path)
+        generation_config = GenerationConfig.from_dir(path, vocab_size=args.vocab_size)
         fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
         phases = [*startup, StartupPhase("weights", time.perf_counter() - t0, detail or (
             f"sidecar {Path(path).name} ({sidecar.weights_dtype}), {weights.nbytes() / 2**20:.0f} MiB"))]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
-                   family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype)
+                   family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,
+                   generation_config=generation_config)
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
@@ -416,14 +429,32 @@ class LLMEngine:
                                   "(at least one must be left to generate)")
         return ids
 
+    def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """``params`` with ``max_tokens`` resolved against the context: unset (``None``) becomes
+        the default capped to what the context leaves after ``prompt_tokens``; a value above
+        that is ``InvalidArgument`` (as vLLM and the OpenAI API refuse it, rather than silently
+        generating fewer tokens than asked)."""
+        left = self.max_model_len - prompt_tokens
+        if params.max_tokens is None:
+            return replace(params, max_tokens=min(self.sampling_defaults.max_tokens, left))
+        if params.max_tokens > left:
+            raise InvalidArgument(
+                f"max_tokens {params.max_tokens} is more than the context leaves: the prompt has {prompt_tokens} "
+                f"of the {self.max_model_len}-token context, so at most {left} can be generated; ask for at most "
+                f"{left}, or leave max_tokens unset (the default, {self.sampling_defaults.max_tokens}, is capped "
+                "to what the context leaves)")
+        return params
+
     def add_request(self, params: SamplingParams, *, text: str | None = None,
                     messages: Sequence[dict] | None = None, token_ids: Sequence[int] | None = None,
                     request_id: str | None = None, allow_special_tokens: bool = False) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
-        :meth:`tokenize`, bad stop token ids, a request id already in flight) or
+        :meth:`tokenize`, a ``max_tokens`` above what the context leaves (unset: the default,
+        capped), bad stop token ids, a request id already in flight) or
         ``ResourceExhausted`` (the request can never fit the KV cache)."""
         ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
                             allow_special_tokens=allow_special_tokens)
+        params = self._fit_max_tokens(params, len(ids))
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
         if bad:
             raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")

@@ -14,8 +14,10 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How one request samples and when it stops.
 
-    - ``max_tokens``: tokens to generate at most (>= 1; the servicer maps the proto's 0 to the
-      engine default).
+    - ``max_tokens``: tokens to generate at most (>= 1), and at most what the context leaves after
+      the prompt (:meth:`LLMEngine.add_request` refuses more with ``InvalidArgument``, as vLLM
+      and the OpenAI API do); ``None`` (the proto's unset or 0) is the engine's default
+      (``LLMEngine.sampling_defaults``) capped to what the context leaves.
     - ``temperature``: >= 0; 0 means greedy (argmax), otherwise logits are divided by it.
     - ``top_k``: keep the k most likely tokens (0 = no limit).
     - ``top_p``: keep the smallest most-likely set whose probability reaches ``top_p``, in (0, 1].
@@ -27,7 +29,7 @@ class SamplingParams:
     - ``ignore_eos``: keep generating past the model's EOS tokens.
     """
 
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -38,7 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
@@ -58,3 +60,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request's unset ``max_tokens``, ``temperature``, ``top_k`` and ``top_p`` become
+    (:func:`runner_service.convert.sampling_from_proto`): the model's generation config where it
+    has a value (:meth:`runner_service.generation_config.GenerationConfig.sampling_defaults`),
+    else the runner's own: ``EngineConfig.default_max_tokens``, temperature 0 (greedy, what an
+    unset temperature has always meant on the wire), no top-k, top-p 1.0. Validated like
+    :class:`SamplingParams` (``InvalidArgument``)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                       top_p=self.top_p)

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from runner_service.convert import (
     output_to_proto,
     prompt_from_proto,
+    sampling_defaults_to_proto,
     sampling_from_proto,
     startup_report_to_proto,
 )
@@ -47,7 +48,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if request.routing not in generation_pb2.RoutingPolicy.values():
                 raise InvalidArgument(f"routing {request.routing} is not a RoutingPolicy value")
-            params = sampling_from_proto(request.sampling, self.engine.config.default_max_tokens)
+            params = sampling_from_proto(request.sampling, self.engine.sampling_defaults)
             stream = self.engine.add_request(params, request_id=request.request_id or None,
                                              **prompt_from_proto(request))
         except WarmserveError as e:
@@ -69,8 +70,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return
 
     def ModelInfo(self, request, context):
-        """The model, the serving limits and the start-up report."""
+        """The model, its EOS ids and sampling defaults, the serving limits and the start-up report."""
         eng = self.engine
+        stats = eng.stats()
         return generation_pb2.ModelInfoResponse(
             runner_id=self.runner_id, model=eng.model, family=eng.family, dtype=eng.dtype_name,
             weights_dtype=eng.weights_dtype,
@@ -79,7 +81,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_num_seqs=eng.config.max_num_seqs, compile_mode=eng.config.compile,
             sidecar_fingerprint=eng.sidecar_fingerprint,
             startup=startup_report_to_proto(eng.startup_report), program_state=eng.program_state,
-            program_detail=eng.program_detail, programs_installed_at_s=eng.programs_installed_at_s or 0.0)
+            program_detail=eng.program_detail, programs_installed_at_s=eng.programs_installed_at_s or 0.0,
+            eos_token_ids=eng.eos_token_ids, default_sampling=sampling_defaults_to_proto(eng.sampling_defaults),
+            running=stats["running"], waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"],
+            kv_blocks_usable=stats["kv_blocks_total"])
 
 
 class RunnerCollector:

@@ -24,25 +24,26 @@ from services.proto import generation_pb2, generation_pb2_grpc
 GENERATION_SERVICE = "warmserve.v1.Generation"
 
 
-def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 0.0,
-                    top_k: int = 0, seed: int | None = None) -> generation_pb2.SamplingParams:
-    """``SamplingParams`` (temperature 0 = greedy). Raises ``InvalidArgument`` for values the
-    runner would refuse anyway, so the CLI can say so before dialing."""
-    if not 0 < max_tokens < 2**31:
+def sampling_params(*, max_tokens: int | None = None, temperature: float | None = None,
+                    top_p: float | None = None, top_k: int | None = None,
+                    seed: int | None = None) -> generation_pb2.SamplingParams:
+    """``SamplingParams`` with the fields given; one left ``None`` stays unset, so the server
+    applies the model's default (its ``generation_config.json``: ``ModelInfoResponse.default_sampling``),
+    else the runner's (64 tokens, greedy, no top-k, top-p 1.0). Temperature 0 = greedy, top-p 0
+    = off. Raises ``InvalidArgument`` for values the runner would refuse anyway, so the CLI can
+    say so before dialing."""
+    if max_tokens is not None and not 0 < max_tokens < 2**31:
         raise InvalidArgument(f"--max-tokens must be > 0 and < 2^31, got {max_tokens}")
-    if not 0 <= top_k < 2**31:
+    if top_k is not None and not 0 <= top_k < 2**31:
         raise InvalidArgument(f"--top-k must be in [0, 2^31), got {top_k}")
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidArgument(f"--seed must be in [0, 2^64), got {seed}")
-    if temperature < 0:
+    if temperature is not None and not temperature >= 0:
         raise InvalidArgument(f"--temperature must be >= 0, got {temperature}")
-    if not 0 <= top_p <= 1:
+    if top_p is not None and not 0 <= top_p <= 1:
         raise InvalidArgument(f"--top-p must be in [0, 1], got {top_p}")
-    params = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                           top_k=top_k)
-    if seed is not None:
-        params.seed = seed
-    return params
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    return generation_pb2.SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
 
 def _valid_text(text: str, what: str) -> str:

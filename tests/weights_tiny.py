@@ -98,11 +98,12 @@ def _llamacpp_permute(w, n_head: int):
 
 
 def write_tiny_gguf(path: Path, *, matrix_type: str = "Q4_1", embed_type: str = "Q8_0", layers=2, hidden=64,
-                    heads=4, kv_heads=2, intermediate=96, vocab=64, seed=0) -> dict[str, torch.Tensor]:
+                    heads=4, kv_heads=2, intermediate=96, vocab=64, seed=0, metadata=None) -> dict[str, torch.Tensor]:
     """A tiny Llama GGUF as llama.cpp writes one: the layer matrices in ``matrix_type``, the
     token embedding in ``embed_type`` (tied head), norms in F32, q/k rows permuted, a byte-level
-    vocabulary of single characters. Returns the HF-layout float state dict it was quantized
-    from."""
+    vocabulary of single characters, BOS 1 and EOS 2. ``metadata``, when given, is called with
+    the ``gguf.GGUFWriter`` to add more keys. Returns the HF-layout float state dict it was
+    quantized from."""
     import gguf
     import numpy as np
 
@@ -123,6 +124,8 @@ def write_tiny_gguf(path: Path, *, matrix_type: str = "Q4_1", embed_type: str = 
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if metadata is not None:
+        metadata(w)
 
     def put(name: str, t: torch.Tensor, kind: str) -> None:
         arr = t.float().numpy()

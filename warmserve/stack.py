@@ -583,23 +583,25 @@ def format_startup_report(info, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def _program_state(address: str) -> str:
-    """A runner's compiled-program state from its ``ModelInfo`` ("?" when it does not answer)."""
+def _runner_info(address: str):
+    """A runner's ``ModelInfoResponse`` (its programs and its load as of now), ``None`` when it
+    does not answer within 2 s."""
     from services.generation_client import GenerationClient
 
     try:
         with GenerationClient(address) as client:
-            info = client.model_info(timeout_s=2.0)
+            return client.model_info(timeout_s=2.0)
     except Exception:  # noqa: BLE001 - a status line, not an error
-        return "?"
-    return info.program_state or info.compile_mode or "?"
+        return None
 
 
 def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
                  restarts: dict[str, int] | None = None) -> int:
     """Print the health of the router and of each ``name -> address`` in ``services``, then the
-    router's runners (state, compiled programs from each runner's ``ModelInfo``, outstanding,
-    lease, load, KV use, failures). ``restarts`` (name -> count, from :func:`read_state`) adds
+    router's runners (state, compiled programs, outstanding, lease, load, KV use, failures). The
+    programs and the load come from each runner's ``ModelInfo``, so they are as of now, not as of
+    its last heartbeat to the router; a runner that does not answer shows the heartbeat's, marked
+    ``(hb)``. ``restarts`` (name -> count, from :func:`read_state`) adds
     a restarts column. Returns 0, or 1 when the router cannot be reached."""
     from services.healthcheck import check_health
     from services.proto import router_pb2
@@ -619,9 +621,18 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
               "failures", *extra)]
     for r in runners:
         lease = "static" if r.static else f"{r.lease_expires_in_s:.1f} s"
-        kv = f"{r.load.kv_blocks_used}/{r.load.kv_blocks_total}" if r.load.kv_blocks_total else "-"
-        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), _program_state(r.address),
-                      str(r.outstanding), lease, f"{r.load.running}/{r.load.waiting}", kv, str(r.consecutive_failures),
+        info = _runner_info(r.address)
+        if info is not None:
+            programs = info.program_state or info.compile_mode or "?"
+            running, waiting, used, usable, mark = (info.running, info.waiting, info.kv_blocks_used,
+                                                    info.kv_blocks_usable, "")
+        else:
+            programs = "?"
+            running, waiting, used, usable, mark = (r.load.running, r.load.waiting, r.load.kv_blocks_used,
+                                                    r.load.kv_blocks_total, " (hb)")
+        kv = f"{used}/{usable}{mark}" if usable else "-"
+        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), programs,
+                      str(r.outstanding), lease, f"{running}/{waiting}{mark}", kv, str(r.consecutive_failures),
                       *((str(restarts.get(r.runner_id, 0)),) if restarts else ())))
     if len(table) == 1:
         out.write("no runners\n")

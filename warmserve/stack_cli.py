@@ -44,9 +44,15 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=DEFAULT_ROUTER, help=f"Generation endpoint (default {DEFAULT_ROUTER})")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    # Unset sampling flags stay unset on the wire: the runner applies the model's defaults
+    # (its generation_config.json), else its own.
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most, within what the context leaves (more is refused); default: "
+                        "the model's max_new_tokens, else the runner's 64, capped to what the context leaves")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the model's generation_config.json, else greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, 0 = off; default: the model's, else off")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off; default: the model's, else off")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--timeout", type=positive_seconds, default=120.0,
                    help="request deadline in seconds, > 0 (default 120)")
@@ -116,7 +122,7 @@ def _sampling(args: argparse.Namespace):
     from services.generation_client import sampling_params
 
     return sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_p=args.top_p, seed=args.seed)
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
 def _generate(args: argparse.Namespace) -> int:

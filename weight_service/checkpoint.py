@@ -5,8 +5,9 @@ present the checkpoint the same way (:class:`CheckpointReader`): the model famil
 (built by :meth:`model_families.family.ModelFamily.config_from_hf` from the checkpoint's HF
 config, or from the GGUF metadata translated to HF keys), tensors under HF names
 (``model.layers.3.self_attn.q_proj.weight``) in HF layout (``[out, in]`` as ``F.linear``
-expects, q/k in HF rotary order), and the tokenizer files to place next to the sidecar. A
-family's pack spec never sees a file format.
+expects, q/k in HF rotary order), the tokenizer files to place next to the sidecar, and the
+generation defaults (an HF ``generation_config.json`` dict). A family's pack spec never sees a
+file format.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class CheckpointReader(Checkpoint, Protocol):
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """File name (``tokenizer.json``, ``tokenizer_config.json``) to bytes; may be empty."""
+        ...
+
+    def generation_config(self) -> dict | None:
+        """The checkpoint's ``generation_config.json`` as a dict (EOS ids, sampling defaults,
+        HF keys), or ``None`` when it has none; ``InvalidArgument`` when it is malformed."""
         ...
 
     def close(self) -> None: ...

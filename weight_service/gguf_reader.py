@@ -17,6 +17,10 @@
   attention head count for q and the KV head count for k). Qwen2 files are not permuted. The
   permutation moves whole rows, so quantized rows (codes, scales, zeros) move as units.
 - The tokenizer comes from the ``tokenizer.*`` metadata (:mod:`weight_service.tokenizer_export`).
+- The generation defaults (:meth:`GGUFCheckpoint.generation_config`) come from the ids that end
+  a turn (:data:`EOS_KEYS`: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``)
+  and llama.cpp's recommended sampling (:data:`SAMPLING_KEYS`: ``general.sampling.temp``,
+  ``top_k``, ``top_p``), as an HF ``generation_config.json`` dict.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+#: Metadata keys of the token ids that end generation: end of sequence, of turn, of message.
+EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+#: llama.cpp's recommended-sampling metadata keys -> HF ``generation_config.json`` keys.
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p"}
 
 # GGUF metadata value types (gguf spec): sizes of the fixed-width ones, in bytes.
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -299,6 +309,23 @@ class GGUFCheckpoint:
             "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, ensure_ascii=False).encode(),
         }
 
+    def generation_config(self) -> dict | None:
+        """An HF ``generation_config.json`` dict built from the metadata: ``eos_token_id`` is the
+        list of the :data:`EOS_KEYS` ids present (EOS, EOT, EOM; duplicates once), and
+        ``temperature``, ``top_k``, ``top_p`` come from :data:`SAMPLING_KEYS` where present
+        (float32 values written as their shortest decimal, ``0.9`` not ``0.8999999761581421``).
+        ``None`` when the file has none of these keys. Values that are not numbers are left
+        out (the runner validates the rest)."""
+        config: dict = {}
+        eos = [int(v) for v in (self._value(k) for k in EOS_KEYS) if _is_number(v) and float(v).is_integer()]
+        if eos:
+            config["eos_token_id"] = list(dict.fromkeys(eos))
+        for key, hf_key in SAMPLING_KEYS.items():
+            value = self._value(key)
+            if _is_number(value):
+                config[hf_key] = int(value) if hf_key == "top_k" else float(str(np.float32(value)))
+        return config or None
+
     def close(self) -> None:
         """Drop the reader (its memory map closes when collected)."""
         self._reader = None
@@ -307,3 +334,8 @@ class GGUFCheckpoint:
 
 def _opt_int(value) -> int | None:
     return None if value is None else int(value)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool) \
+        and bool(np.isfinite(value))

@@ -22,6 +22,7 @@ from weight_service.progress import ProgressEvent
 from weight_service.sidecar import (
     CONFIG_FILE,
     FORMAT_VERSION,
+    GENERATION_CONFIG_FILE,
     WEIGHTS_FILE,
     build_header,
     finish_temp_file,
@@ -68,10 +69,13 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
     ``"bf16"``, ``"int8"``, ``"int4"``; its layout is
     :meth:`~model_families.family.ModelFamily.tensor_specs`) into ``directory``.
 
-    Publishes ``config.json``, the tokenizer files and ``model.safetensors`` (last) with
-    mkstemp + fsync + chmod + ``os.replace``. Raises ``FailedPrecondition`` when the checkpoint's
-    fingerprint changed between the start and the end of packing (nothing is published then),
-    ``InvalidArgument`` for an unreadable or unsupported checkpoint. Callers hold the sidecar lock.
+    Publishes ``config.json``, ``generation_config.json`` (when the checkpoint has generation
+    defaults: :meth:`~weight_service.checkpoint.CheckpointReader.generation_config`), the
+    tokenizer files and ``model.safetensors`` (last) with mkstemp + fsync + chmod +
+    ``os.replace``. Raises ``FailedPrecondition`` when the checkpoint's fingerprint changed
+    between the start and the end of packing (nothing is published then), ``InvalidArgument``
+    for an unreadable or unsupported checkpoint (a malformed ``generation_config.json``
+    included: it is read before anything is written). Callers hold the sidecar lock.
     """
     emit = progress or (lambda _e: None)
     source_fp = source_fingerprint(source)
@@ -80,6 +84,7 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
     temps: dict[str, Path] = {}
     try:
         config = ckpt.config
+        generation = ckpt.generation_config()
         layers = config.num_hidden_layers
         specs: dict[str, TensorSpec] = family.tensor_specs(config, dtype)
         names_fp = names_fingerprint(specs)
@@ -99,6 +104,9 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
             temps[name] = write_temp_file(directory, name, data)
         temps[CONFIG_FILE] = write_temp_file(
             directory, CONFIG_FILE, json.dumps(config.to_dict(), indent=2).encode())
+        if generation is not None:
+            temps[GENERATION_CONFIG_FILE] = write_temp_file(
+                directory, GENERATION_CONFIG_FILE, json.dumps(generation, indent=2, ensure_ascii=False).encode())
 
         fd, tmp = new_temp_file(directory, WEIGHTS_FILE)
         temps[WEIGHTS_FILE] = tmp

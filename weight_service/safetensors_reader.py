@@ -4,7 +4,7 @@
 Tensors are already under HF names and in HF layout. ``config.json`` goes to the family of its
 ``architectures[0]`` (:meth:`model_families.family.ModelFamily.config_from_hf`, which applies
 the HF defaults). ``tokenizer.json`` is copied and ``tokenizer_config.json`` reduced to the keys
-a runner needs.
+a runner needs; ``generation_config.json``, when present, must be a JSON object and is kept whole.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from model_families import family_for_architecture
 from services.errors import InvalidArgument
-from weight_service.sources import safetensors_shards
+from weight_service.sources import GENERATION_CONFIG, safetensors_shards
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -108,6 +108,24 @@ class SafetensorsCheckpoint:
         }
         return {"tokenizer.json": tok.read_bytes(),
                 "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False).encode()}
+
+    def generation_config(self) -> dict | None:
+        """``generation_config.json`` as a dict (every key kept: the runner reads the EOS ids
+        and sampling defaults it knows), ``None`` when the directory has none. Raises
+        ``InvalidArgument`` when it is not JSON or not a JSON object."""
+        path = self.path / GENERATION_CONFIG
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_bytes())
+        except OSError as e:
+            raise InvalidArgument(f"cannot read {path}: {e.strerror}") from e
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise InvalidArgument(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
+            raise InvalidArgument(f"{path} must hold a JSON object, not {kind}")
+        return data
 
     def close(self) -> None:
         """Release the shard handles."""

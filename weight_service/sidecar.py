@@ -2,8 +2,11 @@
 
 A sidecar is a directory ``<root>/<source-slug>-<sha256(abs source path)[:12]>-<family>-<dtype>/``
 (keyed by source, family and weights dtype, not by fingerprint, so a stale one is found and
-replaced) holding ``model.safetensors``, and ``tokenizer.json``, ``tokenizer_config.json``,
-``config.json``. The weights dtype (:data:`WEIGHTS_DTYPES`: ``f32``, ``bf16``, ``int8``,
+replaced) holding ``model.safetensors``, ``config.json``, and when the checkpoint has them
+``generation_config.json`` (the model's generation defaults: a safetensors checkpoint's own file,
+validated as a JSON object and copied; for a GGUF, built from its metadata, see
+:meth:`weight_service.gguf_reader.GGUFCheckpoint.generation_config`), ``tokenizer.json`` and
+``tokenizer_config.json``. The weights dtype (:data:`WEIGHTS_DTYPES`: ``f32``, ``bf16``, ``int8``,
 ``int4``) picks the family's layout (:meth:`model_families.family.ModelFamily.tensor_specs`):
 float sidecars hold every tensor in that dtype, quantized ones hold uint8/int8 codes with
 float32 scales (and zeros) next to the float tensors the layout keeps (:mod:`model_families.quant`).
@@ -39,14 +42,19 @@ from model_families import get_family
 from model_families.family import WEIGHTS_DTYPES, FamilyConfig, TensorSpec
 from services.errors import FailedPrecondition, InvalidArgument
 from services.fsmode import default_file_mode
+from weight_service.sources import GENERATION_CONFIG
 
-FORMAT_VERSION = "1"
+#: "2": sidecars may hold ``generation_config.json`` (a GGUF's EOS/EOT/EOM ids and sampling
+#: defaults); a version-1 sidecar of the same checkpoint lacks it, so it is invalid and repacked.
+FORMAT_VERSION = "2"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CONFIG_FILE = "config.json"
+#: The same name in the checkpoint and in the sidecar (one source: :mod:`weight_service.sources`).
+GENERATION_CONFIG_FILE = GENERATION_CONFIG
 #: Every file a sidecar may hold, in the order Fetch streams them (weights last).
-SIDECAR_FILES = (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, WEIGHTS_FILE)
+SIDECAR_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, WEIGHTS_FILE)
 TEMP_PREFIX = ".tmp-"
 
 #: What ``prepare`` accepts: a weights dtype, or ``auto`` (the checkpoint's own, see
@@ -301,8 +309,15 @@ def write_temp_file(directory: Path, name: str, data: bytes) -> Path:
 
 def publish(directory: Path, temps: dict[str, Path]) -> None:
     """``os.replace`` each temp file onto its final name in ``directory`` (``model.safetensors``
-    last: it is the commit point, validated by fingerprint), then fsync the directory."""
+    last: it is the commit point, validated by fingerprint), then fsync the directory. A sidecar
+    file (:data:`SIDECAR_FILES`) that ``temps`` does not hold is left over from an earlier pack
+    (say, a ``generation_config.json`` since deleted from the checkpoint): it is removed before
+    the commit point, so the new weights never come with an old file."""
     for name in sorted(temps, key=lambda n: n == WEIGHTS_FILE):
+        if name == WEIGHTS_FILE:
+            for stale in SIDECAR_FILES:
+                if stale not in temps:
+                    (directory / stale).unlink(missing_ok=True)
         os.replace(temps[name], directory / name)
     fd = os.open(directory, os.O_RDONLY)
     try:

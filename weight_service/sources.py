@@ -10,8 +10,9 @@ A SOURCE is one of:
 
 :func:`resolve_source` raises :class:`services.errors.InvalidArgument` with one sentence for
 anything else. :func:`source_fingerprint` hashes what identifies the checkpoint's bytes cheaply:
-every file's name, size and ``mtime_ns`` (and the bytes of ``config.json``), so a changed shard
-makes every sidecar packed from it stale without reading the shard.
+every file's name, size and ``mtime_ns`` (and the bytes of ``config.json`` and
+``generation_config.json``), so a changed shard makes every sidecar packed from it stale without
+reading the shard.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 #: Tokenizer files copied from a safetensors directory when present (they join the fingerprint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+#: The generation defaults (EOS ids, sampling) copied from a safetensors directory when present.
+GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,15 @@ class ResolvedSource:
         return hashlib.sha256(str(self.path).encode()).hexdigest()[:12]
 
     def files(self) -> list[Path]:
-        """Every file whose bytes the sidecar is derived from (weights, config, tokenizer).
+        """Every file whose bytes the sidecar is derived from (weights, config, generation
+        config, tokenizer).
 
         Raises ``InvalidArgument`` when a shard named by the index is missing.
         """
         if self.kind == "gguf":
             return [self.path]
         return [self.path / "config.json", *safetensors_shards(self.path),
-                *(self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file())]
+                *(self.path / n for n in (GENERATION_CONFIG, *TOKENIZER_FILES) if (self.path / n).is_file())]
 
 
 def bundled_smollm2_path() -> Path:
@@ -99,6 +103,9 @@ def resolve_source(source: str) -> ResolvedSource:
             raise InvalidArgument(f"{source} is a directory without config.json, so not a safetensors checkpoint")
         safetensors_shards(path)  # raises when there are no weights
         return ResolvedSource("safetensors", path.resolve(), source)
+    if not path.exists():
+        raise InvalidArgument(f"model source {source!r} does not exist (give a safetensors directory, a .gguf "
+                              f"file, or {BUNDLED_SMOLLM2})")
     raise InvalidArgument(f"source {source!r} is neither a safetensors directory, a .gguf file, "
                           f"nor {BUNDLED_SMOLLM2}")
 
@@ -132,7 +139,8 @@ def safetensors_shards(directory: Path) -> list[Path]:
 
 def source_fingerprint(source: ResolvedSource) -> str:
     """sha256 hex of the source's identity: kind, then per file its name, size in bytes and
-    ``mtime_ns``; plus the bytes of ``config.json`` for a directory. Cheap (stat calls only).
+    ``mtime_ns``; plus, for a directory, the bytes of ``config.json`` and of
+    ``generation_config.json`` when present (both small). Cheap (stat calls only).
 
     Raises ``InvalidArgument`` when a file vanished.
     """
@@ -146,4 +154,8 @@ def source_fingerprint(source: ResolvedSource) -> str:
         h.update(f"{f.name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
     if source.kind == "safetensors":
         h.update((source.path / "config.json").read_bytes())
+        try:
+            h.update(b"\ngeneration_config\n" + (source.path / GENERATION_CONFIG).read_bytes())
+        except FileNotFoundError:
+            pass
     return h.hexdigest()

@@ -117,9 +117,19 @@ def test_finish_reasons_eos_stop_tokens_ignore_eos_and_context_length():
     assert out.finish_reason is FinishReason.STOP and out.token_ids == toks[: first + 1]
     out = _run(eos_engine, [(_prompt(7, 3), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))])[0]
     assert out.finish_reason is FinishReason.LENGTH and out.token_ids == toks
-    # The context (max_model_len=256) caps prompt + output.
-    out = _run(_engine(), [(_prompt(250, 4), SamplingParams(max_tokens=64, temperature=0))])[0]
+    # The context (max_model_len=256) caps prompt + output: an unset max_tokens is the default
+    # capped to the 6 tokens left; more than that, asked for explicitly, is refused (issue 11 item 7).
+    out = _run(_engine(), [(_prompt(250, 4), SamplingParams(max_tokens=None, temperature=0))])[0]
     assert out.finish_reason is FinishReason.LENGTH and out.completion_tokens == 6
+    out = _run(_engine(), [(_prompt(250, 4), SamplingParams(max_tokens=6, temperature=0))])[0]
+    assert out.finish_reason is FinishReason.LENGTH and out.completion_tokens == 6
+    engine = _engine()
+    with pytest.raises(InvalidArgument, match="max_tokens 7 is more than the context leaves: the prompt has 250 of "
+                                              "the 256-token context, so at most 6 can be generated"):
+        engine.add_request(SamplingParams(max_tokens=7, temperature=0), token_ids=_prompt(250, 4))
+    assert engine.stats()["waiting"] == 0 and engine.block_manager.num_used_blocks == 0  # nothing queued
+    unset = _run(_engine(), [(_prompt(7, 3), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))])[0]
+    assert unset.completion_tokens == engine.config.default_max_tokens  # room enough: the plain default
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():

@@ -109,6 +109,8 @@ BAD = {
     "negative token id": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-3]), sampling=_greedy(2)),
     "prompt longer than the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 200), sampling=_greedy(2)),
     "max_tokens < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=-1)),
+    "max_tokens beyond the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 100),
+                                                        sampling=pb.SamplingParams(max_tokens=100_000_000)),
     "temperature < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-0.5)),
     "temperature NaN": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
     "top_p > 1": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.5)),
@@ -194,6 +196,8 @@ def test_model_info_health_and_metrics(served):
     assert (info.vocab_size, info.max_model_len, info.block_size, info.num_kv_blocks, info.max_num_seqs) == (
         49152, 128, 4, KV_BLOCKS - 1, 4)
     assert info.compile_mode == "off"
+    # the load as of the call: idle, every usable block free
+    assert (info.running, info.waiting, info.kv_blocks_used, info.kv_blocks_usable) == (0, 0, 0, KV_BLOCKS - 1)
     assert [p.name for p in info.startup.phases] == ["kv_cache", "prepack", "programs", "warmup"]
     assert info.startup.total_seconds == pytest.approx(sum(p.seconds for p in info.startup.phases))
     health = health_pb2_grpc.HealthStub(channel)

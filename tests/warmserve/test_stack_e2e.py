@@ -236,3 +236,30 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_status_right_after_the_work_shows_it_done(stack: LocalStack) -> None:
+    """Issue 11 item 12: a status taken as soon as a burst has finished shows no request running
+    or waiting and no KV block in use (the router's heartbeat load, taken during the burst, would
+    still show them), and while requests run it shows them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load_columns() -> dict[str, tuple[str, str]]:
+        buf = io.StringIO()
+        assert print_status(stack.router_address, {}, out=buf) == 0
+        rows = [line.split() for line in buf.getvalue().splitlines() if line.startswith("runner-")]
+        return {r[0]: (r[7], r[8]) for r in rows}  # running/waiting, KV blocks (the lease is "1.6 s")
+
+    with GenerationClient(stack.router_address) as client, ThreadPoolExecutor(8) as pool:
+        sampling = generation_pb2.SamplingParams(max_tokens=160, ignore_eos=True)
+        futures = [pool.submit(client.complete, generation_pb2.GenerateRequest(text=q, sampling=sampling))
+                   for q in QUESTIONS[:8]]
+        time.sleep(1.0)  # heartbeats (every ~0.7 s) report the burst meanwhile
+        during = load_columns()
+        results = [f.result(timeout=120) for f in futures]
+    after = load_columns()
+    assert all(r.finish_reason for r in results)
+    assert any(rw != "0/0" for rw, _ in during.values()), during
+    assert set(after) == {"runner-0", "runner-1"}
+    for running_waiting, kv in after.values():
+        assert running_waiting == "0/0" and kv.startswith("0/"), after

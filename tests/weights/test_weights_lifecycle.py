@@ -269,7 +269,7 @@ def test_probe_failure_falls_back_to_unknown_residency(ckpt, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"source": "/no/such/dir"}, "neither a safetensors directory, a .gguf file, nor smollm2-135m-instruct"),
+    ({"source": "/no/such/dir"}, "model source '/no/such/dir' does not exist"),
     ({"source": ""}, "the source is empty"),
     ({"dtype": "f16"}, "dtype must be one of auto, f32, bf16, int8, int4, got 'f16'"),
     ({"cold_policy": "maybe"}, "cold policy must be one of accept, reject"),

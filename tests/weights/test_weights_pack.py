@@ -81,7 +81,7 @@ def test_sidecar_is_standard_safetensors_with_contract_metadata(tmp_path):
     weights = handle.path / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         meta = f.metadata()
-    assert meta["warmserve.format_version"] == "1" and meta["warmserve.family"] == "llama"
+    assert meta["warmserve.format_version"] == "2" and meta["warmserve.family"] == "llama"
     assert meta["warmserve.dtype"] == "f32" and meta["warmserve.fingerprint"] == handle.fingerprint
     assert meta["warmserve.source"] == str((tmp_path / "ckpt").resolve())
     assert len(meta["warmserve.source_fingerprint"]) == 64 and len(meta["warmserve.names_fingerprint"]) == 64
