@@ -357,8 +357,13 @@ class AotiProgram:
         if meta.get("AOTI_DEVICE_KEY") != device.type:
             raise RuntimeError(f"the package was built for {meta.get('AOTI_DEVICE_KEY')!r}, not {device.type!r}")
         self._loader = loader_cls(str(package), "model", False, 1, -1 if device.index is None else device.index)
-        self._own = read_own_constants(package)  # kept alive: the program holds their pointers
+        # kept alive: the program holds their pointers, so they must live on its device (a host
+        # pointer handed to a CUDA program by reference is a segfault, not an error)
+        self._own = read_own_constants(package, device)
         constants = {**self._own, **_constants(module)}
+        elsewhere = sorted(n for n, t in constants.items() if t.device.type != device.type)
+        if elsewhere:
+            raise RuntimeError(f"constants not on {device}: {elsewhere[:5]}")
         wanted = self._loader.get_constant_fqns()
         missing = sorted(set(wanted) - set(constants))
         if missing:
@@ -419,15 +424,15 @@ def _recording_own_constants(out: dict[str, torch.Tensor]) -> Iterator[None]:
         GraphLowering.add_tensor_constant = original
 
 
-def read_own_constants(package: Path) -> dict[str, torch.Tensor]:
+def read_own_constants(package: Path, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The Inductor-created constants :func:`compile_aoti` recorded in ``package`` (empty when
-    none)."""
+    none), on ``device`` (default the CPU)."""
     with zipfile.ZipFile(package) as z:
         entry = next((n for n in z.namelist() if n.endswith("/" + OWN_CONSTANTS_ENTRY)), None)
         if entry is None:
             return {}
         data = json.loads(z.read(entry))
-    return {n: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+    return {n: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"]), device=device).reshape(v["shape"])
             for n, v in data.items()}
 
 
