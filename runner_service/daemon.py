@@ -12,6 +12,7 @@ closes.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -116,4 +117,11 @@ def serve_from_args(args) -> int:
         if registration is not None:
             registration.stop()
         engine.close()
+    if engine.compile_in_flight:
+        # The compile cannot be interrupted, and letting the interpreter tear down under it aborts
+        # the process (C++ "terminate called without an active exception", exit 134): leave now.
+        # Its build lease is no longer renewed, so another runner takes the build over after the TTL.
+        log.warning("stopped with the background compile still running: abandoned")
+        logging.shutdown()
+        os._exit(0)
     return 0

@@ -251,7 +251,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), self.eos_token_ids)
         touched = self.kv.touched_bytes()
-        self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens, "
+        usable = self.block_manager.num_usable_blocks
+        self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens ({usable} usable, "
+                                    f"{num_blocks - usable} scratch), "
                                     f"{self.kv.nbytes / 2**20:.1f} MiB reserved"
                                     + ("" if touched is None else f", {touched / 2**20:.1f} MiB touched")
                                     + f", prefix caching {'on' if self.prefix_caching else 'off'}")
@@ -330,12 +332,12 @@ class LLMEngine:
         if (self.config.background_compile and self.config.compile == "aoti"
                 and not programs.programs_cached(self.runner, "aoti", self.kernel_cache)):
             self.program_state = "pending"
-            self.program_detail = "not all in the kernel cache; serving eager while they are fetched or compiled"
+            self.program_detail = "not all in the kernel cache: fetching or compiling them in the background"
             self._compiler = threading.Thread(target=self._compile_in_background,
                                               args=(programs, torch.get_num_threads()),
                                               name="background-compile", daemon=True)
             self._compiler.start()
-            return f"{self.config.compile}: {self.program_detail}"
+            return f"{self.config.compile}: serving eager; {self.program_detail}"
         report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
                                         progress=self._program_progress)
         self.program_state = "eager" if report.source == "eager" else "installed"
@@ -614,6 +616,11 @@ class LLMEngine:
                 log.exception("engine step failed outside the model; aborting all requests")
                 for live in list(self._live.values()):
                     self._finish(live, FinishReason.ABORTED)
+
+    @property
+    def compile_in_flight(self) -> bool:
+        """Whether the background compile thread is still fetching or compiling the programs."""
+        return self._compiler is not None and self._compiler.is_alive()
 
     def close(self) -> None:
         """Stop the loop, abort what is in flight (ABORTED), free the buffers."""

@@ -47,10 +47,9 @@ def bind_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on ``host:port`` now (``"address already in use"``, or the
     OS's reason), or ``None`` when it could. A trial bind with ``SO_REUSEADDR``, as gRPC binds:
     a port left in TIME_WAIT by a stopped server counts as free, one with a listener does not.
-    Port 0 (any free port) is always ``None``. Racy by nature (the port may be taken right after);
-    callers use it to say a clear sentence before they start anything, not as a lock."""
-    if port == 0:
-        return None
+    With port 0 (any free port) only the host is checked (``"cannot assign requested address"``
+    for an address this machine does not have). Racy by nature (the port may be taken right
+    after); callers use it to say a clear sentence before they start anything, not as a lock."""
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE)[0]

@@ -20,6 +20,7 @@ Servicers stay thin: they validate, call a core object, and translate
 from __future__ import annotations
 
 import argparse
+import errno
 import hmac
 import logging
 import os
@@ -292,7 +293,13 @@ class ServiceServer:
         server.start()
         self._server, self.port = server, port
         if cfg.metrics_port is not None:
-            self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
+            try:
+                self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
+            except OSError as e:
+                server.stop(None)
+                self._server = None
+                reason = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+                raise OSError(f"cannot serve metrics on {format_address(cfg.host, cfg.metrics_port)}: {reason}") from e
             self.metrics_port = self._metrics_httpd.server_port
         self.set_serving(True)
         log.info("serving", extra={"address": self.address, "services": self.service_names,
@@ -358,6 +365,10 @@ class ServiceServer:
             pass
 
 
+#: The ``--log-level`` choices (``logging``'s level names; case-insensitive on the command line).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def add_server_args(parser, *, default_port: int) -> None:
     """Add the bootstrap's common daemon flags to an ``argparse`` parser."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -365,7 +376,8 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
     parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="log threshold (default INFO)")
 
 
 def positive_seconds(text: str) -> float:

@@ -24,6 +24,10 @@ from services.proto import generation_pb2, generation_pb2_grpc
 GENERATION_SERVICE = "warmserve.v1.Generation"
 
 
+#: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def sampling_params(*, max_tokens: int | None = None, temperature: float | None = None,
                     top_p: float | None = None, top_k: int | None = None,
                     seed: int | None = None) -> generation_pb2.SamplingParams:
@@ -38,8 +42,8 @@ def sampling_params(*, max_tokens: int | None = None, temperature: float | None 
         raise InvalidArgument(f"--top-k must be in [0, 2^31), got {top_k}")
     if seed is not None and not 0 <= seed < 2**64:
         raise InvalidArgument(f"--seed must be in [0, 2^64), got {seed}")
-    if temperature is not None and not temperature >= 0:
-        raise InvalidArgument(f"--temperature must be >= 0, got {temperature}")
+    if temperature is not None and not 0 <= temperature <= FLOAT32_MAX:
+        raise InvalidArgument(f"--temperature must be >= 0 and a finite 32-bit float, got {temperature}")
     if top_p is not None and not 0 <= top_p <= 1:
         raise InvalidArgument(f"--top-p must be in [0, 1], got {top_p}")
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
@@ -222,7 +226,9 @@ def interactive_chat(client: GenerationClient, sampling: generation_pb2.Sampling
             result = client.stream_to(chat_request(history, sampling), stdout, timeout_s=timeout_s)
         except WarmserveError as e:
             history.pop()
-            stdout.write(f"\n(error: {e})\n")
+            full = isinstance(e, InvalidArgument) and "context" in str(e) and len(history) > (1 if system else 0)
+            stdout.write(f"\n(error: {e})\n" + ("(the conversation no longer fits the context: /reset forgets it)\n"
+                                                 if full else ""))
             continue
         stdout.write("\n")
         history.append(("assistant", result.text))

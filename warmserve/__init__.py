@@ -21,8 +21,7 @@ So ``services`` imports no other package of the project; ``model_families`` only
 ``kernel_cache_service`` and ``weight_service`` only those two; ``runner_service`` uses everything
 below it (and registers itself with a router through the RouterControl stubs, not through
 ``router_service``); ``router_service`` relays to runners through the Generation stubs;
-``warmserve`` launches them all. (``model_families`` arrives with the model-family refactor; a
-layer whose package is absent constrains nothing.)
+``warmserve`` launches them all. (A layer whose package is absent constrains nothing.)
 """
 
 #: The package layers, lowest first; a package may import only its own layer's package and lower layers.

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+from services.errors import InvalidArgument
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status, programs_took_over
 
@@ -68,11 +69,16 @@ def _wait_for_programs(stack: LocalStack, out: TextIO):
     return cold
 
 
-def launch_kind(info) -> str:
+#: The most tokens per answer ``demo --max-tokens`` takes (its prompts are short; the context is far larger).
+MAX_DEMO_TOKENS = 1024
+
+
+def launch_kind(info, *, kept: bool = True) -> str:
     """Whether a runner's launch (its ``ModelInfoResponse``) was warm: ``warm: programs from the
     kernel cache, sidecar HOT`` when its compiled programs were installed at start-up (only a
     kernel-cache hit is; a miss serves eager and compiles in the background) and its sidecar
-    already existed; otherwise ``cold: ...`` naming what had to be built."""
+    already existed; otherwise ``cold: ...`` naming what had to be built, and whether it is kept
+    for the next run (``kept``) or goes with a temporary home."""
     phases = {p.name: p.detail for p in info.startup.phases}
     sidecar = phases.get("sidecar", "").split(" ")
     sidecar_state = sidecar[1] if len(sidecar) > 1 else "?"
@@ -82,12 +88,16 @@ def launch_kind(info) -> str:
         return f"warm: programs from the kernel cache, sidecar {sidecar_state}"
     cold = [*(["the sidecar was packed"] if built else []),
             *([] if programs_warm or info.program_state == "off" else ["the programs are compiled"])]
-    return "cold: " + (" and ".join(cold) or "nothing was cached") + " (they are kept for the next run)"
+    where = "kept for the next run" if kept else "in a temporary home, removed at the end"
+    return "cold: " + (" and ".join(cold) or "nothing was cached") + f" ({where})"
 
 
 def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64, fresh: bool = False) -> int:
     """Run the demo (see the module docstring); returns the exit code. ``fresh``: in a new
-    temporary home (removed at the end) instead of ``config.home`` / ``$WARMSERVE_HOME``."""
+    temporary home (removed at the end) instead of ``config.home`` / ``$WARMSERVE_HOME``.
+    ``InvalidArgument`` before anything starts for ``max_tokens`` outside [1, MAX_DEMO_TOKENS]."""
+    if not 1 <= max_tokens <= MAX_DEMO_TOKENS:
+        raise InvalidArgument(f"--max-tokens must be in [1, {MAX_DEMO_TOKENS}], got {max_tokens}")
     tmp_home = None
     if fresh:
         tmp_home = Path(tempfile.mkdtemp(prefix="warmserve-demo-"))
@@ -104,7 +114,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
         with LocalStack(config) as stack:
             first = len(stack.runners) - 1
             cold = stack.startup_report(0)
-            first_kind = launch_kind(cold)
+            first_kind = launch_kind(cold, kept=tmp_home is None)
             _say(out)
             _say(out, f"home {stack.home}: {first_kind}" + (
                 "; `warmserve demo --fresh` makes a cold run" if first_kind.startswith("warm") else ""))

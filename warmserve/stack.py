@@ -317,14 +317,20 @@ class LocalStack:
 
     def preflight(self) -> None:
         """Check what would make the launch fail, before anything starts: the model source must
-        resolve (``InvalidArgument``: no such file, not a checkpoint), and every fixed port must be
-        free (``Unavailable`` naming each busy port and its service; ``base_port`` 0 picks free
-        ones). Creates nothing."""
+        resolve (``InvalidArgument``: no such file, not a checkpoint), the home must be a directory
+        if it exists (``InvalidArgument``), and every fixed port must be free (``Unavailable``
+        naming each busy port and its service; with ``base_port`` 0, free ones are picked and only
+        the host is checked). Creates nothing."""
         from services.address import bind_problem
         from weight_service.sources import resolve_source
 
         resolve_source(self.config.model)
+        if self.home.exists() and not self.home.is_dir():
+            raise InvalidArgument(f"the home {self.home} is not a directory (--home / $WARMSERVE_HOME)")
         if self.config.base_port == 0:
+            problem = bind_problem(self.config.host, 0)
+            if problem is not None:
+                raise Unavailable(f"cannot start the stack on {self.config.host}: {problem}")
             return
         names = [KERNEL_CACHE, WEIGHTS, ROUTER, *(f"runner-{i}" for i in range(self.config.runners))]
         busy = [(n, self.port(n), problem) for n in names
@@ -340,6 +346,10 @@ class LocalStack:
         self.preflight()
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidArgument(f"cannot create the home {self.home} (--home / $WARMSERVE_HOME): "
+                                  f"{e.strerror or e}") from e
+        try:
             self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
             for name in (KERNEL_CACHE, WEIGHTS, ROUTER):
                 self.services[name] = self._launch(ChildProcess(
@@ -678,8 +688,10 @@ def ready_hint(stack: LocalStack) -> str:
     if stack.runners:
         return f"ready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)"
     return (f"ready, with no runners: the router at {stack.router_address} answers UNAVAILABLE until one "
-            f"registers, e.g.\n  warmserve runner serve --model {stack.config.model} --router "
-            f"{stack.router_address} --port 0   (Ctrl-C stops the stack)")
+            f"registers; add one that shares this stack's weights and kernel cache with\n"
+            f"  warmserve runner serve --model {stack.config.model} --router {stack.router_address} --weights "
+            f"{stack.address(WEIGHTS)} --kernel-cache {stack.address(KERNEL_CACHE)} --sidecar-dir "
+            f"{stack.home / 'sidecars'} --port 0\n(Ctrl-C stops the stack)")
 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:

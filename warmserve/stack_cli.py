@@ -61,7 +61,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
-    _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT, home_help="state directory (default $WARMSERVE_HOME)")
+    _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT,
+                    home_help="state directory (default $WARMSERVE_HOME, else ~/.cache/warmserve)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
@@ -91,7 +92,7 @@ def register(subparsers) -> None:
                         help="another service to health-check (repeatable), e.g. weights=127.0.0.1:50052")
     status.add_argument("--home", default=None,
                         help="the home of the `warmserve up` whose services and restarts to report too "
-                             "(default $WARMSERVE_HOME)")
+                             "(default $WARMSERVE_HOME, else ~/.cache/warmserve)")
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
@@ -125,6 +126,20 @@ def _sampling(args: argparse.Namespace):
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
+class _Streamed:
+    """A text stream that remembers whether anything was written to it (``wrote``)."""
+
+    def __init__(self, out) -> None:
+        self._out, self.wrote = out, False
+
+    def write(self, text: str) -> int:
+        self.wrote = self.wrote or bool(text)
+        return self._out.write(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def _generate(args: argparse.Namespace) -> int:
     import sys
 
@@ -142,11 +157,13 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
+    out = _Streamed(sys.stdout)
     with GenerationClient(args.addr, fail_fast=True) as client:
         try:
-            result = client.stream_to(request, sys.stdout, timeout_s=args.timeout)
+            result = client.stream_to(request, out, timeout_s=args.timeout)
         except WarmserveError as e:
-            print(flush=True)  # end the streamed line before the error goes to stderr
+            if out.wrote:
+                print(flush=True)  # end the streamed line before the error goes to stderr
             cause = e.__cause__
             if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WarmserveError(f"timed out after {args.timeout:g} s (--timeout)") from e
@@ -181,12 +198,21 @@ def _status(args: argparse.Namespace) -> int:
         services[name] = addr
     from pathlib import Path
 
+    from services.address import parse_address
     from services.paths import warmserve_home
     from warmserve.stack import read_state, stack_services
 
+    parse_address(args.addr, what="--addr")
     home = Path(args.home).expanduser() if args.home else warmserve_home()
-    services = {**stack_services(home, args.addr), **services}  # a running `up`'s own, then --service
-    return print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
+    own = stack_services(home, args.addr)
+    if args.home and not own:
+        print(f"note: no running `warmserve up` with home {home} serves the router at {args.addr}; showing that "
+              "router alone", file=sys.stderr)
+    services = {**own, **services}  # a running `up`'s own, then --service
+    code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
+    if code:
+        print(f"warmserve: error: no router answers at {args.addr} (is `warmserve up` running?)", file=sys.stderr)
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -140,7 +140,10 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
     emit = progress or (lambda _e: None)
     root = Path(root) if root is not None else default_sidecar_root()
     src, family, dtype, directory = locate_sidecar(source, dtype, root)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission: the caller's input, said plainly
+        raise InvalidArgument(f"cannot use {root} as the sidecar root: {e.strerror or e}") from e
     name = directory.name
 
     with sidecar_lock(root, name):

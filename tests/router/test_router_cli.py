@@ -152,3 +152,28 @@ def test_health_probe_exit_codes(capsys) -> None:
         runner.stop()
     assert probe_main([runner.address, "--timeout", "0.3"]) == 1
     assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def test_chat_says_how_to_go_on_once_the_history_outgrows_the_context() -> None:
+    from services.errors import InvalidArgument
+
+    class FullContext:
+        """A client whose endpoint refuses any conversation of more than one user turn."""
+
+        def stream_to(self, request, out, timeout_s=None):
+            if len(request.chat.messages) > 1:
+                raise InvalidArgument("the prompt has 2074 tokens but the context holds 2048")
+            out.write("ok")
+
+            class Result:
+                text = "ok"
+            return Result()
+
+    out = io.StringIO()
+    assert chat_loop(FullContext(), sampling_params(), system=None, timeout_s=5, stdin=io.StringIO("a\nb\n"),
+                     stdout=out) == 0
+    assert out.getvalue().splitlines()[-1] == "(the conversation no longer fits the context: /reset forgets it)"
+    out = io.StringIO()  # a single message that does not fit: /reset would not help, so no hint
+    assert chat_loop(FullContext(), sampling_params(), system="s", timeout_s=5, stdin=io.StringIO("a\n"),
+                     stdout=out) == 0
+    assert "/reset" not in out.getvalue()

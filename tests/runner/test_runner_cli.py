@@ -80,6 +80,7 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
     (["--compile", "fast"], "invalid choice"),
     (["--weights-dtype", "int3"], "argument --weights-dtype: invalid choice: 'int3'"),
     (["--dtype", "f16"], "argument --dtype: invalid choice: 'f16'"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
 ])
 def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
     out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,
@@ -96,3 +97,40 @@ def test_prefix_caching_is_on_by_default_and_off_with_the_flag():
     on = engine_config_from_args(parser.parse_args(["runner", "serve", "--model", "m"]))
     off = engine_config_from_args(parser.parse_args(["runner", "serve", "--model", "m", "--no-prefix-caching"]))
     assert on.enable_prefix_caching is True and off.enable_prefix_caching is False
+
+
+def test_sigterm_during_a_background_compile_exits_0_without_aborting(tiny_ckpt, tmp_path):
+    """A runner stopped while its programs still compile in the background drains and exits 0;
+    the interpreter never tears down under the compile (which aborted it: exit 134)."""
+    import os
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a real, slow compile
+    proc = subprocess.Popen(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--compile", "aoti",
+                                       "--kernel-cache-dir", str(tmp_path / "kc")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    raw: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            raw.append(line)
+            if '"msg": "ready"' in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), raw[-5:]
+        address = json.loads(next(x for x in raw if '"msg": "ready"' in x))["address"]
+        with grpc.insecure_channel(address) as channel:
+            info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest())
+        assert info.program_state == "pending", info.program_detail  # serving eager, compiling
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    text = "".join(raw)
+    assert "terminate called" not in text and "stopped with the background compile still running" in text

@@ -92,6 +92,10 @@ def test_demo_fresh_and_home_together_are_a_usage_error(capsys, tmp_path) -> Non
     assert main(["demo", "--fresh", "--home", str(tmp_path / "h")]) == 2
     assert "give --fresh or --home, not both" in capsys.readouterr().err
     assert not (tmp_path / "h").exists()
+    for bad in ("0", "99999999"):
+        assert main(["demo", "--max-tokens", bad, "--home", str(tmp_path / "h")]) == 2
+        assert "--max-tokens must be in [1, 1024]" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()  # refused before anything started
 
 
 def test_up_with_a_missing_model_is_bad_input_and_starts_nothing(capsys, tmp_path) -> None:
@@ -100,3 +104,65 @@ def test_up_with_a_missing_model_is_bad_input_and_starts_nothing(capsys, tmp_pat
     err = capsys.readouterr().err
     assert f"model source '{tmp_path / 'no-such.gguf'}' does not exist" in err
     assert not (tmp_path / "h").exists()
+
+
+def test_status_says_what_it_cannot_reach(capsys, tmp_path) -> None:
+    assert main(["status", "--addr", "nonsense"]) == 2
+    assert "--addr must be host:port" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert main(["status", "--addr", f"127.0.0.1:{closed}", "--home", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert f"no running `warmserve up` with home {tmp_path / 'none'}" in err
+    assert f"warmserve: error: no router answers at 127.0.0.1:{closed}" in err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "serve", "--port", "0", "--host", "192.0.2.1"], "cannot bind 192.0.2.1:0: cannot assign requested address"),
+    (["router", "serve", "--port", "0", "--log-level", "BOGUS"], None),
+])
+def test_server_start_errors_are_one_line(capfd, argv, message) -> None:
+    """A host this machine does not have (TEST-NET-1) is one line before gRPC logs anything; a bad
+    --log-level is a usage error, not a traceback."""
+    if message is None:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "invalid choice: 'BOGUS'" in capfd.readouterr().err
+        return
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert "add_port" not in err and err.strip().splitlines()[-1] == f"warmserve: error: {message}"
+
+
+def test_a_busy_metrics_port_names_the_port(capfd) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["router", "serve", "--port", "0", "--metrics-port", str(port)]) == 1
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1] == f"warmserve: error: cannot serve metrics on 127.0.0.1:{port}: address already in use"
+
+
+def test_prepack_into_a_file_is_bad_input(capsys, tmp_path) -> None:
+    (tmp_path / "f").write_text("x")
+    assert main(["prepack", "smollm2-135m-instruct", "--out", str(tmp_path / "f")]) == 2
+    assert "cannot use" in capsys.readouterr().err
+
+
+def test_a_refused_request_writes_nothing_to_stdout(capsys) -> None:
+    """A request the server refuses before streaming anything leaves stdout empty (no stray blank
+    line ahead of the error), exit 2."""
+    from fake_runner import FakeBehaviour, FakeRunner
+
+    runner = FakeRunner("strict", FakeBehaviour(invalid=True))
+    try:
+        assert main(["generate", "--addr", runner.address, "--raw", "Hi"]) == 2
+    finally:
+        runner.stop()
+    out, err = capsys.readouterr()
+    assert out == "" and "the fake refuses this prompt" in err
+    assert main(["generate", "--addr", "127.0.0.1:9", "--temperature", "1e308", "Hi"]) == 2
+    assert "--temperature must be >= 0 and a finite 32-bit float, got 1e+308" in capsys.readouterr().err

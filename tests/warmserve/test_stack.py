@@ -181,7 +181,9 @@ def test_a_missing_model_is_bad_input_before_anything_starts(tmp_path: Path) -> 
 def test_the_ready_hint_works_with_and_without_runners(tmp_path: Path) -> None:
     none = LocalStack(StackConfig(runners=0, base_port=50100, home=tmp_path), progress=None)
     assert "no runners" in ready_hint(none) and "warmserve generate" not in ready_hint(none)
-    assert "warmserve runner serve --model smollm2-135m-instruct --router 127.0.0.1:50100" in ready_hint(none)
+    assert (f"warmserve runner serve --model smollm2-135m-instruct --router 127.0.0.1:50100 --weights "
+            f"127.0.0.1:50102 --kernel-cache 127.0.0.1:50101 --sidecar-dir {tmp_path / 'sidecars'} --port 0"
+            ) in ready_hint(none)
     two = LocalStack(StackConfig(runners=2, base_port=50100, home=tmp_path), progress=None)
     two.runners = [None, None]  # as after start()
     assert ready_hint(two).startswith('ready: warmserve generate --addr 127.0.0.1:50100 "Hello!"')
@@ -236,3 +238,14 @@ def test_a_long_start_says_what_the_child_is_doing(tmp_path: Path, monkeypatch) 
     assert notes[-1].endswith("now loading the model from the sidecar"), notes
     elapsed = [float(m.split("still starting (")[1].split(" s)")[0]) for m in notes]
     assert elapsed == sorted(elapsed) and elapsed[-1] >= 1
+
+
+def test_a_home_that_cannot_be_one_is_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "file"), progress=None)
+    with pytest.raises(InvalidArgument, match="is not a directory"):
+        stack.start()
+    under_a_file = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "file" / "home"), progress=None)
+    with pytest.raises(InvalidArgument, match=r"cannot create the home .*file/home"):
+        under_a_file.start()
+    assert not stack.services and not under_a_file.services
