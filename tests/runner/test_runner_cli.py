@@ -4,7 +4,9 @@ bad flags exit 2 with a message."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,27 +33,44 @@ def tiny_ckpt(tmp_path):
     return tmp_path / "ckpt"
 
 
-def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
-    proc = subprocess.Popen(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--runner-id", "cli-runner"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _serving(cmd, env=None):
+    """Start ``runner serve``, collect its stderr lines, wait for its "ready" log record; yields
+    ``(proc, raw_lines, address)`` and kills the process if the test left it running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    raw: list[str] = []
     ready = threading.Event()
-    lines: list[dict] = []
 
     def read():
         for line in proc.stderr:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            lines.append(rec)
-            if rec.get("msg") == "ready":
+            raw.append(line)
+            if '"msg": "ready"' in line:
                 ready.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert ready.wait(120), lines[-5:]
-        address = next(r["address"] for r in lines if r.get("msg") == "ready")
+        assert ready.wait(120), raw[-5:]
+        yield proc, raw, json.loads(next(x for x in raw if '"msg": "ready"' in x))["address"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+
+
+def _records(raw: list[str]) -> list[dict]:
+    out = []
+    for line in raw:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
+    with _serving(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--runner-id", "cli-runner")) as (proc, raw, address):
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -67,11 +86,7 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
             assert info.max_model_len == 64 and len(info.sidecar_fingerprint) == 64
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert any("startup" in r for r in lines if r.get("msg") == "ready")
+    assert any("startup" in r for r in _records(raw) if r.get("msg") == "ready")
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -102,35 +117,13 @@ def test_prefix_caching_is_on_by_default_and_off_with_the_flag():
 def test_sigterm_during_a_background_compile_exits_0_without_aborting(tiny_ckpt, tmp_path):
     """A runner stopped while its programs still compile in the background drains and exits 0;
     the interpreter never tears down under the compile (which aborted it: exit 134)."""
-    import os
-
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a real, slow compile
-    proc = subprocess.Popen(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--compile", "aoti",
-                                       "--kernel-cache-dir", str(tmp_path / "kc")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    raw: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            raw.append(line)
-            if '"msg": "ready"' in line:
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert ready.wait(120), raw[-5:]
-        address = json.loads(next(x for x in raw if '"msg": "ready"' in x))["address"]
+    cmd = _serve_cmd(tiny_ckpt, tmp_path / "sidecars", "--compile", "aoti", "--kernel-cache-dir", str(tmp_path / "kc"))
+    with _serving(cmd, env) as (proc, raw, address):
         with grpc.insecure_channel(address) as channel:
             info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest())
         assert info.program_state == "pending", info.program_detail  # serving eager, compiling
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(5)
     text = "".join(raw)
     assert "terminate called" not in text and "stopped with the background compile still running" in text
