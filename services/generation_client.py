@@ -196,7 +196,7 @@ def interactive_chat(client: GenerationClient, sampling: generation_pb2.Sampling
     unknown ``/word`` is answered with a hint. ``banner`` (default: when ``stdin`` is a
     terminal) prints :func:`chat_banner` first. A failed turn is reported and dropped from the
     history; returns 0."""
-    history: list[tuple[str, str]] = [("system", system)] if system else []
+    history: list[tuple[str, str]] = [("system", system)] if system is not None else []
     interactive = stdin.isatty()
     if interactive if banner is None else banner:
         stdout.write(chat_banner(client.address) + "\n")
@@ -214,7 +214,7 @@ def interactive_chat(client: GenerationClient, sampling: generation_pb2.Sampling
             if line in ("/exit", "/quit"):
                 break
             if line == "/reset":
-                history = history[:1] if system else []
+                history = history[:1] if system is not None else []
                 stdout.write("(history cleared)\n")
             elif line == "/help":
                 stdout.write("".join(f"  {c:<7} {what}\n" for c, what in CHAT_COMMANDS.items()))
@@ -226,7 +226,7 @@ def interactive_chat(client: GenerationClient, sampling: generation_pb2.Sampling
             result = client.stream_to(chat_request(history, sampling), stdout, timeout_s=timeout_s)
         except WarmserveError as e:
             history.pop()
-            full = isinstance(e, InvalidArgument) and "context" in str(e) and len(history) > (1 if system else 0)
+            full = isinstance(e, InvalidArgument) and "context" in str(e) and len(history) > (1 if system is not None else 0)
             stdout.write(f"\n(error: {e})\n" + ("(the conversation no longer fits the context: /reset forgets it)\n"
                                                  if full else ""))
             continue

@@ -155,7 +155,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.raw:
         request = text_request(args.prompt, _sampling(args), allow_special_tokens=args.allow_special_tokens)
     else:
-        messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        # an empty --system is a system message too: it replaces the template's default one
+        messages = ([("system", args.system)] if args.system is not None else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
     out = _Streamed(sys.stdout)
     with GenerationClient(args.addr, fail_fast=True) as client:

@@ -177,3 +177,23 @@ def test_chat_says_how_to_go_on_once_the_history_outgrows_the_context() -> None:
     assert chat_loop(FullContext(), sampling_params(), system="s", timeout_s=5, stdin=io.StringIO("a\n"),
                      stdout=out) == 0
     assert "/reset" not in out.getvalue()
+
+
+def test_an_empty_system_message_is_still_sent() -> None:
+    """``--system ""`` replaces the template's default system prompt, so it is sent, not dropped."""
+
+    class Recording:
+        def __init__(self) -> None:
+            self.roles: list[list[str]] = []
+
+        def stream_to(self, request, out, timeout_s=None):
+            self.roles.append([m.role for m in request.chat.messages])
+
+            class Result:
+                text = "ok"
+            return Result()
+
+    client = Recording()
+    assert chat_loop(client, sampling_params(), system="", timeout_s=5, stdin=io.StringIO("a\n/reset\nb\n"),
+                     stdout=io.StringIO()) == 0
+    assert client.roles == [["system", "user"], ["system", "user"]]
