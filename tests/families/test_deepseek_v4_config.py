@@ -175,11 +175,11 @@ def test_writer_checkpoint_round_trips(tmp_path, preset) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")  # restores the thread count: it is part of program keys
 @pytest.mark.parametrize("preset", PRESETS)
 def test_transformers_loads_the_release_names_and_runs(tmp_path, preset) -> None:
     from transformers import DeepseekV4ForCausalLM
 
-    torch.set_num_threads(1)
     model = write_tiny_deepseek_v4(tmp_path, PRESETS[preset])
     loaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()
     ref, got = model.state_dict(), loaded.state_dict()

@@ -255,7 +255,7 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"source": "hit", "fingerprint": cold.fingerprint, "builds": []}
+    assert result == {"source": "hit", "fingerprint": cold.fingerprint, "builds": []}, proc.stderr[-3000:]
     assert not marker.exists(), marker.read_text()
 
 
