@@ -125,8 +125,8 @@ class FamilyConfig:
     """Base of a family's architecture config: a frozen dataclass whose fields are the sidecar's
     ``config.json`` keys (Hugging Face names and semantics). Subclasses validate in
     ``__post_init__`` (raising ``InvalidArgument``) and must define ``vocab_size``,
-    ``max_position_embeddings``, ``num_hidden_layers`` and ``architecture`` fields and the
-    :attr:`eos_token_ids` property (the engine's generic needs)."""
+    ``max_position_embeddings``, ``num_hidden_layers`` and ``architecture`` fields (the
+    engine's generic needs); an ``eos_token_id`` field, if any, gives :attr:`eos_token_ids`."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict with exactly the dataclass fields."""
@@ -138,8 +138,12 @@ class FamilyConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Token ids that end a generation (empty when the model has none)."""
-        return ()
+        """Token ids that end a generation: the ``eos_token_id`` field as a tuple (HF allows an
+        int, a list of ints or ``None``); empty when the model has none."""
+        eos = getattr(self, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (int(eos),)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FamilyConfig:
@@ -155,18 +159,22 @@ class FamilyConfig:
             return cls(**{k: v for k, v in data.items() if k in names})
         except InvalidArgument:
             raise
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, KeyError) as e:
             raise InvalidArgument(f"model config has a bad value: {e}") from e
 
 
 
-def check_positive_ints(config: FamilyConfig, names: tuple[str, ...]) -> None:
-    """Raise ``InvalidArgument`` unless every field in ``names`` is a positive ``int`` (bools
+def check_positive_int(name: str, value: Any) -> None:
+    """Raise ``InvalidArgument`` naming ``name`` unless ``value`` is a positive ``int`` (bools
     excluded)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument(f"model config {name} must be a positive integer, got {value!r}")
+
+
+def check_positive_ints(config: FamilyConfig, names: tuple[str, ...]) -> None:
+    """:func:`check_positive_int` for every field of ``config`` in ``names``."""
     for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidArgument(f"model config {name} must be a positive integer, got {value!r}")
+        check_positive_int(name, getattr(config, name))
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@
 Groundwork for issue 12: this package has no ``__init__.py`` on purpose. The family registry
 (``model_families/__init__.py``) imports every regular sub-package and takes its ``FAMILY``; a
 package without one would break every lookup. Add the ``__init__.py`` with ``FAMILY`` when the
-family is complete (and make :class:`DeepseekV4Config` a ``FamilyConfig`` subclass then; it
-mirrors that interface now without importing torch).
+family is complete.
 
 Field names and semantics are transformers' (``transformers/models/deepseek_v4/
 configuration_deepseek_v4.py``, ``DeepseekV4Config``; the reference is transformers 5.23).
@@ -25,12 +24,12 @@ or legacy ``num_hash_layers``; ``partial_rotary_factor`` or legacy ``qk_rope_hea
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from model_families.family import FamilyConfig, check_positive_int
 from services.errors import InvalidArgument
 
 #: The HF architecture name.
@@ -74,7 +73,7 @@ REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_la
 
 
 @dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(FamilyConfig):
     """DeepSeek V4 architecture (see the module docstring), validated at construction
     (``InvalidArgument`` with one sentence). Build it with :meth:`from_hf` from a config.json
     dict (defaults and legacy keys resolved) or :meth:`from_dict` from :meth:`to_dict` output."""
@@ -147,7 +146,7 @@ class DeepseekV4Config:
                      "num_attention_heads", "head_dim", "q_lora_rank", "qk_rope_head_dim", "num_experts_per_tok",
                      "n_routed_experts", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
                      "index_topk", "sliding_window", "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.architecture not in ARCHITECTURES:
             raise InvalidArgument(f"architecture {self.architecture!r} is not DeepSeek V4 (DeepseekV4ForCausalLM)")
         if self.num_key_value_heads != 1:
@@ -184,7 +183,7 @@ class DeepseekV4Config:
             raise InvalidArgument(f"compress_rates must map exactly {CSA!r} and {HCA!r} to a rate, got "
                                   f"{self.compress_rates!r}")
         for kind, rate in self.compress_rates.items():
-            _check_positive_int(f"compress_rates[{kind!r}]", rate)
+            check_positive_int(f"compress_rates[{kind!r}]", rate)
         if not isinstance(self.rope_parameters, dict) or set(self.rope_parameters) != set(ROPE_LABELS):
             raise InvalidArgument(f"rope_parameters must be nested as {{'main': ..., 'compress': ...}}, got "
                                   f"{self.rope_parameters!r}")
@@ -202,32 +201,27 @@ class DeepseekV4Config:
         if not _positive_number(self.swiglu_limit) or not _positive_number(self.routed_scaling_factor):
             raise InvalidArgument("model config swiglu_limit and routed_scaling_factor must be positive")
 
-    # ---- the FamilyConfig interface (mirrored; see the module docstring) ----
+    # ---- FamilyConfig ----
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict with exactly the dataclass fields (tuples become lists)."""
-        data = asdict(self)
+        data = super().to_dict()
         data["layer_types"] = list(self.layer_types)
         data["mlp_layer_types"] = list(self.mlp_layer_types)
         return data
-
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, no spaces)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeepseekV4Config:
         """From a dict with this class's keys (e.g. :meth:`to_dict` output, or an HF config.json
         that already spells every derived field); anything else goes through :meth:`from_hf`.
         Raises ``InvalidArgument`` for a missing key or a bad value."""
-        names = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if f.default is MISSING]
         if any(n not in data for n in required):
             return cls.from_hf(data)
-        values = {k: v for k, v in data.items() if k in names}
+        values = dict(data)
         values["layer_types"] = _as_tuple("layer_types", values["layer_types"])
         values["mlp_layer_types"] = _as_tuple("mlp_layer_types", values["mlp_layer_types"])
-        return _construct(cls, values)
+        return super().from_dict(values)
 
     @classmethod
     def from_hf(cls, data: Mapping[str, Any]) -> DeepseekV4Config:
@@ -244,9 +238,9 @@ class DeepseekV4Config:
                 raise InvalidArgument(f"DeepSeek V4 has no {key.split('_')[0]} biases; {key} must be false")
         get = lambda key: data[key] if data.get(key) is not None else _DEFAULTS[key]  # noqa: E731
         n = data["num_hidden_layers"]
-        _check_positive_int("num_hidden_layers", n)
+        check_positive_int("num_hidden_layers", n)
         head_dim = data["head_dim"]
-        _check_positive_int("head_dim", head_dim)
+        check_positive_int("head_dim", head_dim)
 
         rates = dict(data.get("compress_rates") or DEFAULT_COMPRESS_RATES)
         if data.get("compress_rate_csa") is not None:
@@ -285,7 +279,7 @@ class DeepseekV4Config:
         rope_theta, compress_theta = get("rope_theta"), get("compress_rope_theta")
         rope = _rope_parameters(data, rope_theta, compress_theta, factor)
 
-        return _construct(cls, {
+        return super().from_dict({
             "vocab_size": data["vocab_size"], "hidden_size": data["hidden_size"],
             "moe_intermediate_size": data["moe_intermediate_size"], "num_hidden_layers": n,
             "num_attention_heads": data["num_attention_heads"], "head_dim": head_dim,
@@ -301,14 +295,6 @@ class DeepseekV4Config:
         })
 
     # ---- what serving needs, derived ----
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """``eos_token_id`` as a tuple (HF allows an int or a list)."""
-        eos = self.eos_token_id
-        if eos is None:
-            return ()
-        return tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (int(eos),)
 
     @property
     def compress_ratios(self) -> tuple[int, ...]:
@@ -368,11 +354,6 @@ class DeepseekV4Config:
         return (2 + self.hc_mult) * self.hc_mult
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidArgument(f"model config {name} must be a positive integer, got {value!r}")
-
-
 def _positive_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
@@ -381,15 +362,6 @@ def _as_tuple(name: str, value: Any) -> tuple:
     if not isinstance(value, list | tuple):
         raise InvalidArgument(f"model config {name} must be a list, got {value!r}")
     return tuple(value)
-
-
-def _construct(cls: type[DeepseekV4Config], values: dict[str, Any]) -> DeepseekV4Config:
-    try:
-        return cls(**values)
-    except InvalidArgument:
-        raise
-    except (TypeError, ValueError, KeyError) as e:
-        raise InvalidArgument(f"model config has a bad value: {e}") from e
 
 
 def _rope_parameters(data: Mapping[str, Any], rope_theta: float, compress_theta: float, factor: float) -> dict:

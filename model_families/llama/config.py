@@ -71,14 +71,6 @@ class LlamaConfig(FamilyConfig):
                                   f"({', '.join(sorted(ARCHITECTURES))})")
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """``eos_token_id`` as a tuple (HF allows an int or a list)."""
-        eos = self.eos_token_id
-        if eos is None:
-            return ()
-        return tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (int(eos),)
-
-    @property
     def rope_type(self) -> str:
         """``default`` when there is no scaling, else the HF ``rope_type`` (or legacy ``type``)."""
         if not self.rope_scaling:
