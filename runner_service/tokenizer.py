@@ -70,6 +70,9 @@ class Tokenizer:
         # Longest first, so a special token that is a prefix of another never wins over it.
         self._special_re = (re.compile("|".join(re.escape(s) for s in sorted(self._specials, key=len, reverse=True)))
                             if self._specials else None)
+        # special-token text -> the private-use guard that stands for it in content, and back
+        self._guard_of = {name: chr(_GUARD_BASE + k) for k, name in enumerate(self._specials)}
+        self._text_of = {g: name for name, g in self._guard_of.items()}
         self.config = config
         source = config.get("chat_template")
         self._template = compile_chat_template(source) if source else None
@@ -128,16 +131,14 @@ class Tokenizer:
         per special token: 17 for SmolLM2)."""
         if self._special_re is None:
             return self.encode(self.render_chat(messages), add_special_tokens=False)
-        names = list(self._specials)
-        guard_of = {name: chr(_GUARD_BASE + k) for k, name in enumerate(names)}
-        text_of = {g: name for name, g in guard_of.items()}
+        guard_of, text_of = self._guard_of, self._text_of
         guarded = []
         for i, m in enumerate(messages):
             content = m.get("content")
             if isinstance(content, str):
                 if any(ch in text_of for ch in content):
                     raise InvalidArgument(f"message {i} holds a reserved private-use character "
-                                          f"(U+{_GUARD_BASE:X}..U+{_GUARD_BASE + len(names) - 1:X})")
+                                          f"(U+{_GUARD_BASE:X}..U+{_GUARD_BASE + len(text_of) - 1:X})")
                 m = {**m, "content": self._special_re.sub(lambda hit: guard_of[hit.group()], content)}
             guarded.append(m)
         rendered = self.render_chat(guarded)
@@ -150,17 +151,18 @@ class Tokenizer:
                 piece = piece.lstrip()
             if added.lstrip:
                 piece = piece.rstrip()
-            ids += self._encode_piece(piece, text_of)
+            ids += self._encode_piece(piece)
             ids.append(token_id)
             pos, strip_next = hit.end(), added.rstrip
         tail = rendered[pos:]
-        ids += self._encode_piece(tail.lstrip() if strip_next else tail, text_of)
+        ids += self._encode_piece(tail.lstrip() if strip_next else tail)
         return ids
 
-    def _encode_piece(self, piece: str, text_of: dict[str, str]) -> list[int]:
+    def _encode_piece(self, piece: str) -> list[int]:
         """Plain-text ids of a stretch of rendered chat between two control tokens, its guards
         turned back into the special-token text the content held."""
         if not piece:
             return []
+        text_of = self._text_of
         piece = "".join(text_of.get(ch, ch) for ch in piece) if any(ch in text_of for ch in piece) else piece
         return self._plain.encode(piece, add_special_tokens=False).ids
