@@ -59,5 +59,11 @@ def bind_problem(host: str, port: int) -> str | None:
     except socket.gaierror as e:
         return f"unknown host ({e.strerror})"
     except OSError as e:
-        return "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+        return os_reason(e)
     return None
+
+
+def os_reason(error: OSError) -> str:
+    """A failed bind's reason as words for a sentence: ``"address already in use"`` for
+    EADDRINUSE, else the OS's message, lower-cased."""
+    return "address already in use" if error.errno == errno.EADDRINUSE else (error.strerror or str(error)).lower()

@@ -20,7 +20,6 @@ Servicers stay thin: they validate, call a core object, and translate
 from __future__ import annotations
 
 import argparse
-import errno
 import hmac
 import logging
 import os
@@ -37,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from services.address import bind_problem, format_address
+from services.address import bind_problem, format_address, os_reason
 from services.channel import MAX_MESSAGE_BYTES
 from services.errors import InvalidArgument
 from services.healthcheck import PID_METADATA_KEY
@@ -298,8 +297,8 @@ class ServiceServer:
             except OSError as e:
                 server.stop(None)
                 self._server = None
-                reason = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
-                raise OSError(f"cannot serve metrics on {format_address(cfg.host, cfg.metrics_port)}: {reason}") from e
+                raise OSError(f"cannot serve metrics on {format_address(cfg.host, cfg.metrics_port)}: "
+                              f"{os_reason(e)}") from e
             self.metrics_port = self._metrics_httpd.server_port
         self.set_serving(True)
         log.info("serving", extra={"address": self.address, "services": self.service_names,
