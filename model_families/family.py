@@ -13,7 +13,11 @@ config (one schema)           :attr:`~ModelFamily.config_class`, :meth:`~ModelFa
 pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_specs` (the ONE statement of the
                               layout, per weights dtype), :meth:`~ModelFamily.global_tensors`,
                               :meth:`~ModelFamily.layer_tensors`, :attr:`~ModelFamily.pack_version`,
-                              :attr:`~ModelFamily.weights_dtypes`
+                              :attr:`~ModelFamily.weights_dtypes`; optional:
+                              :meth:`~ModelFamily.stack_index` (stacks over a subset of the
+                              layers), :meth:`~ModelFamily.layout_facts` (fingerprinted config
+                              facts), :meth:`~ModelFamily.extra_specs` /
+                              :meth:`~ModelFamily.extra_tensors` (checkpoint-dependent tensors)
 weights                       :meth:`~ModelFamily.load_weights` (checked against
                               :meth:`~ModelFamily.tensor_specs`), :meth:`~ModelFamily.random_weights`
 KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns;
@@ -63,7 +67,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from types import ModuleType
 from typing import Any, ClassVar, Protocol
@@ -72,6 +76,7 @@ import torch
 from torch import nn
 
 from model_families import quant
+from model_families.block_layout import BlockLayout
 from model_families.ops import QuantizedWeight
 from services.errors import InvalidArgument
 
@@ -135,6 +140,12 @@ class FamilyConfig:
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): stable across runs, fit for a fingerprint."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The kind of each layer where a family has several (a ``layer_types`` field, HF's
+        name for it); empty when every layer is alike."""
+        return tuple(getattr(self, "layer_types", ()) or ())
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -314,7 +325,9 @@ class ModelFamily(ABC):
     ``architectures`` (HF architecture names it serves), ``pack_version`` (changes whenever the
     sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
     ``config_class`` (a :class:`FamilyConfig` subclass), ``weights_dtypes`` (the sidecar weights
-    dtypes it packs, a subset of :data:`WEIGHTS_DTYPES`; float-only by default).
+    dtypes it packs, a subset of :data:`WEIGHTS_DTYPES`; float-only by default),
+    ``stacked_prefixes`` (names whose first dim is a stack index; ``("layers.",)`` by default) and
+    ``extra_prefixes`` (what :meth:`extra_specs` names may start with; none by default).
 
     ``supports_prefix_caching`` (default ``True``): the runner may reuse a full KV block across
     requests whose token histories agree up to the block's end (automatic prefix caching,
@@ -330,6 +343,13 @@ class ModelFamily(ABC):
     config_class: ClassVar[type[FamilyConfig]]
     weights_dtypes: ClassVar[tuple[str, ...]] = ("f32", "bf16")
     supports_prefix_caching: ClassVar[bool] = True
+    #: Whether ``aoti`` mode also compiles the prefill step (the model's ``forward`` over a
+    #: dynamic token count); ``False`` keeps prefill eager and compiles decode only.
+    compiled_prefill: ClassVar[bool] = True
+    #: Prefixes of the stacked tensor names (first dim a stack index, see :meth:`stack_index`).
+    stacked_prefixes: ClassVar[tuple[str, ...]] = ("layers.",)
+    #: Prefixes the names of :meth:`extra_specs` may have (the validator rejects others).
+    extra_prefixes: ClassVar[tuple[str, ...]] = ()
 
     # -- config ----------------------------------------------------------------------------
 
@@ -368,8 +388,37 @@ class ModelFamily(ABC):
         return weights_dtype
 
     def stacked_names(self, config: FamilyConfig, weights_dtype: str = "f32") -> list[str]:
-        """The names whose first dim is the layer index (``layers.*``)."""
-        return [n for n in self.tensor_specs(config, weights_dtype) if n.startswith("layers.")]
+        """The names whose first dim is a stack index (names starting with one of
+        :attr:`stacked_prefixes`; which slice a layer fills is :meth:`stack_index`)."""
+        return [n for n in self.tensor_specs(config, weights_dtype) if n.startswith(self.stacked_prefixes)]
+
+    def stack_index(self, config: FamilyConfig, name: str, layer: int) -> int:
+        """The slice of the stacked tensor ``name`` (:meth:`stacked_names`) that
+        :meth:`layer_tensors` ``(ckpt, layer)`` fills: the packer writes that layer's value at
+        ``[stack_index(config, name, layer)]``. Default: ``layer`` (every stacked tensor has one
+        slice per layer). A family that stacks some tensors over a subset of the layers (say, the
+        layers of one kind) returns the layer's rank in that subset."""
+        return layer
+
+    def layout_facts(self, config: FamilyConfig) -> dict[str, Any]:
+        """Config facts the sidecar layout depends on beyond its tensor names and shapes (which
+        layer fills which slice, window sizes, ...), as a JSON-able dict. When non-empty, its
+        canonical JSON enters the sidecar fingerprint and the metadata
+        (``warmserve.layout_facts``), and validation reports a sidecar stale when the stored facts
+        differ from what its config implies. Default: none (``{}``, fingerprint unchanged)."""
+        return {}
+
+    def extra_specs(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, TensorSpec]:
+        """Checkpoint-dependent tensors packed beside the layout (names starting with one of
+        :attr:`extra_prefixes`, e.g. DeepSeek V4's ``mtp.*``), name -> spec. The packer adds them
+        to the header, the names fingerprint and the metadata (``warmserve.extra_tensors``, so
+        the validator knows them); :meth:`extra_tensors` gives their values. Default: none."""
+        return {}
+
+    def extra_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every name of :meth:`extra_specs`, at full shape (floats in any
+        float dtype: the packer casts), one at a time. Default: none."""
+        return iter(())
 
     @abstractmethod
     def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
@@ -412,6 +461,13 @@ class ModelFamily(ABC):
     @abstractmethod
     def cache_specs(self, config: FamilyConfig, block_size: int) -> tuple[CacheSpec, ...]:
         """The KV-cache block pools this family's model reads and writes (possibly none)."""
+
+    def block_layout(self, config: FamilyConfig, block_size: int, max_model_len: int) -> BlockLayout:
+        """Where a sequence's tokens live in its block table (how many blocks ``n`` tokens
+        hold, the slot of a position): the block manager, the decode buffers and the prefill
+        batcher all ask it. Default: the paged layout, one block per ``block_size`` tokens
+        (:class:`model_families.block_layout.BlockLayout`)."""
+        return BlockLayout(block_size)
 
     @abstractmethod
     def build_model(self, config: FamilyConfig, weights: FamilyWeights, max_model_len: int) -> FamilyModel:

@@ -4,7 +4,8 @@ cache follows the ideas of vLLM's ``KVCacheManager`` / ``BlockPool``).
 Blocks ``1 .. num_blocks - 1`` are handed out; block 0 is the scratch block
 (:data:`runner_service.kv_cache.SCRATCH_BLOCK`) and is never allocated nor cached. A sequence's
 ``block_table`` lists its blocks in token order; block ``i`` holds tokens
-``[i * block_size, (i + 1) * block_size)``.
+``[i * block_size, (i + 1) * block_size)`` (the paged layout; a family may lay its table out
+otherwise, :mod:`model_families.block_layout`, and then has no prefix caching).
 
 Prefix caching (``enable_prefix_caching``; the engine turns it on only for a model family that
 declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`):
@@ -56,6 +57,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
+from model_families.block_layout import BlockLayout
 from runner_service.kv_cache import SCRATCH_BLOCK
 from runner_service.sequence import Sequence
 from services.errors import InvalidArgument, ResourceExhausted
@@ -92,13 +94,18 @@ class BlockManager:
     """Ref-counted allocator over ``num_blocks`` blocks of ``block_size`` tokens, with an
     optional prefix cache (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 layout: BlockLayout | None = None) -> None:
         if num_blocks < 2:
             raise InvalidArgument(f"need at least 2 KV blocks (scratch + 1), got {num_blocks}")
         if block_size < 1:
             raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        #: How many blocks ``n`` tokens hold (the family's :meth:`~model_families.family.ModelFamily.block_layout`).
+        self.layout = layout or BlockLayout(block_size)
+        if self.layout.block_size != block_size:
+            raise InvalidArgument(f"block layout is for blocks of {self.layout.block_size} tokens, not {block_size}")
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(b for b in range(num_blocks) if b != SCRATCH_BLOCK)
@@ -153,8 +160,13 @@ class BlockManager:
     # -- plain allocation --------------------------------------------------------------------
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-        return -(-num_tokens // self.block_size)
+        """Blocks that hold ``num_tokens`` tokens (the layout's; paged: ``ceil(num_tokens /
+        block_size)``)."""
+        return self.layout.blocks_needed(num_tokens)
+
+    def tokens_that_fit(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` could hold with its blocks and every free one."""
+        return self.layout.max_tokens(len(seq.block_table) + self.num_free_blocks)
 
     def extra_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks ``seq`` still lacks to hold its first ``num_tokens`` tokens."""

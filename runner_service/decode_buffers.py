@@ -34,6 +34,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from model_families.block_layout import BlockLayout
 from runner_service.kv_cache import SCRATCH_BLOCK
 from services.errors import InvalidArgument
 
@@ -47,7 +48,7 @@ class DecodeBuffers:
     """The persistent decode inputs for up to ``max_num_seqs`` rows (see the module docstring)."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, num_blocks: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", layout: BlockLayout | None = None) -> None:
         if max_num_seqs < 1 or max_blocks_per_seq < 1 or block_size < 1 or num_blocks < 2:
             raise InvalidArgument("decode buffers need max_num_seqs, max_blocks_per_seq, block_size >= 1 "
                                   "and num_blocks >= 2")
@@ -56,6 +57,8 @@ class DecodeBuffers:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
+        #: Where a position's slot is in a block table (the family's block layout).
+        self.layout = layout or BlockLayout(block_size)
         self.row_builds = 0
         self._allocate()
 
@@ -121,21 +124,21 @@ class DecodeBuffers:
                                   f"{len(block_tables)} block tables")
         if n > self.max_num_seqs:
             raise InvalidArgument(f"{n} decode rows exceed the {self.max_num_seqs} allocated")
-        bs, m, keys = self.block_size, self.max_blocks_per_seq, self._row_keys
+        m, keys, layout = self.max_blocks_per_seq, self._row_keys, self.layout
         changed = []
         slots = []
         for i in range(n):
             blocks, pos = block_tables[i], positions[i]
             if len(blocks) > m:
                 raise InvalidArgument(f"row {i}: {len(blocks)} blocks exceed max_blocks_per_seq {m}")
-            if not 0 <= pos < len(blocks) * bs:
+            if pos < 0 or layout.blocks_needed(pos + 1) > len(blocks):
                 raise InvalidArgument(f"row {i}: position {pos} is outside its {len(blocks)} blocks")
             if blocks != keys[i]:
                 # Block ids are checked when a row is (re)built; unchanged rows were checked then.
                 if not (0 < min(blocks) and max(blocks) < self.num_blocks):
                     raise InvalidArgument(f"row {i}: block ids must be in [1, {self.num_blocks})")
                 changed.append(i)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            slots.append(layout.slot(blocks, pos))
         self._np["input_ids"][:n] = tokens
         self._np["positions"][:n] = positions
         self._np["slot_mapping"][:n] = slots

@@ -243,11 +243,13 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
+        self.block_layout = self.model_family.block_layout(args, config.block_size, self.max_model_len)
         num_blocks = self._num_kv_blocks(cache_specs)
         self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
         #: Prefix caching is on when the config asks for it and the family supports it.
         self.prefix_caching = config.enable_prefix_caching and self.model_family.supports_prefix_caching
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching,
+                                          layout=self.block_layout)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), self.eos_token_ids)
         touched = self.kv.touched_bytes()
@@ -312,7 +314,7 @@ class LLMEngine:
         without pools gets the full count: its blocks cost nothing)."""
         cfg = self.config
         per_block = bytes_per_block(specs, self.dtype)
-        full = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        full = cfg.max_num_seqs * self.block_layout.blocks_needed(self.max_model_len) + 1
         if per_block == 0:
             return full
         if cfg.kv_cache_bytes is not None:

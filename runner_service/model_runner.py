@@ -80,14 +80,16 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // kv.block_size)
+        #: The family's block-table layout (slots of positions, blocks per sequence).
+        self.layout = self.family.block_layout(args, kv.block_size, max_model_len)
+        self.max_blocks_per_seq = self.layout.blocks_needed(max_model_len)
         self.dtype = weights.dtype
         self.model = self.family.build_model(args, weights, max_model_len).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
         self.packed = PackedMatrices(self.model.linear_matrices(), batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
-                                     kv.num_blocks, device)
+                                     kv.num_blocks, device, self.layout)
         self.decode_programs: dict[int, DecodeFn] = {}
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
         #: this runner's modules in another thread (:func:`runner_service.programs.compile_aoti`).
@@ -223,7 +225,7 @@ class ModelRunner:
             pos[i, :n] = p
             bt = torch.tensor(seq.block_table, dtype=torch.int64)
             tables[i, : len(seq.block_table)] = bt
-            slots[i, :n] = bt[p // bs] * bs + p % bs
+            slots[i, :n] = self.layout.slots(bt, p)
         dev = self.device
         inputs = (ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev), last.to(dev))
         if self.prefill_program is not None:

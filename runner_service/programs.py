@@ -596,6 +596,8 @@ def _load_prefill(runner: ModelRunner, mode: str, cache: KernelCacheClient | Non
     prefill eager."""
     if mode != "aoti":
         return "eager", "prefill eager"
+    if not runner.family.compiled_prefill:
+        return "eager", f"prefill eager (the {runner.family.name} family compiles decode only)"
     try:
         name, fp = program_key(runner, mode, sources=sources, kind="prefill")
         program, source, _published, detail = _load_aoti(

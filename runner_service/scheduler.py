@@ -181,7 +181,7 @@ class Scheduler:
                 break
             hit = bm.allocate_cached_prefix(seq) if is_new else 0
             n = min(seq.num_uncomputed_tokens, budget)
-            fit = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+            fit = bm.tokens_that_fit(seq) - seq.num_computed_tokens
             n = min(n, fit)
             if n <= 0:
                 if hit:  # not scheduled after all: give the hit back

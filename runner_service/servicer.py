@@ -84,7 +84,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             program_detail=eng.program_detail, programs_installed_at_s=eng.programs_installed_at_s or 0.0,
             eos_token_ids=eng.eos_token_ids, default_sampling=sampling_defaults_to_proto(eng.sampling_defaults),
             running=stats["running"], waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"],
-            kv_blocks_usable=stats["kv_blocks_total"])
+            kv_blocks_usable=stats["kv_blocks_total"], layer_types=eng.args.layer_kinds)
 
 
 class RunnerCollector:

@@ -27,7 +27,7 @@ from weights_tiny import write_word_tokenizer
 _COMMON = dict(
     vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, q_lora_rank=32,
     partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4, sliding_window=8, o_groups=2,
-    o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=2, max_position_embeddings=256,
+    o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=2, max_position_embeddings=256,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     bos_token_id=1, eos_token_id=2, initializer_range=0.1, num_nextn_predict_layers=1,
@@ -156,27 +156,177 @@ def tiny_model(preset: dict, seed: int = 0, **overrides):
     return model
 
 
+# ---- quantized release formats (written from first principles, independent of the packer) ----
+
+#: e2m1 code -> value (bit 3 sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP8_BLOCK, FP4_GROUP = 128, 32
+#: transformers parameters the quantized writer stores FP8 (128x128 ue8m0 block scales) / FP4.
+FP8_PARAMS = re.compile(r".*\.(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)|"
+                        r"self_attn\.compressor\.indexer\.q_b_proj|mlp\.shared_experts\.(gate|up|down)_proj)\.weight")
+FP4_PARAMS = re.compile(r".*\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales ``2^exponent`` as ``float8_e8m0fnu`` (biased byte ``exponent + 127``)."""
+    return (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e8m0_value(scale: torch.Tensor) -> torch.Tensor:
+    """``2^(byte - 127)`` of each ue8m0 scale, float32."""
+    return torch.pow(2.0, scale.view(torch.uint8).to(torch.float32) - 127.0)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes float8_e4m3fn [N, K], scale ue8m0 [ceil(N/128), ceil(K/128)])``: per 128x128 block
+    (edge blocks partial) the smallest power of two with ``amax / scale <= 448``."""
+    rows, cols = w.shape
+    nb_r, nb_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    exps = torch.zeros(nb_r, nb_c, dtype=torch.int32)
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nb_r):
+        for j in range(nb_c):
+            block = w[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK].float()
+            amax = float(block.abs().max())
+            e = int(torch.ceil(torch.log2(torch.tensor(amax / 448.0)))) if amax > 0 else 0
+            exps[i, j] = e
+            codes[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = \
+                (block / 2.0 ** e).to(torch.float8_e4m3fn)
+    return codes, _e8m0(exps)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``code * 2^(e - 127)`` of the code's 128x128 block, block by block (float32)."""
+    out = codes.float()
+    values = e8m0_value(scale)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            out[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] *= values[i, j]
+    return out
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed int8 [..., N, K/2], scale ue8m0 [..., N, ceil(K/32)])``: per 32 values of a row
+    the smallest power of two with ``amax / scale <= 6``, each value rounded to the nearest e2m1
+    value; two codes a byte, the even column in the low nibble."""
+    *lead, rows, cols = w.shape
+    groups = -(-cols // FP4_GROUP)
+    padded = torch.nn.functional.pad(w.float(), (0, groups * FP4_GROUP - cols)).reshape(*lead, rows, groups, FP4_GROUP)
+    amax = padded.abs().amax(-1)
+    exps = torch.where(amax > 0, torch.ceil(torch.log2(amax.clamp(min=1e-30) / 6.0)), torch.zeros_like(amax))
+    scaled = (padded / torch.pow(2.0, exps)[..., None]).reshape(*lead, rows, groups * FP4_GROUP)[..., :cols]
+    table = torch.tensor(E2M1[:8])
+    mag = (scaled.abs()[..., None] - table).abs().argmin(-1)  # nearest magnitude (first on ties)
+    codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+    return packed, _e8m0(exps.to(torch.int32))
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e2m1(code) * 2^(e - 127)`` of the code's group of 32 (float32, ``[..., N, K]``)."""
+    u8 = packed.view(torch.uint8).long()
+    table = torch.tensor(E2M1)
+    values = torch.stack([table[u8 & 15], table[u8 >> 4]], -1).flatten(-2)
+    return values * e8m0_value(scale).repeat_interleave(FP4_GROUP, -1)[..., :values.shape[-1]]
+
+
+def quantize_model(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantize ``model``'s :data:`FP8_PARAMS` (FP8) and :data:`FP4_PARAMS` (FP4) in place: each
+    parameter becomes its dequantized value, so the model is the reference of the quantized
+    checkpoint. Returns transformers name -> ``(codes, ue8m0 scale)``."""
+    stored = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if FP8_PARAMS.fullmatch(name):
+                codes, scale = quantize_fp8(t)
+                t.copy_(dequantize_fp8(codes, scale))
+            elif FP4_PARAMS.fullmatch(name):
+                codes, scale = quantize_fp4(t)
+                t.copy_(dequantize_fp4(codes, scale))
+            else:
+                continue
+            stored[name] = (codes, scale)
+    return stored
+
+
+def _save_sharded(state: dict[str, torch.Tensor], directory: Path, shards: int) -> None:
+    """``model.safetensors``, or ``shards`` files (names dealt round-robin in sorted order, so a
+    weight and its scale usually land in different files) plus ``model.safetensors.index.json``."""
+    if shards == 1:
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names, weight_map = sorted(state), {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: state[n] for n in names[s::shards]}, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in names[s::shards]})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def mtp_state(hidden: int, seed: int, dtype: torch.dtype, quantized: bool) -> dict[str, torch.Tensor]:
+    """Placeholder ``mtp.0.*`` tensors (names under the release's MTP prefix); with ``quantized``,
+    ``mtp.0.e_proj`` is FP8 with its ``mtp.0.e_proj.scale``."""
+    g = torch.Generator().manual_seed(seed + 2)
+    h = hidden
+    state = {name: torch.randn(shape, generator=g).to(dtype)
+             for name, shape in (("mtp.0.e_proj.weight", (h, h)), ("mtp.0.h_proj.weight", (h, h)),
+                                 ("mtp.0.enorm.weight", (h,)), ("mtp.0.hnorm.weight", (h,)),
+                                 ("mtp.0.norm.weight", (h,)))}
+    if quantized:
+        state["mtp.0.e_proj.weight"], state["mtp.0.e_proj.scale"] = quantize_fp8(state["mtp.0.e_proj.weight"].float())
+    return state
+
+
 def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, seed: int = 0,
-                           dtype: torch.dtype = torch.float32, mtp: bool = True, **overrides):
-    """Write a tiny DeepSeek V4 checkpoint in release naming to ``directory`` (created):
-    ``model.safetensors``, ``config.json`` (transformers' ``to_dict``, ``architectures`` set),
-    ``generation_config.json`` and a word tokenizer (``w{i}`` is token ``i``, BOS ``w1``, EOS
-    ``w2``). Floating tensors are cast to ``dtype``. ``mtp`` adds a few ``mtp.0.*`` tensors
-    (placeholder names under the release's MTP prefix, which serving must skip). Returns the
-    float32 transformers model (the reference)."""
+                           dtype: torch.dtype = torch.float32, mtp: bool = True, naming: str = "release",
+                           shards: int = 1, quantized: bool = False, fp4_dtype: torch.dtype = torch.int8,
+                           **overrides):
+    """Write a tiny DeepSeek V4 checkpoint to ``directory`` (created): weights, ``config.json``
+    (transformers' ``to_dict``, ``architectures`` set), ``generation_config.json`` and a word
+    tokenizer (``w{i}`` is token ``i``, BOS ``w1``, EOS ``w2``). Returns the float32 transformers
+    model (the reference: with ``quantized``, its quantized parameters hold the dequantized
+    values, :func:`quantize_model`).
+
+    ``naming``: ``release`` (:func:`release_state_dict`), ``transformers`` (the model's own
+    ``state_dict`` names) or ``saved`` (what ``model.save_pretrained`` writes; float32 only, one
+    file, no MTP, not quantized). ``shards`` > 1 splits the weights over that many files with a
+    ``model.safetensors.index.json``. ``quantized``: :data:`FP8_PARAMS` stored float8_e4m3fn with
+    ue8m0 128x128 block scales (``<prefix>.scale`` in release naming, ``<prefix>.weight_scale_inv``
+    in transformers naming) and the routed experts FP4 (e2m1 pairs as ``fp4_dtype``: int8 or
+    ``torch.float4_e2m1fn_x2``, safetensors ``F4``) with one ue8m0 scale per 32 values of a row
+    (``_scale_inv`` after the merged parameter in transformers naming). Other floating tensors are
+    cast to ``dtype``. ``mtp`` (release naming) adds a few ``mtp.0.*`` tensors (:func:`mtp_state`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model = tiny_model(preset, seed=seed, **overrides)
-    state = release_state_dict(model.state_dict())
+    stored = quantize_model(model) if quantized else {}
+    if naming == "saved":
+        if quantized or shards != 1 or dtype != torch.float32:
+            raise ValueError("the saved naming is written by save_pretrained: float32, one file, not quantized")
+        model.save_pretrained(directory)
+        write_word_tokenizer(directory, TOKENIZER_WORDS)
+        return model
+    if naming == "release":
+        state = release_state_dict(model.state_dict())
+    elif naming == "transformers":
+        state = dict(model.state_dict())
+    else:
+        raise ValueError(f"unknown naming {naming!r}")
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    if mtp:
-        g = torch.Generator().manual_seed(seed + 2)
-        h = model.config.hidden_size
-        for name, shape in (("mtp.0.e_proj.weight", (h, h)), ("mtp.0.h_proj.weight", (h, h)),
-                            ("mtp.0.enorm.weight", (h,)), ("mtp.0.hnorm.weight", (h,)),
-                            ("mtp.0.norm.weight", (h,))):
-            state[name] = torch.randn(shape, generator=g).to(dtype)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for hf_name, (codes, scale) in stored.items():
+        if FP4_PARAMS.fullmatch(hf_name):
+            codes = codes.view(fp4_dtype)
+        if naming == "transformers":
+            state[hf_name] = codes
+            state[hf_name[:-len(".weight")] + ".weight_scale_inv" if hf_name.endswith(".weight")
+                  else hf_name + "_scale_inv"] = scale
+            continue
+        state.update({k: v.contiguous() for k, v in release_state_dict({hf_name: codes}).items()})
+        state.update({k[:-len(".weight")] + ".scale": v.contiguous()
+                      for k, v in release_state_dict({hf_name: scale}).items()})
+    if mtp and naming == "release":
+        state.update(mtp_state(model.config.hidden_size, seed, dtype, quantized))
+    _save_sharded(state, directory, shards)
     config = model.config.to_dict()
     config["architectures"] = ["DeepseekV4ForCausalLM"]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -184,3 +334,24 @@ def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, se
         "bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}))
     write_word_tokenizer(directory, TOKENIZER_WORDS)
     return model
+
+
+def wire_family_hooks(monkeypatch) -> None:
+    """Until ``model_families/deepseek_v4/__init__.py`` delegates them, give ``FAMILY`` the pack
+    hooks of :mod:`model_families.deepseek_v4.pack` (``stack_index``, ``layout_facts``,
+    ``extra_specs`` / ``extra_tensors``, ``stacked_prefixes``, ``extra_prefixes``); a hook the
+    family already defines is left alone."""
+    from model_families.deepseek_v4 import FAMILY, pack
+
+    cls = type(FAMILY)
+    hooks = {
+        "stack_index": lambda self, config, name, layer: pack.stack_index(config, name, layer),
+        "layout_facts": lambda self, config: pack.layout_facts(config),
+        "extra_specs": lambda self, ckpt, weights_dtype="f32": pack.extra_specs(ckpt, weights_dtype),
+        "extra_tensors": lambda self, ckpt, weights_dtype="f32": pack.extra_tensors(ckpt, weights_dtype),
+        "stacked_prefixes": pack.STACKED_PREFIXES,
+        "extra_prefixes": pack.EXTRA_PREFIXES,
+    }
+    for name, value in hooks.items():
+        if name not in vars(cls):
+            monkeypatch.setattr(cls, name, value, raising=False)

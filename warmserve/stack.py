@@ -575,6 +575,17 @@ def programs_took_over(info) -> str:
     return f"compiled programs {took} at {info.programs_installed_at_s:.1f} s ({info.program_detail})"
 
 
+def layer_kinds_summary(kinds) -> str:
+    """``kinds`` (one per layer) as runs: ``"0 sliding_attention, 1-3 compressed_sparse_attention"``."""
+    runs: list[list] = []
+    for i, kind in enumerate(kinds):
+        if runs and runs[-1][2] == kind:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, kind])
+    return ", ".join(f"{a}{'' if a == b else f'-{b}'} {k}" for a, b, k in runs)
+
+
 def format_startup_report(info, title: str = "") -> str:
     """A ``ModelInfoResponse``'s start-up report as an aligned text block (seconds per phase)."""
     head = title or f"start-up report of {info.runner_id}"
@@ -582,6 +593,8 @@ def format_startup_report(info, title: str = "") -> str:
              f"  model {info.model} ({info.family}, {info.weights_dtype or '?'} weights, {info.dtype} compute, "
              f"{info.device}, compile {info.compile_mode}, "
              f"{info.num_kv_blocks} KV blocks x {info.block_size} tokens)"]
+    if info.layer_types:
+        lines.append(f"  layers {layer_kinds_summary(info.layer_types)}")
     width = max((len(p.name) for p in info.startup.phases), default=0)
     for p in info.startup.phases:
         lines.append(f"  {p.name:<{width}}  {p.seconds:7.2f} s  {p.detail}")

@@ -1,9 +1,11 @@
 """Pack a checkpoint into a sidecar directory: stream every tensor into a temp file, check the
 checkpoint did not change meanwhile, then publish atomically.
 
-The header (names, shapes, offsets, fingerprints) depends only on the config, so it is written
-first; tensor data then goes straight to its offset with ``pwrite`` (global tensors, then layer
-by layer into each stacked tensor's ``[layer]`` slice), so memory holds one layer at a time.
+The header (names, shapes, offsets, fingerprints) depends only on the config (and on the
+family's checkpoint-dependent extra tensors, :meth:`~model_families.family.ModelFamily.extra_specs`),
+so it is written first; tensor data then goes straight to its offset with ``pwrite`` (global
+tensors, extra tensors, then layer by layer into each stacked tensor's slice
+``[family.stack_index(config, name, layer)]``), so memory holds one layer at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from weight_service.sidecar import (
     GENERATION_CONFIG_FILE,
     WEIGHTS_FILE,
     build_header,
+    canonical_facts,
+    extra_tensors_json,
     finish_temp_file,
     names_fingerprint,
     new_temp_file,
@@ -87,17 +91,29 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
         generation = ckpt.generation_config()
         layers = config.num_hidden_layers
         specs: dict[str, TensorSpec] = family.tensor_specs(config, dtype)
+        extra = family.extra_specs(ckpt, dtype)
+        clash = sorted(n for n in extra if n in specs or not n.startswith(tuple(family.extra_prefixes) or ("\0",)))
+        if clash:
+            raise InvalidArgument(f"the {family.name} family's extra tensors {clash} clash with its layout "
+                                  f"or lack its extra prefixes {list(family.extra_prefixes)}")
+        specs = {**specs, **extra}
         names_fp = names_fingerprint(specs)
+        facts = canonical_facts(family.layout_facts(config))
         metadata = {
             "warmserve.format_version": FORMAT_VERSION,
             "warmserve.family": family.name,
             "warmserve.dtype": dtype,
             "warmserve.config": config.to_json(),
-            "warmserve.fingerprint": sidecar_fingerprint(family.name, family.pack_version, dtype, source_fp, names_fp),
+            "warmserve.fingerprint": sidecar_fingerprint(family.name, family.pack_version, dtype, source_fp, names_fp,
+                                                         facts),
             "warmserve.source_fingerprint": source_fp,
             "warmserve.names_fingerprint": names_fp,
             "warmserve.source": str(source.path),
         }
+        if facts:
+            metadata["warmserve.layout_facts"] = facts
+        if extra:
+            metadata["warmserve.extra_tensors"] = extra_tensors_json(extra)
         prefix, entries, total = build_header(specs, metadata)
         directory.mkdir(parents=True, exist_ok=True)
         for name, data in ckpt.tokenizer_files().items():
@@ -118,11 +134,19 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
                 data = _tensor_bytes(t, specs[name].dtype, specs[name].shape, name)
                 _pwrite_all(fd, data, base + entries[name].begin)
                 written += len(data)
+            for name, t in family.extra_tensors(ckpt, dtype):
+                data = _tensor_bytes(t, specs[name].dtype, specs[name].shape, name)
+                _pwrite_all(fd, data, base + entries[name].begin)
+                written += len(data)
             emit(ProgressEvent("pack", 0, layers, written, "global tensors"))
             for layer in range(layers):
                 for name, t in family.layer_tensors(ckpt, layer, dtype).items():
-                    data = _tensor_bytes(t, specs[name].dtype, specs[name].shape[1:], f"{name}[{layer}]")
-                    _pwrite_all(fd, data, base + entries[name].begin + layer * len(data))
+                    index = family.stack_index(config, name, layer)
+                    if not 0 <= index < specs[name].shape[0]:
+                        raise FailedPrecondition(f"the family placed layer {layer} of {name} at slice {index}, "
+                                                 f"outside its {specs[name].shape[0]} slices")
+                    data = _tensor_bytes(t, specs[name].dtype, specs[name].shape[1:], f"{name}[{index}]")
+                    _pwrite_all(fd, data, base + entries[name].begin + index * len(data))
                     written += len(data)
                 emit(ProgressEvent("pack", layer + 1, layers, written))
         except BaseException:

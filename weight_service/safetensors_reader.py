@@ -77,6 +77,10 @@ class SafetensorsCheckpoint:
         """Whether some shard holds ``name``."""
         return name in self._where
 
+    def names(self) -> list[str]:
+        """Every tensor name the shards hold, sorted."""
+        return sorted(self._where)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The stored tensor (its own dtype) in HF layout."""
         handle = self._where.get(name)

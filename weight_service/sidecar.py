@@ -16,14 +16,19 @@ header padded with spaces to a multiple of 8, then the tensor bytes, contiguous,
 whose ``__metadata__`` holds (all strings): ``warmserve.format_version``, ``warmserve.family``,
 ``warmserve.dtype``, ``warmserve.config`` (the family config's JSON, :meth:`model_families.family.FamilyConfig.to_json`),
 ``warmserve.fingerprint``, ``warmserve.source_fingerprint``, ``warmserve.names_fingerprint`` and
-``warmserve.source``.
+``warmserve.source``; and, only for a family that has them, ``warmserve.layout_facts`` (the
+canonical JSON of :meth:`model_families.family.ModelFamily.layout_facts`) and
+``warmserve.extra_tensors`` (JSON ``{name: {"dtype": "F32", "shape": [...]}}`` of the
+checkpoint-dependent tensors, :meth:`model_families.family.ModelFamily.extra_specs`).
 
 Fingerprints (sha256 hex):
 
 - ``names_fingerprint`` = sha256 of the sorted packed tensor names, one per line;
 - ``fingerprint`` = sha256 over format version, family, pack-spec version, weights dtype,
   ``source_fingerprint`` (:func:`weight_service.sources.source_fingerprint`) and
-  ``names_fingerprint``: an int4 and an f32 sidecar of one checkpoint differ in both.
+  ``names_fingerprint``: an int4 and an f32 sidecar of one checkpoint differ in both; plus the
+  layout facts' canonical JSON when the family has any (an empty dict leaves the fingerprint as
+  it was).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ ST_DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.bfloat16: ("BF16", 2),
     torch.uint8: ("U8", 1),
     torch.int8: ("I8", 1),
+    torch.int32: ("I32", 4),
 }
 #: safetensors dtype string -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {code: dt for dt, (code, _) in ST_DTYPES.items()}
@@ -104,11 +110,48 @@ def names_fingerprint(names) -> str:
     return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
 
 
-def sidecar_fingerprint(family: str, spec_version: str, dtype: str, source_fp: str, names_fp: str) -> str:
-    """sha256 hex over format version, family, spec version, dtype, source and names fingerprints."""
-    text = "\n".join([f"format={FORMAT_VERSION}", f"family={family}", f"spec={spec_version}",
-                      f"dtype={dtype}", f"source={source_fp}", f"names={names_fp}"])
-    return hashlib.sha256(text.encode()).hexdigest()
+def sidecar_fingerprint(family: str, spec_version: str, dtype: str, source_fp: str, names_fp: str,
+                        layout_facts: str = "") -> str:
+    """sha256 hex over format version, family, spec version, dtype, source and names
+    fingerprints, and the layout facts' canonical JSON (:func:`canonical_facts`) when not empty."""
+    lines = [f"format={FORMAT_VERSION}", f"family={family}", f"spec={spec_version}",
+             f"dtype={dtype}", f"source={source_fp}", f"names={names_fp}"]
+    if layout_facts:
+        lines.append(f"layout={layout_facts}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def canonical_facts(facts: dict) -> str:
+    """Canonical JSON (sorted keys, no spaces) of a family's layout facts; ``""`` when empty."""
+    return json.dumps(facts, sort_keys=True, separators=(",", ":")) if facts else ""
+
+
+def extra_tensors_json(extra: dict[str, TensorSpec]) -> str:
+    """``warmserve.extra_tensors``: canonical JSON of name -> safetensors dtype and shape."""
+    return json.dumps({n: {"dtype": ST_DTYPES[s.dtype][0], "shape": list(s.shape)} for n, s in sorted(extra.items())},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def _facts_difference(stored: dict, expected: dict) -> str:
+    keys = sorted(k for k in set(stored) | set(expected) if stored.get(k) != expected.get(k))
+    return "; ".join(f"{k} (sidecar {json.dumps(stored.get(k))}, config {json.dumps(expected.get(k))})" for k in keys)
+
+
+def _extra_specs(weights: Path, family, meta: dict[str, str], specs: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
+    """The extra tensors recorded in ``warmserve.extra_tensors`` (empty when absent); each name
+    must carry one of the family's :attr:`extra_prefixes` and not shadow a layout name."""
+    raw = meta.get("warmserve.extra_tensors")
+    if raw is None:
+        return {}
+    try:
+        data = json.loads(raw)
+        extra = {n: TensorSpec(tuple(int(d) for d in v["shape"]), TORCH_DTYPES[v["dtype"]]) for n, v in data.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise InvalidSidecar(f"{weights} has garbled warmserve.extra_tensors metadata: {e!r}") from e
+    bad = sorted(n for n in extra if n in specs or not n.startswith(tuple(family.extra_prefixes) or ("\0",)))
+    if bad:
+        raise InvalidSidecar(f"{weights} records extra tensors the {family.name} family does not pack: {bad}")
+    return extra
 
 
 @dataclass(frozen=True)
@@ -202,7 +245,8 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
     """Validate ``directory/model.safetensors`` and return its :class:`SidecarInfo`.
 
     Checks, in order: header (readable, JSON, the ``warmserve.*`` metadata, format version,
-    family, dtype, config); the packed name set (the family layout's names for this config, against
+    family, dtype, config); the layout facts (stored against what the config implies); the packed
+    name set (the family layout's names for this config plus the recorded extra tensors, against
     ``names_fingerprint`` and against the header's tensors); the fingerprint (recomputed from the
     metadata; equal to ``fingerprint`` when given); staleness (``source_fingerprint``, the
     checkpoint's current one, when given); every tensor's dtype and shape; contiguous offsets and
@@ -230,16 +274,30 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
     except (InvalidArgument, ValueError, TypeError) as e:
         raise InvalidSidecar(f"{weights} has an invalid family, config or dtype: {e}") from e
 
+    try:
+        facts = canonical_facts(family.layout_facts(config))
+    except (InvalidArgument, ValueError, TypeError) as e:
+        raise InvalidSidecar(f"{weights} has a config its family cannot lay out: {e}") from e
+    stored_facts = meta.get("warmserve.layout_facts", "")
+    if stored_facts != facts:
+        try:
+            stored = json.loads(stored_facts) if stored_facts else {}
+        except ValueError:
+            stored = {"layout_facts": stored_facts}
+        expected = json.loads(facts) if facts else {}
+        raise InvalidSidecar(f"{weights} is stale: sidecar layout facts differ from what its config implies: "
+                             f"{_facts_difference(stored, expected) if isinstance(stored, dict) else stored_facts}")
+    specs = {**specs, **_extra_specs(weights, family, meta, specs)}
     names_fp = names_fingerprint(specs)
     if names_fp != meta["warmserve.names_fingerprint"]:
         raise InvalidSidecar(f"{weights} is stale: its packed tensor-name set differs from the "
                              f"{family.name} family's layout")
     if set(header) != set(specs):
         extra, lacking = sorted(set(header) - set(specs)), sorted(set(specs) - set(header))
-        raise InvalidSidecar(f"{weights} tensor names do not match its metadata "
+        raise InvalidSidecar(f"{weights} is stale or edited: its tensor names do not match its metadata "
                              f"(unexpected {extra}, missing {lacking})")
     expected_fp = sidecar_fingerprint(family.name, family.pack_version, dtype,
-                                      meta["warmserve.source_fingerprint"], names_fp)
+                                      meta["warmserve.source_fingerprint"], names_fp, facts)
     if expected_fp != meta["warmserve.fingerprint"]:
         raise InvalidSidecar(f"{weights} fingerprint does not match its metadata "
                              "(packed by another pack-spec version, or edited)")

@@ -1,0 +1,106 @@
+"""The DeepSeek V4 family (``DeepseekV4ForCausalLM``): config (:mod:`.config`), sidecar layout
+(:mod:`.pack`), caches and forward (:mod:`.model`). Design notes: ``docs/deepseek_v4.md``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from model_families import block_layout as _block_layout
+from model_families import family as _family
+from model_families import ops
+from model_families.deepseek_v4 import config as _config
+from model_families.deepseek_v4 import model as _model
+from model_families.deepseek_v4 import pack as _pack
+from model_families.deepseek_v4.config import ARCHITECTURES, DeepseekV4Config
+from model_families.deepseek_v4.model import DeepseekV4Model, DeepseekV4Weights
+from model_families.family import CacheSpec, Checkpoint, ModelFamily, TensorSpec
+
+
+class DeepseekV4Family(ModelFamily):
+    """Sliding-window attention with compressed history (CSA / HCA), MoE, hyper-connections;
+    caches on a ring of window blocks plus paged compressed pools (:mod:`.model`)."""
+
+    name = "deepseek_v4"
+    architectures = ARCHITECTURES
+    pack_version = _pack.PACK_VERSION
+    config_class = DeepseekV4Config
+    weights_dtypes = _pack.WEIGHTS_DTYPES
+    stacked_prefixes = _pack.STACKED_PREFIXES
+    extra_prefixes = _pack.EXTRA_PREFIXES
+    #: Not supported: the window ring overwrites its blocks as the window slides, and a block
+    #: holds compressed entries and ring rows of different token spans, so a block's content is
+    #: not a function of the tokens up to its end (the precondition of block sharing).
+    supports_prefix_caching = False
+    #: Decode only: ``torch.export`` bounds a prefill chunk's token count by the ring read-back
+    #: span (the unfolded compressor windows over ``ctx + S`` rows), so a dynamic-length prefill
+    #: does not export; prefill chunks run eager, decode steps compiled.
+    compiled_prefill = False
+
+    def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
+                       ) -> DeepseekV4Config:
+        return DeepseekV4Config.from_hf(hf)
+
+    def tensor_shapes(self, config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+        return _pack.tensor_shapes(config)
+
+    def tensor_specs(self, config: DeepseekV4Config, weights_dtype: str) -> dict[str, TensorSpec]:
+        return _pack.tensor_specs(config, weights_dtype)
+
+    def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        return _pack.global_tensors(ckpt, weights_dtype)
+
+    def layer_tensors(self, ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
+        return _pack.layer_tensors(ckpt, layer, weights_dtype)
+
+    def stack_index(self, config: DeepseekV4Config, name: str, layer: int) -> int:
+        return _pack.stack_index(config, name, layer)
+
+    def layout_facts(self, config: DeepseekV4Config) -> dict[str, Any]:
+        return _pack.layout_facts(config)
+
+    def extra_specs(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, TensorSpec]:
+        return _pack.extra_specs(ckpt, weights_dtype)
+
+    def extra_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> Iterator[tuple[str, torch.Tensor]]:
+        return _pack.extra_tensors(ckpt, weights_dtype)
+
+    def load_weights(self, config: DeepseekV4Config, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device, weights_dtype: str = "f32") -> DeepseekV4Weights:
+        return DeepseekV4Weights.from_tensors(tensors, config, dtype, device, weights_dtype)
+
+    def random_weights(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, seed: int = 0,
+                       device: torch.device | str = "cpu", weights_dtype: str = "f32") -> DeepseekV4Weights:
+        """Random weights as the base class draws them, with ``hash.tid2eid`` k distinct
+        experts per token."""
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, spec in self.tensor_specs(config, weights_dtype).items():
+            if name == "hash.tid2eid":
+                L, V, k = spec.shape
+                tensors[name] = torch.rand(L * V, config.n_routed_experts, generator=g).argsort(-1)[:, :k] \
+                    .reshape(L, V, k).to(torch.int32)
+                continue
+            t = torch.randn(spec.shape, generator=g)
+            tensors[name] = 1.0 + 0.1 * t if name.endswith("norm") else 0.02 * t
+        return self.load_weights(config, tensors, dtype, torch.device(device), weights_dtype)
+
+    def cache_specs(self, config: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
+        return _model.cache_specs(config, block_size)
+
+    def block_layout(self, config: DeepseekV4Config, block_size: int, max_model_len: int
+                     ) -> _block_layout.BlockLayout:
+        return _model.block_layout(config, block_size, max_model_len)
+
+    def build_model(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int
+                    ) -> DeepseekV4Model:
+        return DeepseekV4Model(config, weights, max_model_len)
+
+    def program_sources(self) -> list[ModuleType]:
+        return [_model, _config, _pack, ops, _block_layout, _family]
+
+
+FAMILY = DeepseekV4Family()
