@@ -50,6 +50,10 @@ class BlockLayout:
         bs = self.block_size
         return block_table[positions // bs] * bs + positions % bs
 
+    def describe(self) -> dict:
+        """The layout as plain JSON-able facts (it enters compiled programs' fingerprints)."""
+        return {"kind": "paged", "block_size": self.block_size}
+
 
 class RingLayout(BlockLayout):
     """The first ``ring_blocks`` blocks form a ring of ``ring_blocks * block_size`` token slots;
@@ -80,6 +84,11 @@ class RingLayout(BlockLayout):
         """:meth:`slot` for a block table [nb] (int64) and positions [n] (int64) -> [n]."""
         bs = self.block_size
         return block_table[(positions // bs) % self.ring_blocks] * bs + positions % bs
+
+    def describe(self) -> dict:
+        """The layout as plain JSON-able facts (it enters compiled programs' fingerprints)."""
+        return {"kind": "ring", "block_size": self.block_size, "ring_blocks": self.ring_blocks,
+                "rates": list(self.rates)}
 
     def max_tokens(self, num_blocks: int) -> int:
         """The most tokens (up to ``max_model_len``) whose :meth:`blocks_needed` is at most

@@ -300,7 +300,8 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
     compiled in ``mode``; ``name`` is ``<family>.<kind>.<mode>``.
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
-    max model length, max batch, max blocks per sequence, dynamic dims, KV pools; for prefill the
+    max model length, max batch, max blocks per sequence, dynamic dims, KV pools, the block-table
+    layout (:meth:`~model_families.block_layout.BlockLayout.describe`); for prefill the
     most tokens per row), the family and its config, the dtype, the device type, the torch thread
     count, the compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is
     unknown.
@@ -318,6 +319,7 @@ def program_key(runner: ModelRunner, mode: str, *, sources: list | None = None,
         "max_blocks_per_seq": runner.max_blocks_per_seq,
         "dynamic": ["num_blocks", "batch", "blocks"],
         "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in runner.kv.specs],
+        "block_layout": runner.layout.describe(),
         "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(weights.items())},
     }
     if kind == "prefill":

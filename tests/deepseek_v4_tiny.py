@@ -334,24 +334,3 @@ def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, se
         "bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}))
     write_word_tokenizer(directory, TOKENIZER_WORDS)
     return model
-
-
-def wire_family_hooks(monkeypatch) -> None:
-    """Until ``model_families/deepseek_v4/__init__.py`` delegates them, give ``FAMILY`` the pack
-    hooks of :mod:`model_families.deepseek_v4.pack` (``stack_index``, ``layout_facts``,
-    ``extra_specs`` / ``extra_tensors``, ``stacked_prefixes``, ``extra_prefixes``); a hook the
-    family already defines is left alone."""
-    from model_families.deepseek_v4 import FAMILY, pack
-
-    cls = type(FAMILY)
-    hooks = {
-        "stack_index": lambda self, config, name, layer: pack.stack_index(config, name, layer),
-        "layout_facts": lambda self, config: pack.layout_facts(config),
-        "extra_specs": lambda self, ckpt, weights_dtype="f32": pack.extra_specs(ckpt, weights_dtype),
-        "extra_tensors": lambda self, ckpt, weights_dtype="f32": pack.extra_tensors(ckpt, weights_dtype),
-        "stacked_prefixes": pack.STACKED_PREFIXES,
-        "extra_prefixes": pack.EXTRA_PREFIXES,
-    }
-    for name, value in hooks.items():
-        if name not in vars(cls):
-            monkeypatch.setattr(cls, name, value, raising=False)

@@ -192,3 +192,91 @@ def test_cancel_frees_every_block(packed):
         pass
     assert engine.block_manager.num_used_blocks == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("kind", [dict(naming="saved"), dict(naming="transformers", shards=2),
+                                  dict(quantized=True, shards=3)], ids=["save_pretrained", "transformers", "fp8_fp4"])
+def test_every_naming_and_quantized_release_give_transformers_logits(tmp_path, kind):
+    """What ``save_pretrained`` writes, transformers' module naming (sharded) and a release
+    checkpoint storing FP8 block-scaled matrices and FP4 experts (sharded) all serve the logits of
+    the model they came from (the quantized one: the model with the dequantized values)."""
+    reference = write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, seed=4, **kind)
+    config, weights = _weights(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sidecars").path)
+    model = FAMILY.build_model(config, weights, 256)
+    ids = _prompt(37, 11)
+    table = list(range(1, 1 + FAMILY.block_layout(config, 4, 256).blocks_needed(len(ids))))
+    want = _reference_logits(reference, ids)
+    for p, logits in _run_chunks(model, _fresh_cache(config), ids, table, 5).items():
+        torch.testing.assert_close(logits, want[p], atol=1e-4, rtol=0)
+
+
+def _runner(config, weights, compile_mode: str, seed: int = 5):
+    """A runner over a 64-block cache filled with random rows (deterministic in ``seed``), so
+    decode reads real-looking history from every pool."""
+    from runner_service.model_runner import ModelRunner
+
+    kv = _fresh_cache(config)
+    g = torch.Generator().manual_seed(seed)
+    for pool in kv.tensors:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    cfg = tiny_config(max_num_seqs=4, block_size=4, max_model_len=128, compile=compile_mode, device="cpu")
+    return ModelRunner(config, weights, kv, cfg, 128, torch.device("cpu"))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_aoti_decode_program_equals_eager(tmp_path):
+    """The decode step compiled by AOTInductor through the kernel cache (weights kept out of the
+    package) gives eager's logits and cache writes within 1e-4, at several batch sizes, block
+    widths and positions (windows closing and not)."""
+    from kernel_cache_service.client import KernelCacheClient
+    from runner_service import programs
+
+    write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, seed=2)
+    config, weights = _weights(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sidecars").path)
+    compiled, eager = _runner(config, weights, "aoti"), _runner(config, weights, "off")
+    report = programs.load_programs(compiled, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
+    assert report.mode == "aoti" and report.source == "compiled" and report.published == "PUBLISHED", report
+    assert report.prefill_source == "eager"
+    entries = KernelCacheClient(root=tmp_path / "kc").list("deepseek_v4.decode")
+    assert [e.name for e in entries] == ["deepseek_v4.decode.aoti"]
+    package = max((p for p in (tmp_path / "kc").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    assert weights.experts_gate_up[1, 2].numpy().tobytes() not in package.read_bytes()  # weights kept out
+    hit = _runner(config, weights, "aoti")
+    again = programs.load_programs(hit, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work2")
+    assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
+    g = torch.Generator().manual_seed(9)
+    for batch, nb, position in ((1, 3, 9), (4, 5, 19), (2, 12, 47), (4, 12, 31)):
+        ids = torch.randint(0, config.vocab_size, (batch,), generator=g)
+        pos = torch.full((batch,), position)
+        tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
+        inputs = (ids, pos, torch.zeros(batch, dtype=torch.int64), tables, pos + 1)
+        with torch.inference_mode():
+            got = compiled.decode_fn(batch)(*inputs)
+            from_hit = hit.decode_fn(batch)(*inputs)
+            want = eager.decode_step(*inputs)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(from_hit, want, atol=1e-4, rtol=0)
+        for a, b in zip(compiled.kv.tensors, eager.kv.tensors, strict=True):
+            torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=0)
+
+
+def test_program_fingerprint_covers_the_layout_dims():
+    """Window, compress rates, top-k, experts, hc_mult and layer kinds each change the decode
+    program's fingerprint; the same config gives the same one."""
+    from runner_service import programs
+
+    from model_families.deepseek_v4.config import DeepseekV4Config
+
+    base = dict(TINY_ALL_KINDS, architectures=["DeepseekV4ForCausalLM"])
+
+    def key(**change):
+        config = DeepseekV4Config.from_hf({**base, **change})
+        return programs.program_key(_runner(config, FAMILY.random_weights(config), "aoti"), "aoti")[1]
+
+    variants = [dict(sliding_window=12), dict(index_topk=3), dict(n_routed_experts=8), dict(hc_mult=4),
+                dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}),
+                dict(layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"])]
+    keys = [key(**v) for v in variants]
+    assert key() == key()
+    assert len({key(), *keys}) == len(variants) + 1

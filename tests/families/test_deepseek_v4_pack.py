@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from deepseek_v4_tiny import TINY_ALL_KINDS, TINY_HC4, wire_family_hooks, write_tiny_deepseek_v4
+from deepseek_v4_tiny import TINY_ALL_KINDS, TINY_HC4, write_tiny_deepseek_v4
 
 from model_families.deepseek_v4 import checkpoint_names, pack, quantized
 from model_families.deepseek_v4.config import DeepseekV4Config
@@ -234,10 +234,9 @@ def test_stack_index_is_the_rank_among_layers_of_the_kind():
     assert specs["hash.tid2eid"].dtype == torch.int32 and specs["layers.wq_a"].dtype == torch.bfloat16
 
 
-def test_stacked_names_cover_every_group(monkeypatch):
+def test_stacked_names_cover_every_group():
     from model_families.deepseek_v4 import FAMILY
 
-    wire_family_hooks(monkeypatch)
     c = _config(["compressed_sparse_attention", "heavily_compressed_attention"], ["hash_moe", "moe"])
     stacked = FAMILY.stacked_names(c)
     assert {"layers.wq_a", "hash.tid2eid", "csa.idx_wq_b", "hca.wkv_gate"} <= set(stacked)

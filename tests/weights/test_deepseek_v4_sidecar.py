@@ -1,0 +1,240 @@
+"""DeepSeek V4 sidecars end to end (prepare -> validate -> load): every tensor equals the
+transformers reference parameter it came from (dequantized where the checkpoint stores it
+FP8/FP4), for the release, transformers and save_pretrained namings, sharded or not; MTP
+tensors kept; layout facts fingerprinted; stale and edited sidecars refused with reasons."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from deepseek_v4_tiny import (
+    TINY_ALL_KINDS,
+    TINY_HC4,
+    dequantize_fp8,
+    mtp_state,
+    write_tiny_deepseek_v4,
+)
+
+from model_families.deepseek_v4 import FAMILY
+from weight_service.loader import load_sidecar
+from weight_service.prepare import prepare
+from weight_service.sidecar import FORMAT_VERSION, InvalidSidecar, sidecar_fingerprint, validate_sidecar
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+#: sidecar ``layers.*`` name -> transformers parameter(s) under ``model.layers.N.`` (rows in order).
+_LAYERS = {
+    "attn_norm": ("input_layernorm.weight",), "ffn_norm": ("post_attention_layernorm.weight",),
+    "hc_attn_fn": ("attn_hc.fn",), "hc_attn_base": ("attn_hc.base",), "hc_attn_scale": ("attn_hc.scale",),
+    "hc_ffn_fn": ("ffn_hc.fn",), "hc_ffn_base": ("ffn_hc.base",), "hc_ffn_scale": ("ffn_hc.scale",),
+    "wq_a": ("self_attn.q_a_proj.weight",), "q_norm": ("self_attn.q_a_norm.weight",),
+    "wq_b": ("self_attn.q_b_proj.weight",), "wkv": ("self_attn.kv_proj.weight",),
+    "kv_norm": ("self_attn.kv_norm.weight",), "wo_a": ("self_attn.o_a_proj.weight",),
+    "wo_b": ("self_attn.o_b_proj.weight",), "attn_sink": ("self_attn.sinks",), "gate": ("mlp.gate.weight",),
+    "shared_gate_up": ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared_down": ("mlp.shared_experts.down_proj.weight",),
+    "experts_gate_up": ("mlp.experts.gate_up_proj",), "experts_down": ("mlp.experts.down_proj",),
+}
+_CSA = {
+    "wkv_gate": ("self_attn.compressor.kv_proj.weight", "self_attn.compressor.gate_proj.weight"),
+    "ape": ("self_attn.compressor.position_bias",), "norm": ("self_attn.compressor.kv_norm.weight",),
+    "idx_wkv_gate": ("self_attn.compressor.indexer.kv_proj.weight", "self_attn.compressor.indexer.gate_proj.weight"),
+    "idx_ape": ("self_attn.compressor.indexer.position_bias",),
+    "idx_norm": ("self_attn.compressor.indexer.kv_norm.weight",),
+    "idx_wq_b": ("self_attn.compressor.indexer.q_b_proj.weight",),
+    "idx_weights": ("self_attn.compressor.indexer.scorer.weights_proj.weight",),
+}
+_HCA = {k: _CSA[k] for k in ("wkv_gate", "ape", "norm")}
+
+
+def expected_sidecar(model) -> dict[str, torch.Tensor]:
+    """The sidecar a transformers ``DeepseekV4ForCausalLM`` implies, built from its own
+    parameter names (independent of the pack spec's name resolution)."""
+    sd, c = model.state_dict(), model.config
+    out = {"embed": sd["model.embed_tokens.weight"], "head": sd["lm_head.weight"], "final_norm": sd["model.norm.weight"],
+           "hc_head_fn": sd["model.hc_head.hc_fn"], "hc_head_base": sd["model.hc_head.hc_base"],
+           "hc_head_scale": sd["model.hc_head.hc_scale"]}
+    L = c.num_hidden_layers
+
+    def rows(layer, names):
+        return torch.cat([sd[f"model.layers.{layer}.{n}"] for n in names])
+
+    for name, parts in _LAYERS.items():
+        out[f"layers.{name}"] = torch.stack([rows(i, parts) for i in range(L)])
+    hashed = [i for i in range(L) if c.mlp_layer_types[i] == "hash_moe"]
+    out["layers.gate_bias"] = torch.stack([
+        torch.zeros(c.n_routed_experts) if i in hashed else sd[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+        for i in range(L)])
+    if hashed:
+        out["hash.tid2eid"] = torch.stack([sd[f"model.layers.{i}.mlp.gate.tid2eid"] for i in hashed]).int()
+    for kind, prefix, table in ((CSA, "csa", _CSA), (HCA, "hca", _HCA)):
+        layers = [i for i in range(L) if c.layer_types[i] == kind]
+        if layers:
+            out.update({f"{prefix}.{n}": torch.stack([rows(i, parts) for i in layers]) for n, parts in table.items()})
+    return out
+
+
+def _check(sidecar_path: Path, model, dtype: torch.dtype = torch.float32, mtp: dict | None = None) -> None:
+    expected = expected_sidecar(model)
+    with load_sidecar(sidecar_path) as sc:
+        assert set(sc.tensors) == set(expected) | set(mtp or {})
+        for name, want in expected.items():
+            got = sc.tensors[name]
+            want = want if not want.is_floating_point() else want.to(dtype)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        for name, want in (mtp or {}).items():
+            assert torch.equal(sc.tensors[name], want.to(dtype)), name
+
+
+@pytest.mark.parametrize("case", [
+    dict(naming="release"),
+    dict(naming="release", shards=3, preset=TINY_HC4),
+    dict(naming="release", quantized=True),
+    dict(naming="release", quantized=True, shards=4, fp4_dtype=torch.float4_e2m1fn_x2),
+    dict(naming="transformers"),
+    dict(naming="transformers", quantized=True, shards=2),
+    dict(naming="saved"),
+], ids=["release", "release-sharded", "release-fp8-fp4", "release-fp8-f4-sharded", "transformers",
+        "transformers-fp8-fp4-sharded", "saved"])
+def test_every_sidecar_tensor_is_the_checkpoint_tensor(tmp_path, case):
+    case = dict(case)
+    preset = case.pop("preset", TINY_ALL_KINDS)
+    model = write_tiny_deepseek_v4(tmp_path / "ckpt", preset, **case)
+    handle = prepare(str(tmp_path / "ckpt"), dtype="f32", root=tmp_path / "sc")
+    assert handle.family == "deepseek_v4" and handle.state == "BUILT"
+    mtp = None
+    if case["naming"] == "release":  # mtp.* kept, dequantized (mtp.0.e_proj is FP8 in quantized checkpoints)
+        raw = mtp_state(model.config.hidden_size, 0, torch.float32, case.get("quantized", False))
+        scale = raw.pop("mtp.0.e_proj.scale", None)
+        if scale is not None:
+            raw["mtp.0.e_proj.weight"] = dequantize_fp8(raw["mtp.0.e_proj.weight"], scale)
+        mtp = raw
+    _check(handle.path, model, mtp=mtp)
+    if case.get("quantized"):  # the checkpoint really stores FP8 / FP4 codes and ue8m0 scales
+        dtypes = set()
+        for shard in (tmp_path / "ckpt").glob("*.safetensors"):
+            raw = shard.read_bytes()
+            header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        fp4 = "F4" if case.get("fp4_dtype") == torch.float4_e2m1fn_x2 else "I8"
+        assert {"F8_E4M3", "F8_E8M0", fp4} <= dtypes
+
+
+def test_bf16_sidecar_rounds_each_dequantized_value(tmp_path):
+    model = write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, quantized=True, mtp=False)
+    handle = prepare(str(tmp_path / "ckpt"), dtype="bf16", root=tmp_path / "sc")
+    _check(handle.path, model, dtype=torch.bfloat16)
+
+
+def test_sidecar_metadata_records_layout_facts_and_mtp(tmp_path):
+    model = write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, quantized=True)
+    info = validate_sidecar(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc").path)
+    facts = json.loads(info.metadata["warmserve.layout_facts"])
+    assert facts == {"layer_types": list(model.config.layer_types), "mlp_layer_types": ["hash_moe", "moe", "moe"],
+                     "compress_rates": {CSA: 4, HCA: 8}, "sliding_window": 8, "hc_mult": 2, "index_topk": 2}
+    extra = json.loads(info.metadata["warmserve.extra_tensors"])
+    assert extra == {"mtp.0.e_proj.weight": {"dtype": "F32", "shape": [64, 64]},
+                     "mtp.0.enorm.weight": {"dtype": "F32", "shape": [64]},
+                     "mtp.0.h_proj.weight": {"dtype": "F32", "shape": [64, 64]},
+                     "mtp.0.hnorm.weight": {"dtype": "F32", "shape": [64]},
+                     "mtp.0.norm.weight": {"dtype": "F32", "shape": [64]}}  # no mtp.0.e_proj.scale
+    names = sorted(set(FAMILY.tensor_specs(info.config, "f32")) | set(extra))
+    names_fp = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    assert info.metadata["warmserve.names_fingerprint"] == names_fp
+    canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"))
+    text = "\n".join([f"format={FORMAT_VERSION}", "family=deepseek_v4", f"spec={FAMILY.pack_version}", "dtype=f32",
+                      f"source={info.metadata['warmserve.source_fingerprint']}", f"names={names_fp}",
+                      f"layout={canonical}"])
+    assert info.fingerprint == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_empty_layout_facts_leave_the_fingerprint_formula_unchanged():
+    legacy = hashlib.sha256("\n".join([f"format={FORMAT_VERSION}", "family=llama", "spec=1", "dtype=f32",
+                                       "source=s", "names=n"]).encode()).hexdigest()
+    assert sidecar_fingerprint("llama", "1", "f32", "s", "n") == legacy
+    assert sidecar_fingerprint("llama", "1", "f32", "s", "n", "") == legacy
+    assert sidecar_fingerprint("llama", "1", "f32", "s", "n", '{"a":1}') != legacy
+
+
+# ---- staleness and edits ----
+
+
+def _edit_header(weights: Path, edit) -> None:
+    """Rewrite the safetensors header with ``edit(dict) -> dict``, padded to its old length."""
+    raw = weights.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    new = json.dumps(edit(header), separators=(",", ":")).encode()
+    assert len(new) <= n
+    weights.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+
+
+@pytest.fixture
+def packed(tmp_path):
+    write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS)
+    return tmp_path, prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc")
+
+
+def _renamed(old: str, new: str):
+    return lambda h: {(new if k == old else k): v for k, v in h.items()}
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda h: {k: v for k, v in h.items() if k != "csa.ape"}, r"missing \['csa.ape'\]"),
+    (_renamed("hca.norm", "hca.nrm"), r"unexpected \['hca.nrm'\], missing \['hca.norm'\]"),
+    (_renamed("mtp.0.hnorm.weight", "mtp.0.hnrm.weight"),
+     r"unexpected \['mtp.0.hnrm.weight'\], missing \['mtp.0.hnorm.weight'\]"),
+    (lambda h: {k: v for k, v in h.items() if k != "mtp.0.norm.weight"}, r"missing \['mtp.0.norm.weight'\]"),
+])
+def test_a_sidecar_lacking_or_renaming_a_tensor_is_stale_with_its_name(packed, edit, reason):
+    tmp_path, handle = packed
+    _edit_header(handle.path / "model.safetensors", edit)
+    with pytest.raises(InvalidSidecar, match="is stale or edited: its tensor names do not match its metadata .*" + reason):
+        validate_sidecar(handle.path)
+    again = prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc")
+    assert again.state == "REBUILT" and again.fingerprint == handle.fingerprint
+
+
+def test_edited_layout_facts_are_stale_with_the_fact(packed):
+    tmp_path, handle = packed
+
+    def edit(h):
+        meta = h["__metadata__"]
+        meta["warmserve.layout_facts"] = meta["warmserve.layout_facts"].replace('"sliding_window":8', '"sliding_window":9')
+        return h
+
+    _edit_header(handle.path / "model.safetensors", edit)
+    with pytest.raises(InvalidSidecar, match=re.escape("is stale: sidecar layout facts differ from what its config "
+                                                       "implies: sliding_window (sidecar 9, config 8)")):
+        validate_sidecar(handle.path)
+
+
+def test_changed_layout_rules_make_the_sidecar_stale_and_repack(packed, monkeypatch):
+    tmp_path, handle = packed
+    facts = FAMILY.layout_facts
+    monkeypatch.setattr(type(FAMILY), "layout_facts", lambda self, c: {**facts(c), "index_topk": 3})
+    with pytest.raises(InvalidSidecar, match=r"layout facts differ .*index_topk \(sidecar 2, config 3\)"):
+        validate_sidecar(handle.path)
+    again = prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc")
+    assert again.state == "REBUILT" and again.fingerprint != handle.fingerprint
+
+
+def test_extra_tensors_outside_the_family_prefixes_are_refused(packed):
+    _, handle = packed
+
+    def edit(h):
+        extra = json.loads(h["__metadata__"]["warmserve.extra_tensors"])
+        extra["junk.x"] = extra.pop("mtp.0.norm.weight")
+        h["__metadata__"]["warmserve.extra_tensors"] = json.dumps(extra, separators=(",", ":"))
+        return h
+
+    _edit_header(handle.path / "model.safetensors", edit)
+    with pytest.raises(InvalidSidecar, match=r"records extra tensors the deepseek_v4 family does not pack: \['junk.x'\]"):
+        validate_sidecar(handle.path)
