@@ -1,4 +1,4 @@
-"""Decode benchmark on the bundled SmolLM2-135M-Instruct: prints JSON, then a Markdown table.
+"""Decode benchmark on the bundled SmolLM2-135M-Instruct (or a tiny DeepSeek V4): prints JSON, then Markdown tables.
 
 1. Decode throughput (tokens/s, greedy, float32 unless ``--dtype bf16``) at batch 1, 8 and 32:
    warmserve's engine (``--compile off``) vs transformers ``generate`` on the same weights
@@ -28,11 +28,34 @@
    from an empty prefix cache; medians over ``--runs`` after one unmeasured warm-up round.
    Skipped with ``--no-prefix-caching``; ``--prefix-caching-only`` runs only this figure.
 
+6. ``--model deepseek-v4``: figures 1-3 on a tiny random DeepSeek V4 checkpoint instead (f32
+   only; the family has no prefix caching, so figure 5 is not run). The checkpoint is written by
+   ``tests/deepseek_v4_tiny.write_tiny_deepseek_v4`` (release naming) with :data:`DSV4_CONFIG`:
+   hidden 256, 8 layers (window-only, CSA, HCA, CSA, HCA, window-only, CSA, HCA), hc_mult 4,
+   hash-routed MoE in layers 0-1 and learned top-k MoE after, 16 routed experts (2 per token) of
+   width 128 plus 1 shared, 8 query heads of head_dim 64 (rope on the trailing 16 channels:
+   partial_rotary_factor 0.25), q_lora_rank 128, 2 output groups of rank 64, indexer 16 heads x
+   32 with top-8, sliding window 64, compression rates CSA 4 / HCA 128, vocabulary 128 (the
+   writer's word tokenizer), about 16M parameters; it is packed by the weight service. Every
+   request has the same ``--dsv4-prompt-tokens`` random token ids (default 120, so decode runs
+   past the window and reaches the first HCA entry), so transformers needs no padding.
+   Contenders: warmserve eager, warmserve compiled (``--compile-mode``, compiled once at engine
+   start, kernel cache as in 4.; prefill stays eager for this family) and transformers'
+   ``DeepseekV4ForCausalLM`` (the writer's float32 reference, ``generate(use_cache=True)``),
+   measured as in 1.; within each run the contenders go round-robin (the starting contender
+   rotates run to run), medians over ``--runs`` after a 4-token warm-up per batch. ``*_program``
+   rows as in 3. (context ``prompt + tokens / 2``). Host prepare (figure 2) uses the family's ring
+   layout (``FAMILY.block_layout(config, 16, 2048)``: the window ring's 8 blocks, then the
+   compressed pools' growth) for both the persistent buffers and the rebuilt tensors (slots
+   through ``layout.slot``).
+
 All contenders run in this one process with the same torch thread count (``--threads``; on a
 shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process takes a core).
 
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
-[--no-compiled] [--no-hf] [--no-prefix-caching | --prefix-caching-only]``.
+[--no-compiled] [--no-hf] [--no-prefix-caching | --prefix-caching-only]``;
+``python bench/decode.py --model deepseek-v4 [--tokens 32] [--runs 3] [--threads 1] [--dsv4-prompt-tokens 120]
+[--no-compiled] [--no-hf]``.
 """
 
 from __future__ import annotations
@@ -52,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
+from model_families.block_layout import BlockLayout  # noqa: E402
 from runner_service.config import EngineConfig  # noqa: E402
 from runner_service.decode_buffers import DecodeBuffers  # noqa: E402
 from runner_service.engine import LLMEngine  # noqa: E402
@@ -71,11 +95,17 @@ def _prompts(n: int) -> list[str]:
 # -- 1. throughput ----------------------------------------------------------------------------
 
 
-def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int) -> float:
-    """Decode tokens/s of ``batch`` concurrent greedy requests (prefill steps excluded)."""
+def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
+                         token_prompts: list[list[int]] | None = None) -> float:
+    """Decode tokens/s of ``batch`` concurrent greedy requests (prefill steps excluded): the
+    chat-less text prompts of :func:`_prompts`, or ``token_prompts`` (token ids) when given."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for p in _prompts(batch):
-        engine.add_request(params, text=p)
+    if token_prompts is not None:
+        for ids in token_prompts[:batch]:
+            engine.add_request(params, token_ids=ids)
+    else:
+        for p in _prompts(batch):
+            engine.add_request(params, text=p)
     decode_s, decode_tokens = 0.0, 0
     while engine.has_work():
         engine._drain_inbox()
@@ -92,16 +122,16 @@ def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int) -> float:
 def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
     """Tokens/s of the decode program alone (what ``engine.runner.decode_fn`` runs: compiled or
     eager), without scheduling, sampling or detokenizing: ``batch`` rows, each decoding position
-    ``context - 1`` over its own blocks, filled once into the persistent buffers; median of
+    ``context - 1`` over its own blocks (as many as the runner's block layout needs), filled once into the persistent buffers; median of
     ``steps`` calls. The served rate over this rate is the serving path's share of a step. Run
     it on an idle engine: it writes K/V into blocks it does not own, so it empties the prefix
     cache first."""
     engine.block_manager.reset_prefix_cache()
     runner = engine.runner
-    bs = runner.block_size
-    per_seq = -(-context // bs)
+    per_seq = runner.layout.blocks_needed(context)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-    runner.buffers.fill([100 + i for i in range(batch)], [context - 1] * batch, tables)
+    vocab = runner.args.vocab_size
+    runner.buffers.fill([(100 + i) % vocab for i in range(batch)], [context - 1] * batch, tables)
     fn, views = runner.decode_fn(batch), runner.decode_views(batch, per_seq)
     times = []
     with torch.inference_mode():
@@ -113,18 +143,26 @@ def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) ->
     return batch / statistics.median(times[2:])
 
 
-def hf_decode_tps(model, tokenizer, batch: int, tokens: int) -> float:
-    """transformers ``generate`` decode tokens/s (N-token run minus 1-token run)."""
-    enc = tokenizer(_prompts(batch), return_tensors="pt", padding=True)
+def hf_generate_tps(model, inputs: dict, tokens: int, pad_token_id: int) -> float:
+    """transformers ``generate`` decode tokens/s of ``inputs`` (``input_ids`` [B, S] and
+    ``attention_mask``): the ``tokens``-token run minus the 1-token run (its prefill and first
+    token) -> B * (tokens - 1) / seconds."""
+    batch = inputs["input_ids"].shape[0]
 
     def run(n: int) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+            model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                           pad_token_id=pad_token_id)
         return time.perf_counter() - t0
 
     return batch * (tokens - 1) / max(run(tokens) - run(1), 1e-9)
+
+
+def hf_decode_tps(model, tokenizer, batch: int, tokens: int) -> float:
+    """transformers ``generate`` decode tokens/s on :func:`_prompts` (left-padded)."""
+    enc = tokenizer(_prompts(batch), return_tensors="pt", padding=True)
+    return hf_generate_tps(model, dict(enc), tokens, tokenizer.pad_token_id)
 
 
 # -- 2. host prepare ----------------------------------------------------------------------------
@@ -135,9 +173,11 @@ class _Seq:
         self.token, self.length, self.blocks = token, length, blocks
 
 
-def _trajectory(batch: int, steps: int, block_size: int):
+def _trajectory(batch: int, steps: int, layout: BlockLayout):
     """Sequence states for ``steps`` decode steps: lengths grow by one, a block is appended
-    every ``block_size`` tokens (ids from a shared counter, as a block manager would hand out)."""
+    whenever ``layout`` needs one more for the length (every ``block_size`` tokens in the paged
+    layout; for a ring layout, past the ring, as its slowest compressed pool fills a block), ids
+    from a shared counter, as a block manager would hand them out."""
     next_block = [1]
 
     def take(n):
@@ -148,37 +188,41 @@ def _trajectory(batch: int, steps: int, block_size: int):
     seqs = []
     for i in range(batch):
         length = 200 + 16 * i % 500
-        seqs.append(_Seq(100 + i, length, take(-(-length // block_size))))
+        seqs.append(_Seq(100 + i, length, take(layout.blocks_needed(length))))
     for _ in range(steps):
         for s in seqs:
             s.length += 1
-            if len(s.blocks) * block_size < s.length:
+            if len(s.blocks) < layout.blocks_needed(s.length):
                 s.blocks.append(take(1)[0])
         yield seqs
 
 
-def _rebuild(seqs, block_size: int):
-    """Fresh tensors per step from Python lists (nano-vllm ``prepare_decode`` style)."""
+def _rebuild(seqs, layout: BlockLayout):
+    """Fresh tensors per step from Python lists (nano-vllm ``prepare_decode`` style); slots
+    through ``layout`` (the ring slot of the position for a ring layout)."""
     input_ids = torch.tensor([s.token for s in seqs], dtype=torch.int64)
     positions = torch.tensor([s.length - 1 for s in seqs], dtype=torch.int64)
-    slots = torch.tensor([s.blocks[(s.length - 1) // block_size] * block_size + (s.length - 1) % block_size
-                          for s in seqs], dtype=torch.int64)
+    slots = torch.tensor([layout.slot(s.blocks, s.length - 1) for s in seqs], dtype=torch.int64)
     seq_lens = torch.tensor([s.length for s in seqs], dtype=torch.int64)
     width = max(len(s.blocks) for s in seqs)
     tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.int64)
     return input_ids, positions, slots, tables, seq_lens
 
 
-def host_prepare_us(batch: int, steps: int = 512, block_size: int = 16) -> dict:
+def host_prepare_us(batch: int, steps: int = 512, block_size: int = 16, layout: BlockLayout | None = None) -> dict:
+    """Figure 2 for ``layout`` (default: the paged layout of ``block_size``): median microseconds
+    per step of :meth:`DecodeBuffers.fill` + :meth:`DecodeBuffers.views` vs :func:`_rebuild` over
+    a ``steps``-step :func:`_trajectory`; block tables sized for 2,048 tokens."""
+    layout = layout or BlockLayout(block_size)
     persistent, rebuilt = [], []
-    max_blocks = 2048 // block_size
-    buf = DecodeBuffers(batch, max_blocks, block_size, num_blocks=1 << 20)
-    for seqs in _trajectory(batch, steps, block_size):
+    max_blocks = layout.blocks_needed(2048)
+    buf = DecodeBuffers(batch, max_blocks, layout.block_size, num_blocks=1 << 20, layout=layout)
+    for seqs in _trajectory(batch, steps, layout):
         t0 = time.perf_counter()
         buf.fill([s.token for s in seqs], [s.length - 1 for s in seqs], [s.blocks for s in seqs])
         buf.views(batch, min(max_blocks, max(len(s.blocks) for s in seqs)))
         t1 = time.perf_counter()
-        _rebuild(seqs, block_size)
+        _rebuild(seqs, layout)
         t2 = time.perf_counter()
         persistent.append((t1 - t0) * 1e6)
         rebuilt.append((t2 - t1) * 1e6)
@@ -255,6 +299,141 @@ def prefix_caching_ttft(sidecar: Path, dtype: str, runs: int) -> dict:
     return out
 
 
+# -- 6. DeepSeek V4 (--model deepseek-v4) ----------------------------------------------------
+
+_SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+#: The ``--model deepseek-v4`` checkpoint: transformers ``DeepseekV4Config`` kwargs for
+#: ``tests/deepseek_v4_tiny.write_tiny_deepseek_v4`` (random weights; see the module docstring).
+DSV4_CONFIG = dict(
+    vocab_size=128,  # the writer's word tokenizer: TOKENIZER_WORDS (127) words + [UNK]
+    hidden_size=256, num_hidden_layers=8, hc_mult=4,
+    layer_types=[_SWA, _CSA, _HCA, _CSA, _HCA, _SWA, _CSA, _HCA],
+    mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
+    n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
+    num_attention_heads=8, head_dim=64, q_lora_rank=128, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=64,
+    index_n_heads=16, index_head_dim=32, index_topk=8, sliding_window=64,
+    compress_rates={_CSA: 4, _HCA: 128},
+    max_position_embeddings=2048,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    bos_token_id=1, eos_token_id=2, initializer_range=0.02, num_nextn_predict_layers=1,
+)
+DSV4_MAX_MODEL_LEN = 512
+
+
+def write_dsv4_checkpoint(directory: Path):
+    """Write the :data:`DSV4_CONFIG` checkpoint (release naming, float32) to ``directory``;
+    returns the transformers ``DeepseekV4ForCausalLM`` reference it was drawn from (eval)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from deepseek_v4_tiny import TOKENIZER_WORDS, write_tiny_deepseek_v4
+
+    assert DSV4_CONFIG["vocab_size"] == TOKENIZER_WORDS + 1, "vocab_size must match the writer's tokenizer"
+    return write_tiny_deepseek_v4(directory, DSV4_CONFIG)
+
+
+def dsv4_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``batch`` random prompts of exactly ``length`` token ids (3 .. 126: no BOS/EOS/pad), all the
+    same length so transformers needs no padding."""
+    g = torch.Generator().manual_seed(seed)
+    return [[int(t) for t in torch.randint(3, DSV4_CONFIG["vocab_size"] - 1, (length,), generator=g)]
+            for _ in range(batch)]
+
+
+def _dsv4_engine(sidecar: Path, compile_mode: str, kernel_cache: str | None) -> LLMEngine:
+    # KV cache sized by the engine: all 32 sequences at full length fit (ring + compressed pools).
+    cfg = EngineConfig(max_num_seqs=32, max_model_len=DSV4_MAX_MODEL_LEN, dtype="f32", compile=compile_mode)
+    return LLMEngine.from_sidecar(sidecar, cfg, model="deepseek-v4-tiny", kernel_cache=kernel_cache)
+
+
+def deepseek_v4_report(args, tmp: Path) -> dict:
+    """Figures 1-3 on the :data:`DSV4_CONFIG` checkpoint: decode tokens/s of warmserve eager,
+    compiled and transformers at each batch (contenders round-robin within each run, the start
+    rotated run to run; medians), the decode program alone, and host prepare on the family's
+    ring layout."""
+    from model_families.deepseek_v4 import FAMILY
+
+    report: dict = {"model": "DeepSeek V4 (tiny, random weights)", "dtype": "f32", "weights_dtype": "f32",
+                    "config": {k: v for k, v in DSV4_CONFIG.items() if k not in ("bos_token_id", "eos_token_id")},
+                    "prompt_tokens": args.dsv4_prompt_tokens, "tokens": args.tokens, "runs": args.runs,
+                    "torch_threads": torch.get_num_threads(), "decode_tps": {}}
+    t0 = time.perf_counter()
+    hf = write_dsv4_checkpoint(tmp / "dsv4-ckpt")
+    report["checkpoint_s"] = round(time.perf_counter() - t0, 2)
+    report["parameters"] = sum(p.numel() for p in hf.parameters())
+    t0 = time.perf_counter()
+    root = Path(args.sidecar_dir or tmp / "sidecars")
+    sidecar = prepare(str(tmp / "dsv4-ckpt"), root=root).path
+    report["prepare_s"] = round(time.perf_counter() - t0, 2)
+
+    eager = _dsv4_engine(sidecar, "off", None)
+    report["startup_eager"] = eager.startup_report.line()
+    layout = eager.runner.layout
+    report["layout"] = {"block_size": layout.block_size, "ring_blocks": getattr(layout, "ring_blocks", None),
+                        "rates": list(getattr(layout, "rates", ())),
+                        "max_blocks_per_seq": eager.runner.max_blocks_per_seq}
+    engines = {"warmserve_eager": eager}
+    if args.no_compiled:
+        report["compiled"] = "skipped (--no-compiled)"
+    else:
+        kc = args.kernel_cache_dir or str(tmp / "kernel-cache")
+        t0 = time.perf_counter()
+        compiled = _dsv4_engine(sidecar, args.compile_mode, kc)
+        report["compiled_startup_s"] = round(time.perf_counter() - t0, 2)
+        report["compiled_startup"] = compiled.startup_report.line()
+        if compiled.runner.decode_programs:
+            engines[f"warmserve_{args.compile_mode}"] = compiled
+        else:
+            programs = next(p for p in compiled.startup_report.phases if p.name == "programs")
+            report["compiled"] = f"unavailable: {programs.detail}; only eager reported"
+            compiled.close()
+
+    def served(engine):
+        return lambda b, prompts, n: warmserve_decode_tps(engine, b, n, prompts)
+
+    def transformers_tps(b, prompts, n):
+        ids = torch.tensor(prompts)
+        return hf_generate_tps(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, n, pad_token_id=0)
+
+    contenders = {name: served(e) for name, e in engines.items()}
+    if args.no_hf:
+        report["transformers"] = "skipped (--no-hf)"
+    else:
+        contenders["transformers"] = transformers_tps
+    names = list(contenders)
+    for b in BATCHES:
+        prompts = dsv4_prompts(b, args.dsv4_prompt_tokens, seed=b)
+        for name in names:  # first-shape warm-up
+            contenders[name](b, prompts, 4)
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.runs):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(contenders[name](b, prompts, args.tokens))
+        for name in names:
+            report["decode_tps"].setdefault(name, {})[b] = round(statistics.median(samples[name]), 1)
+        for name, engine in engines.items():
+            report["decode_tps"].setdefault(f"{name}_program", {})[b] = round(
+                program_tps(engine, b, args.dsv4_prompt_tokens + args.tokens // 2), 1)
+
+    ring = FAMILY.block_layout(eager.runner.args, 16, 2048)
+    report["host_prepare"] = [host_prepare_us(b, layout=ring) for b in (8, 32)]
+    report["host_prepare_layout"] = (f"ring of {ring.ring_blocks} blocks x 16 tokens, compressed rates "
+                                     f"{list(ring.rates)}, tables sized for 2048 tokens")
+    for engine in engines.values():
+        engine.close()
+
+    tps = report["decode_tps"]
+    if "transformers" in tps:
+        report["speedup_vs_transformers"] = {
+            name: {b: round(tps[name][b] / tps["transformers"][b], 2) for b in BATCHES} for name in engines}
+    for name in engines:
+        report.setdefault("served_over_program", {})[name] = {
+            b: round(tps[name][b] / tps[f"{name}_program"][b], 3) for b in BATCHES}
+    key = f"warmserve_{args.compile_mode}"
+    if key in tps:
+        report["compiled_vs_eager"] = {b: round(tps[key][b] / tps["warmserve_eager"][b], 2) for b in BATCHES}
+    return report
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -266,6 +445,23 @@ def _engine(sidecar: Path, compile_mode: str, kernel_cache: str | None, dtype: s
 
 def _median_tps(fn, runs: int) -> float:
     return round(statistics.median(fn() for _ in range(runs)), 1)
+
+
+def _print_tables(report: dict, title: str, host_title: str) -> None:
+    """The Markdown tables of figures 1-3: tokens/s per contender and batch, then host prepare."""
+    tps = report["decode_tps"]
+    if tps:
+        print()
+        print(f"| {title} | " + " | ".join(f"batch {b}" for b in BATCHES) + " |")
+        print("|---|" + "---:|" * len(BATCHES))
+        for name, row in tps.items():
+            print(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in BATCHES) + " |")
+    if "host_prepare" in report:
+        print()
+        print(f"| {host_title} | persistent buffers (us) | rebuild each step (us) | ratio |")
+        print("|---|---:|---:|---:|")
+        for h in report["host_prepare"]:
+            print(f"| batch {h['batch']} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
 
 
 def main() -> int:
@@ -284,12 +480,30 @@ def main() -> int:
     parser.add_argument("--prefix-caching-only", action="store_true", help="run only the prefix-caching figure")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every contender (default: torch's choice)")
+    parser.add_argument("--model", choices=("smollm2", "deepseek-v4"), default="smollm2",
+                        help="smollm2: the bundled SmolLM2-135M-Instruct (default); deepseek-v4: a tiny random "
+                             "DeepSeek V4 checkpoint (figures 1-3 only, f32)")
+    parser.add_argument("--dsv4-prompt-tokens", type=int, default=120,
+                        help="prompt length of every DeepSeek V4 request (default 120: decode runs past the "
+                             "64-token window and reaches the first 128-token HCA entry)")
     args = parser.parse_args()
     if args.no_prefix_caching and args.prefix_caching_only:
         parser.error("--no-prefix-caching and --prefix-caching-only exclude each other")
+    if args.model == "deepseek-v4" and (args.prefix_caching_only or args.dtype != "f32" or args.weights_dtype != "f32"):
+        parser.error("--model deepseek-v4 runs figures 1-3 in f32 only (the family has no prefix caching)")
     if args.threads:
         torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="warmserve-bench-decode-")
+    if args.model == "deepseek-v4":
+        report = deepseek_v4_report(args, Path(tmp.name))
+        print(json.dumps(report, indent=2))
+        _print_tables(report, f"DeepSeek V4 tiny decode tokens/s (f32, greedy, {args.dsv4_prompt_tokens}-token "
+                              f"prompts, {args.tokens} tokens)", "host prepare per decode step (ring layout)")
+        for key in ("compiled", "transformers"):
+            if isinstance(report.get(key), str):
+                print(f"\n{key}: {report[key]}")
+        tmp.cleanup()
+        return 0
     root = Path(args.sidecar_dir or Path(tmp.name) / "sidecars")
     sidecar = prepare(str(bundled_smollm2_path()), dtype=args.weights_dtype, root=root).path
     report: dict = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "weights_dtype": args.weights_dtype,
@@ -358,19 +572,8 @@ def main() -> int:
     if key in tps:
         report["compiled_vs_eager"] = {b: round(tps[key][b] / tps["warmserve_eager"][b], 2) for b in BATCHES}
     print(json.dumps(report, indent=2))
-    if tps:
-        print()
-        title = f"decode tokens/s ({args.weights_dtype} weights, {args.dtype} compute, greedy, {args.tokens} tokens)"
-        print(f"| {title} | " + " | ".join(f"batch {b}" for b in BATCHES) + " |")
-        print("|---|" + "---:|" * len(BATCHES))
-        for name, row in tps.items():
-            print(f"| {name} | " + " | ".join(f"{row[b]:.1f}" for b in BATCHES) + " |")
-    if "host_prepare" in report:
-        print()
-        print("| host prepare per decode step | persistent buffers (us) | rebuild each step (us) | ratio |")
-        print("|---|---:|---:|---:|")
-        for h in report["host_prepare"]:
-            print(f"| batch {h['batch']} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
+    title = f"decode tokens/s ({args.weights_dtype} weights, {args.dtype} compute, greedy, {args.tokens} tokens)"
+    _print_tables(report, title, "host prepare per decode step")
     if "prefix_caching" in report:
         pc = report["prefix_caching"]
         print()

@@ -264,9 +264,8 @@ def test_aoti_decode_program_equals_eager(tmp_path):
 def test_program_fingerprint_covers_the_layout_dims():
     """Window, compress rates, top-k, experts, hc_mult and layer kinds each change the decode
     program's fingerprint; the same config gives the same one."""
-    from runner_service import programs
-
     from model_families.deepseek_v4.config import DeepseekV4Config
+    from runner_service import programs
 
     base = dict(TINY_ALL_KINDS, architectures=["DeepseekV4ForCausalLM"])
 
