@@ -24,6 +24,10 @@ import torch
 from safetensors.torch import save_file
 from weights_tiny import write_word_tokenizer
 
+#: 16 indexer heads, not fewer: an indexer score is a sum of ReLUs, exactly 0 when every head's
+#: is negative (probability 2^-heads per entry); two entries tied at 0 across the top-k boundary
+#: make the pick depend on ``torch.topk``'s tie order, which no reference fixes (with 2 heads it
+#: happened within 40 tokens).
 _COMMON = dict(
     vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, q_lora_rank=32,
     partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4, sliding_window=8, o_groups=2,
@@ -334,3 +338,29 @@ def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, se
         "bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}))
     write_word_tokenizer(directory, TOKENIZER_WORDS)
     return model
+
+
+PRESETS = {"all_kinds": TINY_ALL_KINDS, "hc4": TINY_HC4}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tests/deepseek_v4_tiny.py DIR [--preset all_kinds|hc4] [--naming ...] [--quantized]
+    [--shards N] [--seed S]``: write a tiny checkpoint to serve (needs ``transformers``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random DeepSeek V4 checkpoint.")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="all_kinds")
+    parser.add_argument("--naming", choices=("release", "transformers", "saved"), default="release")
+    parser.add_argument("--quantized", action="store_true", help="FP8 block-scaled matrices, FP4 routed experts")
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_tiny_deepseek_v4(args.directory, PRESETS[args.preset], seed=args.seed, naming=args.naming,
+                           shards=args.shards, quantized=args.quantized)
+    print(f"wrote {args.directory}: warmserve up --model {args.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

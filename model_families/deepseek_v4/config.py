@@ -1,11 +1,6 @@
 """The DeepSeek V4 architecture config (``DeepseekV4ForCausalLM``), parsed once from an HF
 ``config.json`` dict and validated.
 
-Groundwork for issue 12: this package has no ``__init__.py`` on purpose. The family registry
-(``model_families/__init__.py``) imports every regular sub-package and takes its ``FAMILY``; a
-package without one would break every lookup. Add the ``__init__.py`` with ``FAMILY`` when the
-family is complete.
-
 Field names and semantics are transformers' (``transformers/models/deepseek_v4/
 configuration_deepseek_v4.py``, ``DeepseekV4Config``; the reference is transformers 5.23).
 Sizes are element counts: ``hidden_size`` H, ``head_dim`` hd (one shared K=V head,
