@@ -277,6 +277,23 @@ def _mix(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, h: torch.Ten
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
 
 
+def _ring_slots(block_tables: torch.Tensor, p: torch.Tensor, bs: int, ring_blocks: int) -> torch.Tensor:
+    """Ring slots [B, K] of positions ``p`` [B, K] (>= 0):
+    ``table[(p // bs) % ring_blocks] * bs + p % bs`` (:class:`~model_families.block_layout.RingLayout`)."""
+    blocks = torch.gather(block_tables, 1, torch.div(p, bs, rounding_mode="floor") % ring_blocks)
+    return blocks * bs + p % bs
+
+
+def _entry_write_slots(block_tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, rate: int,
+                       bs: int) -> torch.Tensor:
+    """[B*S] pool slot of the compressed entry each chunk token closes (entry ``e = (p + 1) /
+    rate - 1`` at ``table[e // bs] * bs + e % bs``), 0 (the scratch block) where it closes none."""
+    closing = valid & ((pos + 1) % rate == 0)
+    e = torch.where(closing, torch.div(pos + 1, rate, rounding_mode="floor") - 1, 0)
+    blocks = torch.gather(block_tables, 1, torch.div(e, bs, rounding_mode="floor"))
+    return torch.where(closing, blocks * bs + e % bs, 0).reshape(-1)
+
+
 def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU (M: ``DeepseekV4Experts._apply_gate``): gate rows first, gate clamped
     above at ``limit``, up to ``[-limit, limit]``."""
@@ -287,8 +304,8 @@ def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 class DeepseekV4Model(FamilyModel):
     """The DeepSeek V4 forward over :class:`DeepseekV4Weights` (registered as buffers, no
     copies) and rope tables ``{main,compress}_{cos,sin}`` [max_model_len, rd / 2] float32.
-    Caches: the pools of the module docstring, in :meth:`DeepseekV4Family.cache_specs` order;
-    ``ring_tokens`` is the ring's length in token slots (a multiple of the block size)."""
+    Caches: the pools of :func:`cache_specs`, in that order; the block size is read from their
+    shape, the ring's length from it (:func:`ring_tokens`)."""
 
     def __init__(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int) -> None:
         super().__init__()
@@ -345,22 +362,22 @@ class DeepseekV4Model(FamilyModel):
         c = self.config
         B, S = input_ids.shape
         dev = input_ids.device
-        # The block size is the pools' (a static shape): ring geometry follows from it.
-        self.block_size = bs = caches[0].shape[2]
-        self.ring_tokens = ring_tokens(c, bs)
-        self.ring_blocks = self.ring_tokens // bs
+        # The block size is the pools' (a static shape): the ring's geometry follows from it.
+        bs = caches[0].shape[2]
+        ring = ring_tokens(c, bs)
         W = self.window
         start = positions[:, :1]
         steps = torch.arange(S, device=dev)
         pos = start + steps                                            # [B, S]
         valid = pos < seq_lens[:, None]                                # [B, S]
         ctx_pos = start + torch.arange(-self.ctx, 0, device=dev)       # [B, P]
-        ctx_slots = self._ring_slots(block_tables, ctx_pos.clamp(min=0))
+        ctx_slots = _ring_slots(block_tables, ctx_pos.clamp(min=0), bs, ring // bs)
         ext_pos = torch.cat([ctx_pos, pos], dim=1)                     # [B, P + S]
         ext_ok = torch.cat([ctx_pos >= 0, valid], dim=1)
         # A token's ring row is written unless padding or overwritten later in the same chunk.
-        keep = valid & (pos >= seq_lens[:, None] - self.ring_tokens)
-        write_slots = torch.where(keep, self._ring_slots(block_tables, torch.where(valid, pos, 0)), 0).reshape(-1)
+        keep = valid & (pos >= seq_lens[:, None] - ring)
+        write_slots = torch.where(keep, _ring_slots(block_tables, torch.where(valid, pos, 0), bs, ring // bs), 0)
+        write_slots = write_slots.reshape(-1)
         delta = pos[:, :, None] - ext_pos[:, None, :]                  # [B, S, P + S]
         win_mask = (delta >= 0) & (delta < W) & ext_ok[:, None, :]
         # Compressed entries: slot of every entry the table can hold, [B, nb * bs].
@@ -386,13 +403,6 @@ class DeepseekV4Model(FamilyModel):
                             + self.hc_head_base.float()) + c.hc_eps
         x = (pre.unsqueeze(-1) * last).sum(dim=1).to(last.dtype)
         return float_linear(rms_norm(x, self.final_norm, c.rms_norm_eps), self.head).float()
-
-    def _ring_slots(self, block_tables: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Ring slots [B, K] of positions ``p`` [B, K] (>= 0):
-        ``table[(p // bs) % ring_blocks] * bs + p % bs``."""
-        bs = self.block_size
-        blocks = torch.gather(block_tables, 1, torch.div(p, bs, rounding_mode="floor") % self.ring_blocks)
-        return blocks * bs + p % bs
 
     def _pool(self, caches: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
         return caches[self.pool_index[name]]
@@ -467,14 +477,6 @@ class DeepseekV4Model(FamilyModel):
         start = (pos + 1 - rate).clamp(min=0)
         return apply_rope(entry, self.compress_cos[start], self.compress_sin[start])
 
-    def _entry_write_slots(self, block_tables, pos, valid, rate) -> torch.Tensor:
-        """[B*S] pool slot of the entry each chunk token closes, 0 (scratch) where it closes none."""
-        bs = self.block_size
-        closing = valid & ((pos + 1) % rate == 0)
-        e = torch.where(closing, torch.div(pos + 1, rate, rounding_mode="floor") - 1, 0)
-        blocks = torch.gather(block_tables, 1, torch.div(e, bs, rounding_mode="floor"))
-        return torch.where(closing, blocks * bs + e % bs, 0).reshape(-1)
-
     def _csa(self, caches, j, x, q_res, pos, valid, ctx_slots, write_slots, block_tables, entry_slots, entry_ids):
         """CSA layer rank ``j``: new entries and indexer keys written, then the entries of the
         table [B, E, hd] and which each query sees [B, S, E] (the indexer's top ``index_topk``
@@ -488,7 +490,7 @@ class DeepseekV4Model(FamilyModel):
         main, idx = ext[..., :4 * hd], ext[..., 4 * hd:]
         entry = self._compress(main, 2 * m, self.csa_ape[j], self.csa_norm[j], hd, True, pos, m)
         ikey = self._compress(idx, 2 * m, self.csa_idx_ape[j], self.csa_idx_norm[j], idim, True, pos, m)
-        slots = self._entry_write_slots(block_tables, pos, valid, m)
+        slots = _entry_write_slots(block_tables, pos, valid, m, kv_pool.shape[2])
         write_kv(kv_pool, j, slots, entry.reshape(B * S, hd))
         write_kv(ik_pool, j, slots, ikey.reshape(B * S, idim))
         write_kv(raw_pool, j, write_slots, raw.reshape(B * S, -1))
@@ -516,7 +518,8 @@ class DeepseekV4Model(FamilyModel):
         raw = float_linear(x, self.hca_wkv_gate[j])
         ext = torch.cat([raw_pool[j].view(-1, raw.shape[-1])[ctx_slots], raw], dim=1)
         entry = self._compress(ext, m, self.hca_ape[j], self.hca_norm[j], hd, False, pos, m)
-        write_kv(kv_pool, j, self._entry_write_slots(block_tables, pos, valid, m), entry.reshape(B * S, hd))
+        write_kv(kv_pool, j, _entry_write_slots(block_tables, pos, valid, m, kv_pool.shape[2]),
+                 entry.reshape(B * S, hd))
         write_kv(raw_pool, j, write_slots, raw.reshape(B * S, -1))
         comp = kv_pool[j].view(-1, hd)[entry_slots]
         seen = entry_ids[None, None, :] < torch.div(pos + 1, m, rounding_mode="floor")[:, :, None]

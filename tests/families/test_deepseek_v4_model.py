@@ -279,3 +279,39 @@ def test_program_fingerprint_covers_the_layout_dims():
     keys = [key(**v) for v in variants]
     assert key() == key()
     assert len({key(), *keys}) == len(variants) + 1
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_grpc_runner_serves_the_checkpoint_and_reports_its_layer_kinds(packed):
+    """The runner's gRPC API over a DeepSeek V4 sidecar: ``ModelInfo`` names the family and the
+    layer kinds; a streamed greedy completion of a text prompt equals transformers' greedy."""
+    import grpc
+
+    from runner_service.servicer import GenerationServicer
+    from services.bootstrap import ServerConfig, ServiceServer
+    from services.proto import generation_pb2 as pb
+    from services.proto import generation_pb2_grpc
+
+    reference, path = packed
+    engine = _engine(path, max_num_seqs=2)
+    engine.start()
+    server = ServiceServer(ServerConfig(service="runner"), [
+        (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, "r-dsv4"),
+         "warmserve.v1.Generation")])
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        info = stub.ModelInfo(pb.ModelInfoRequest())
+        assert info.family == "deepseek_v4"
+        assert list(info.layer_types) == list(engine.args.layer_types) == list(
+            reference.config.layer_types)
+        text = "w5 w17 w9 w44 w3 w60 w61 w12 w30 w8 w5"
+        request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(
+            max_tokens=GENERATED, temperature=0.0, ignore_eos=True))
+        got = [t for delta in stub.Generate(request, timeout=60) for t in delta.token_ids]
+        assert got == _reference_greedy(reference, engine.tokenizer.encode(text), GENERATED)
+    finally:
+        channel.close()
+        server.stop()
+        engine.close()
