@@ -53,15 +53,10 @@ import torch.nn.functional as F
 
 from model_families.block_layout import RingLayout
 from model_families.deepseek_v4.config import CSA, HASH_MOE, HCA, DeepseekV4Config
-from model_families.deepseek_v4.pack import tensor_specs
+from model_families.deepseek_v4.pack import FLOAT32_SUFFIXES, tensor_specs
 from model_families.family import CacheSpec, FamilyModel, FamilyWeights
 from model_families.ops import float_linear, write_kv
 from services.errors import InvalidArgument
-
-#: Sidecar names kept in float32 whatever the compute dtype (M: ``_keep_in_fp32_modules_strict``
-#: keeps norms, sinks, position biases, the router bias and every hyper-connection tensor).
-KEEP_F32_SUFFIXES = ("norm", "sink", "ape", "gate_bias", "hc_head_fn", "hc_head_base", "hc_head_scale",
-                     "_fn", "_base", "_scale")
 
 
 def field_name(sidecar_name: str) -> str:
@@ -74,7 +69,7 @@ def field_name(sidecar_name: str) -> str:
 class DeepseekV4Weights(FamilyWeights):
     """The model's weights in the sidecar layout of :mod:`model_families.deepseek_v4.pack`
     (field = :func:`field_name` of the sidecar name; shapes in that module's table). Float
-    tensors in the compute dtype except the :data:`KEEP_F32_SUFFIXES` ones (float32);
+    tensors in the compute dtype except the :data:`FLOAT32_SUFFIXES` ones (float32);
     ``tid2eid`` int64. Group fields are ``None`` when the model has no layer of that kind."""
 
     embed: torch.Tensor
@@ -136,7 +131,7 @@ class DeepseekV4Weights(FamilyWeights):
         return cls(**out).to(dtype, torch.device(device))
 
     def to(self, dtype: torch.dtype, device: torch.device) -> DeepseekV4Weights:
-        """A copy in compute dtype ``dtype`` on ``device`` (:data:`KEEP_F32_SUFFIXES` tensors
+        """A copy in compute dtype ``dtype`` on ``device`` (:data:`FLOAT32_SUFFIXES` tensors
         float32, ``tid2eid`` int64); tensors already right are kept, not copied."""
         out = {}
         for f in fields(self):
@@ -144,7 +139,7 @@ class DeepseekV4Weights(FamilyWeights):
             if t is None:
                 continue
             want = (torch.int64 if not t.is_floating_point() else
-                    torch.float32 if f.name.endswith(KEEP_F32_SUFFIXES) else dtype)
+                    torch.float32 if f.name.endswith(FLOAT32_SUFFIXES) else dtype)
             out[f.name] = t.to(device=device, dtype=want)
         return type(self)(**out)
 

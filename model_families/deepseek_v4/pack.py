@@ -95,6 +95,11 @@ from model_families.deepseek_v4.quantized import is_quantized
 from model_families.family import FLOAT_WEIGHTS, Checkpoint, TensorSpec, float_specs
 from services.errors import InvalidArgument
 
+#: Tensors kept in float32 in every layout and at every compute dtype (names ending so: norms,
+#: attention sinks, compressor position biases, the router bias, every hyper-connection term), as
+#: transformers keeps them (``DeepseekV4PreTrainedModel._keep_in_fp32_modules_strict``) and the
+#: release stores them; the same suffixes pick the runner's float32 weights.
+FLOAT32_SUFFIXES = ("norm", "sink", "ape", "gate_bias", "_fn", "_base", "_scale")
 #: Changes whenever the layout above changes (enters the sidecar fingerprint).
 PACK_VERSION = "1"
 #: The weights dtypes this layout has a form for.
@@ -141,12 +146,15 @@ def tensor_shapes(c: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
 
 def tensor_specs(c: DeepseekV4Config, weights_dtype: str) -> dict[str, TensorSpec]:
     """Sidecar tensor name -> shape and dtype in a ``weights_dtype`` (``f32`` / ``bf16``)
-    sidecar: every float tensor in that dtype, ``hash.tid2eid`` int32. Raises
+    sidecar: float tensors in that dtype but the :data:`FLOAT32_SUFFIXES` ones (float32 in every
+    layout), ``hash.tid2eid`` int32. Raises
     ``InvalidArgument`` for another weights dtype."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise InvalidArgument(f"the deepseek_v4 layout has no {weights_dtype!r} form (it has "
                               f"{', '.join(WEIGHTS_DTYPES)})")
     specs = float_specs(tensor_shapes(c), weights_dtype)
+    for name in [n for n in specs if n.endswith(FLOAT32_SUFFIXES)]:
+        specs[name] = TensorSpec(specs[name].shape, torch.float32)
     if "hash.tid2eid" in specs:
         specs["hash.tid2eid"] = TensorSpec(specs["hash.tid2eid"].shape, torch.int32)
     return specs

@@ -81,13 +81,24 @@ def expected_sidecar(model) -> dict[str, torch.Tensor]:
     return out
 
 
+#: What transformers keeps in float32 at any dtype (``_keep_in_fp32_modules_strict``: the
+#: hyper-connections, sinks, position biases, router bias and norms), by sidecar name.
+FLOAT32_NAMES = {
+    "final_norm", "hc_head_fn", "hc_head_base", "hc_head_scale", "layers.attn_norm", "layers.ffn_norm",
+    "layers.hc_attn_fn", "layers.hc_attn_base", "layers.hc_attn_scale", "layers.hc_ffn_fn", "layers.hc_ffn_base",
+    "layers.hc_ffn_scale", "layers.q_norm", "layers.kv_norm", "layers.attn_sink", "layers.gate_bias",
+    "csa.ape", "csa.norm", "csa.idx_ape", "csa.idx_norm", "hca.ape", "hca.norm",
+}
+
+
 def _check(sidecar_path: Path, model, dtype: torch.dtype = torch.float32, mtp: dict | None = None) -> None:
     expected = expected_sidecar(model)
     with load_sidecar(sidecar_path) as sc:
         assert set(sc.tensors) == set(expected) | set(mtp or {})
         for name, want in expected.items():
             got = sc.tensors[name]
-            want = want if not want.is_floating_point() else want.to(dtype)
+            want = want if not want.is_floating_point() else want.to(
+                torch.float32 if name in FLOAT32_NAMES else dtype)
             assert got.dtype == want.dtype and torch.equal(got, want), name
         for name, want in (mtp or {}).items():
             assert torch.equal(sc.tensors[name], want.to(dtype)), name
@@ -128,6 +139,7 @@ def test_every_sidecar_tensor_is_the_checkpoint_tensor(tmp_path, case):
 
 
 def test_bf16_sidecar_rounds_each_dequantized_value(tmp_path):
+    """bf16 sidecar: matrices rounded to bfloat16, the float32-kept tensors exact."""
     model = write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, quantized=True, mtp=False)
     handle = prepare(str(tmp_path / "ckpt"), dtype="bf16", root=tmp_path / "sc")
     _check(handle.path, model, dtype=torch.bfloat16)
