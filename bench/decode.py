@@ -122,10 +122,10 @@ def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
 def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
     """Tokens/s of the decode program alone (what ``engine.runner.decode_fn`` runs: compiled or
     eager), without scheduling, sampling or detokenizing: ``batch`` rows, each decoding position
-    ``context - 1`` over its own blocks (as many as the runner's block layout needs), filled once into the persistent buffers; median of
-    ``steps`` calls. The served rate over this rate is the serving path's share of a step. Run
-    it on an idle engine: it writes K/V into blocks it does not own, so it empties the prefix
-    cache first."""
+    ``context - 1`` over its own blocks (as many as the runner's block layout needs), filled once
+    into the persistent buffers; median of ``steps`` calls. The served rate over this rate is the
+    serving path's share of a step. Run it on an idle engine: it writes K/V into blocks it does
+    not own, so it empties the prefix cache first."""
     engine.block_manager.reset_prefix_cache()
     runner = engine.runner
     per_seq = runner.layout.blocks_needed(context)
@@ -414,10 +414,14 @@ def deepseek_v4_report(args, tmp: Path) -> dict:
             report["decode_tps"].setdefault(f"{name}_program", {})[b] = round(
                 program_tps(engine, b, args.dsv4_prompt_tokens + args.tokens // 2), 1)
 
+    # The family's ring layout, and the paged layout of the same block size for reference (figure 2
+    # of the SmolLM2 run: same trajectory, wider tables, a row build every 16 tokens).
     ring = FAMILY.block_layout(eager.runner.args, 16, 2048)
-    report["host_prepare"] = [host_prepare_us(b, layout=ring) for b in (8, 32)]
-    report["host_prepare_layout"] = (f"ring of {ring.ring_blocks} blocks x 16 tokens, compressed rates "
-                                     f"{list(ring.rates)}, tables sized for 2048 tokens")
+    report["host_prepare"] = [{**host_prepare_us(b, layout=ring), "layout": "ring"} for b in (8, 32)]
+    report["host_prepare"] += [{**host_prepare_us(b), "layout": "paged"} for b in (8, 32)]
+    report["host_prepare_layout"] = (f"ring: {ring.ring_blocks} ring blocks x 16 tokens, compressed rates "
+                                     f"{list(ring.rates)}; paged: the SmolLM2 layout, for reference; "
+                                     "tables sized for 2048 tokens")
     for engine in engines.values():
         engine.close()
 
@@ -461,7 +465,8 @@ def _print_tables(report: dict, title: str, host_title: str) -> None:
         print(f"| {host_title} | persistent buffers (us) | rebuild each step (us) | ratio |")
         print("|---|---:|---:|---:|")
         for h in report["host_prepare"]:
-            print(f"| batch {h['batch']} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
+            label = f"batch {h['batch']}" + (f", {h['layout']} layout" if "layout" in h else "")
+            print(f"| {label} | {h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
 
 
 def main() -> int:
@@ -498,7 +503,7 @@ def main() -> int:
         report = deepseek_v4_report(args, Path(tmp.name))
         print(json.dumps(report, indent=2))
         _print_tables(report, f"DeepSeek V4 tiny decode tokens/s (f32, greedy, {args.dsv4_prompt_tokens}-token "
-                              f"prompts, {args.tokens} tokens)", "host prepare per decode step (ring layout)")
+                              f"prompts, {args.tokens} tokens)", "host prepare per decode step (DeepSeek V4)")
         for key in ("compiled", "transformers"):
             if isinstance(report.get(key), str):
                 print(f"\n{key}: {report[key]}")
