@@ -46,7 +46,8 @@ is :meth:`FamilyModel.decode`::
 
 where ``rows`` is empty (the step wrote its cache entries in place, the default) or holds one
 ``[layers, B, *row_shape]`` tensor per pool: the entries the step would write at
-``slot_mapping``, which the runner then writes for all layers at once
+``slot_mapping`` (or, with :attr:`FamilyModel.decode_row_slots`, at the per-pool ``[B]`` slot
+tensors returned after the rows), which the runner then writes for all layers at once
 (:func:`model_families.ops.write_kv_rows`). A decode that returns its rows only reads the pools,
 so its compiled program has no in-place writes (no custom-op call back into Python per layer).
 Slot ``s`` of a pool is row
@@ -274,6 +275,10 @@ class FamilyModel(nn.Module, ABC):
     module docstring."""
 
     config: FamilyConfig
+    #: Whether :meth:`decode`'s rows come with their own slots: ``(logits, *rows, *slots)``,
+    #: one ``[B]`` int64 slot tensor per pool after the rows (a family whose pools are written at
+    #: different slots, e.g. a ring and compressed entries); else rows go at ``slot_mapping``.
+    decode_row_slots: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,

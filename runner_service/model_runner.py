@@ -108,12 +108,20 @@ class ModelRunner:
 
     def finish_decode(self, out: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> torch.Tensor:
         """Write the cache rows of a decode module's (or program's) output ``(logits, *rows)``
-        at ``slot_mapping`` [B] (one :func:`~model_families.ops.write_kv_rows` per pool; none
-        when the module wrote in place) and return the logits [B, V]."""
+        at ``slot_mapping`` [B] (or ``(logits, *rows, *slots)``, each pool at its own slots, for a
+        model with :attr:`~model_families.family.FamilyModel.decode_row_slots`; one
+        :func:`~model_families.ops.write_kv_rows` per pool; none when the module wrote in place)
+        and return the logits [B, V]."""
         logits, *rows = out
         if rows:
-            for pool, r in zip(self.kv.tensors, rows, strict=True):
-                write_kv_rows(pool, slot_mapping, r)
+            if self.model.decode_row_slots:  # (logits, *rows, *slots): each pool at its own slots
+                n = len(rows) // 2
+                slots = rows[n:]
+                rows = rows[:n]
+            else:
+                slots = [slot_mapping] * len(rows)
+            for pool, r, s in zip(self.kv.tensors, rows, slots, strict=True):
+                write_kv_rows(pool, s, r)
         return logits
 
     def decode_fn(self, batch: int) -> DecodeFn:

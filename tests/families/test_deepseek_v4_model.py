@@ -79,6 +79,23 @@ def _run_chunks(model, kv, ids: list[int], table: list[int], chunk: int) -> dict
     return out
 
 
+def _run_decode(model, kv, ids: list[int], table: list[int]) -> torch.Tensor:
+    """Every position of ``ids`` through the read-only decode step (:meth:`decode`: rows and
+    their slots returned, then written as the runner writes them); logits [len(ids), V]."""
+    from model_families.ops import write_kv_rows
+
+    bt, out = torch.tensor([table]), []
+    for p, token in enumerate(ids):
+        with torch.inference_mode():
+            logits, *rest = model.decode(kv.tensors, torch.tensor([token]), torch.tensor([p]),
+                                         torch.zeros(1, dtype=torch.int64), bt, torch.tensor([p + 1]))
+            n = len(rest) // 2
+            for pool, rows, slots in zip(kv.tensors, rest[:n], rest[n:], strict=True):
+                write_kv_rows(pool, slots, rows)
+        out.append(logits[0])
+    return torch.stack(out)
+
+
 def _fresh_cache(config, block_size=4, blocks=64):
     return KVCache(FAMILY.cache_specs(config, block_size), blocks, block_size, torch.float32, torch.device("cpu"))
 
@@ -86,8 +103,8 @@ def _fresh_cache(config, block_size=4, blocks=64):
 @pytest.mark.usefixtures("one_torch_thread")
 def test_logits_at_every_position_match_transformers(packed):
     """Prompts of several lengths followed by GENERATED greedy tokens: the logits of every
-    position, computed one token per step (the decode path), and of whole and chunked prefills,
-    equal transformers' within 1e-4."""
+    position, computed one token per step by the read-only decode step and by one-token
+    prefill chunks, and those of whole and chunked prefills, equal transformers' within 1e-4."""
     reference, path = packed
     config, weights = _weights(path)
     model = FAMILY.build_model(config, weights, 256)
@@ -97,10 +114,10 @@ def test_logits_at_every_position_match_transformers(packed):
         ids = prompt + _reference_greedy(reference, prompt, GENERATED)
         want = _reference_logits(reference, ids)
         table = list(range(1, 1 + layout.blocks_needed(len(ids))))
+        torch.testing.assert_close(_run_decode(model, _fresh_cache(config), ids, table), want, atol=1e-4, rtol=0)
         per_token = _run_chunks(model, _fresh_cache(config), ids, table, 1)
         assert sorted(per_token) == list(range(len(ids)))
-        got = torch.stack([per_token[p] for p in range(len(ids))])
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.stack([per_token[p] for p in range(len(ids))]), want, atol=1e-4, rtol=0)
         for chunk in (3, 7, len(ids)):
             for p, logits in _run_chunks(model, _fresh_cache(config), ids, table, chunk).items():
                 torch.testing.assert_close(logits, want[p], atol=1e-4, rtol=0)
