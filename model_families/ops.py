@@ -35,6 +35,7 @@ slot ``s`` = ``block_id * block_size + offset``; block 0 is the scratch block.
 
 from __future__ import annotations
 
+import math
 import weakref
 from abc import ABC, abstractmethod
 from typing import NamedTuple
@@ -465,6 +466,56 @@ _LIB.impl("linear", _linear_kernel, "CPU")
 @torch.library.register_fake("warmserve::linear", lib=_LIB)
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"
+            " -> Tensor")
+
+
+def _grouped_experts_kernel(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer, each picked expert run once on the
+    tokens that picked it (as transformers' per-expert loop, e.g. ``DeepseekV4Experts``).
+
+    ``x`` [T, H]; ``picks`` [T, k] int64 expert ids (distinct per token); ``weights`` [T, k] their
+    weights; ``gate_up`` [E, 2I, H] (gate rows, then up); ``down`` [E, H, I]; ``limit``: the
+    SwiGLU clamp (gate clamped above at ``limit``, up to ``[-limit, limit]``; ``inf`` for none).
+    Returns ``sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` [T, H] in ``x``'s dtype.
+    """
+    k, num_experts = picks.shape[1], gate_up.shape[0]
+    flat = picks.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = torch.div(order, k, rounding_mode="floor")
+    xs, ws = x[tokens], weights.reshape(-1)[order].to(x.dtype)
+    out = x.new_zeros((x.shape[0], down.shape[1]))
+    ys, start = [], 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            gate, up = F.linear(xs[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            ys.append(F.linear(act, down[e]) * ws[start:start + n, None])
+            start += n
+    return out.index_add_(0, tokens, torch.cat(ys)) if ys else out
+
+
+_LIB.impl("grouped_experts", _grouped_experts_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmserve::grouped_experts", lib=_LIB)
+def _grouped_experts_fake(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor, limit: float) -> torch.Tensor:
+    return x.new_empty((x.shape[0], down.shape[1]))
+
+
+def grouped_experts(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, limit: float = math.inf) -> torch.Tensor:
+    """Routed experts [T, H] (:func:`_grouped_experts_kernel`: shapes, formula). Traced (a
+    compiled program), the custom op ``torch.ops.warmserve.grouped_experts``, so the program runs
+    the same per-expert loop at run time instead of every expert on every token (a graph with
+    data-dependent group sizes does not export); eagerly, the loop itself."""
+    if tracing(x):
+        return torch.ops.warmserve.grouped_experts(x, picks, weights, gate_up, down, float(limit))
+    return _grouped_experts_kernel(x, picks, weights, gate_up, down, float(limit))
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,7 +55,7 @@ from model_families.block_layout import RingLayout
 from model_families.deepseek_v4.config import CSA, HASH_MOE, HCA, DeepseekV4Config
 from model_families.deepseek_v4.pack import FLOAT32_SUFFIXES, tensor_specs
 from model_families.family import CacheSpec, FamilyModel, FamilyWeights
-from model_families.ops import float_linear, tracing, write_kv
+from model_families.ops import float_linear, grouped_experts, tracing, write_kv
 from services.errors import InvalidArgument
 
 
@@ -608,10 +608,9 @@ class DeepseekV4Model(FamilyModel):
     def _moe(self, i: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MoE on ``x`` [T, H] (M: ``DeepseekV4SparseMoeBlock``): router scores,
         top-k by ``scores + gate_bias`` (or ``tid2eid[token]`` in a hash layer), weights from
-        the unbiased scores normalised and scaled, plus the shared expert. Eagerly each picked
-        expert runs once on the tokens that picked it; in a compiled program (one graph for
-        every batch, no data-dependent shapes) every expert runs on every token, weighted 0 where
-        not picked (8x the arithmetic at 16 experts and 2 picks, each expert read once)."""
+        the unbiased scores normalised and scaled; each picked expert runs once on the tokens
+        that picked it (:func:`~model_families.ops.grouped_experts`, a custom op in a compiled
+        program), plus the shared expert."""
         c = self.config
         limit = c.swiglu_limit
         logits = float_linear(x, self.gate[i])
@@ -628,25 +627,4 @@ class DeepseekV4Model(FamilyModel):
         w = scores.gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
         shared = float_linear(_swiglu(float_linear(x, self.shared_gate_up[i]), limit), self.shared_down[i])
-        k = idx.shape[1]
-        E, two_i, H = self.experts_gate_up.shape[1:]
-        if not tracing(x):
-            # Eager: the (token, pick) pairs grouped by expert; each picked expert runs once on
-            # its tokens (M: ``DeepseekV4Experts.forward`` does the same, expert by expert).
-            picks = idx.reshape(-1)
-            order = torch.argsort(picks, stable=True)
-            tokens = torch.div(order, k, rounding_mode="floor")
-            xs, ws = x[tokens], w.reshape(-1)[order]
-            ys, start = [], 0
-            for e, n in enumerate(torch.bincount(picks, minlength=E).tolist()):
-                if n:
-                    act = _swiglu(F.linear(xs[start:start + n], self.experts_gate_up[i, e]), limit)
-                    ys.append(F.linear(act, self.experts_down[i, e]) * ws[start:start + n, None].to(act.dtype))
-                    start += n
-            return shared.index_add(0, tokens, torch.cat(ys).to(shared.dtype))
-        dense = torch.zeros_like(scores).scatter_add(1, idx, w)                      # [T, E]
-        gate_up = F.linear(x, self.experts_gate_up[i].reshape(E * two_i, H)).view(-1, E, two_i)
-        act = _swiglu(gate_up, limit)                                                # [T, E, I]
-        routed = torch.einsum("tei,ehi->teh", act, self.experts_down[i])
-        routed = (routed * dense.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
-        return routed + shared
+        return grouped_experts(x, idx, w, self.experts_gate_up[i], self.experts_down[i], limit) + shared
