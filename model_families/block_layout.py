@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from services.errors import InvalidArgument
@@ -26,6 +27,10 @@ from services.errors import InvalidArgument
 
 class BlockLayout:
     """The paged layout: one block per ``block_size`` tokens (see the module docstring)."""
+
+    #: Positions ``p`` and ``p + slot_period`` of a sequence always share a slot (``None``:
+    #: never, as in the paged layout). A position's block column is at most ``p // block_size``.
+    slot_period: int | None = None
 
     def __init__(self, block_size: int) -> None:
         if block_size < 1:
@@ -50,6 +55,25 @@ class BlockLayout:
         bs = self.block_size
         return block_table[positions // bs] * bs + positions % bs
 
+    def row_slots(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int]) -> list[int]:
+        """:meth:`slot` of each row's position in that row's block table (the Python form of
+        :meth:`slots_np`, cheaper for a few dozen rows)."""
+        bs = self.block_size
+        return [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+
+    def slots_np(self, block_tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """:meth:`slot` of row ``i`` for C-contiguous block tables [n, nb] (int64) and positions
+        [n] (int64), vectorised -> [n]: ``block_tables[i, p_i // bs] * bs + p_i % bs``; a
+        single row [1, nb] serves any number of positions."""
+        bs = self.block_size
+        return self._gather(block_tables, positions // bs) * bs + positions % bs
+
+    @staticmethod
+    def _gather(block_tables: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``block_tables[i, cols[i]]`` for each row ``i`` (one flat ``take``)."""
+        rows, width = block_tables.shape
+        return block_tables.ravel().take(np.arange(0, rows * width, width) + cols)
+
     def describe(self) -> dict:
         """The layout as plain JSON-able facts (it enters compiled programs' fingerprints)."""
         return {"kind": "paged", "block_size": self.block_size}
@@ -66,6 +90,7 @@ class RingLayout(BlockLayout):
             raise InvalidArgument(f"a ring layout needs ring_blocks >= 1 and rates >= 1, got {ring_blocks}, {rates}")
         self.ring_blocks = ring_blocks
         self.ring_tokens = ring_blocks * block_size
+        self.slot_period = self.ring_tokens
         self.rates = tuple(rates)
         self.max_model_len = max_model_len
 
@@ -84,6 +109,19 @@ class RingLayout(BlockLayout):
         """:meth:`slot` for a block table [nb] (int64) and positions [n] (int64) -> [n]."""
         bs = self.block_size
         return block_table[(positions // bs) % self.ring_blocks] * bs + positions % bs
+
+    def row_slots(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int]) -> list[int]:
+        """:meth:`slot` of each row's position in that row's block table (the Python form of
+        :meth:`slots_np`, cheaper for a few dozen rows)."""
+        bs, rb = self.block_size, self.ring_blocks
+        return [t[(p // bs) % rb] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+
+    def slots_np(self, block_tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """:meth:`slot` of row ``i`` for C-contiguous block tables [n, nb] (int64) and positions
+        [n] (int64), vectorised -> [n]: ``block_tables[i, (p_i // bs) % ring_blocks] * bs + p_i % bs``;
+        a single row [1, nb] serves any number of positions."""
+        bs = self.block_size
+        return self._gather(block_tables, positions // bs % self.ring_blocks) * bs + positions % bs
 
     def describe(self) -> dict:
         """The layout as plain JSON-able facts (it enters compiled programs' fingerprints)."""

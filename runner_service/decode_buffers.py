@@ -31,7 +31,10 @@ to the device tensors with ``non_blocking=True``; on the CPU the mirrors are the
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from itertools import compress
+from operator import ge, ne
 
+import numpy as np
 import torch
 
 from model_families.block_layout import BlockLayout
@@ -42,6 +45,11 @@ _NAMES = ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices"
 
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
 _PADDING_KEY: list[int] = []
+
+#: Up to this many active rows, slots are computed from the block lists in Python
+#: (``layout.row_slots``); above it, vectorised from the block-table buffer (``layout.slots_np``),
+#: whose fixed cost of a few numpy calls is then the smaller (about 40 rows on a 2-core CPU).
+_PYTHON_SLOT_ROWS = 40
 
 
 class DecodeBuffers:
@@ -60,6 +68,7 @@ class DecodeBuffers:
         #: Where a position's slot is in a block table (the family's block layout).
         self.layout = layout or BlockLayout(block_size)
         self.row_builds = 0
+        self._limit_of: dict[int, int] = {}
         self._allocate()
 
     def _allocate(self) -> None:
@@ -73,11 +82,22 @@ class DecodeBuffers:
         self._host = {name: host(n) for name in _NAMES}
         self._host["block_tables"] = host(n, m)
         self._np = {name: t.numpy() for name, t in self._host.items()}
+        period = self.layout.slot_period
+        #: Per row, the slot of each position modulo the layout's ``slot_period`` (a ring
+        #: layout: a position's slot is one lookup); ``None`` for a layout without a period.
+        self._period_slots = None if period is None else np.zeros((n, period), dtype=np.int64)
+        self._period_flat = None if period is None else self._period_slots.ravel()
+        self._period_positions = None if period is None else np.arange(period, dtype=np.int64)
         if on_host:
             self._dev = self._host
         else:
             self._dev = {name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
         self._row_keys: list[list[int]] = [_PADDING_KEY] * n
+        #: Per row, the most tokens its cached blocks hold (``layout.max_tokens``): a position
+        #: below it is in the row's blocks (one compare per row and step).
+        self._row_limits: list[int] = [self._max_tokens(0)] * n
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._prefixes: dict[int, tuple[np.ndarray, ...]] = {}
         self.num_active = 0
         self._set_padding(0, n)
         self._np["logits_indices"][:] = range(n)
@@ -124,27 +144,42 @@ class DecodeBuffers:
                                   f"{len(block_tables)} block tables")
         if n > self.max_num_seqs:
             raise InvalidArgument(f"{n} decode rows exceed the {self.max_num_seqs} allocated")
-        m, keys, layout = self.max_blocks_per_seq, self._row_keys, self.layout
-        changed = []
-        slots = []
-        for i in range(n):
-            blocks, pos = block_tables[i], positions[i]
-            if len(blocks) > m:
-                raise InvalidArgument(f"row {i}: {len(blocks)} blocks exceed max_blocks_per_seq {m}")
-            if pos < 0 or layout.blocks_needed(pos + 1) > len(blocks):
-                raise InvalidArgument(f"row {i}: position {pos} is outside its {len(blocks)} blocks")
-            if blocks != keys[i]:
-                # Block ids are checked when a row is (re)built; unchanged rows were checked then.
-                if not (0 < min(blocks) and max(blocks) < self.num_blocks):
-                    raise InvalidArgument(f"row {i}: block ids must be in [1, {self.num_blocks})")
-                changed.append(i)
-            slots.append(layout.slot(blocks, pos))
-        self._np["input_ids"][:n] = tokens
-        self._np["positions"][:n] = positions
-        self._np["slot_mapping"][:n] = slots
-        self._np["seq_lens"][:n] = [p + 1 for p in positions]
+        keys, limits = self._row_keys, self._row_limits
+        # Rows whose block list differs from the cached one (none, the common step: one C-level
+        # compare of the whole batch). Only those are validated and rebuilt; every other row
+        # was validated when it was built, and its block-table row equals its block list.
+        if type(block_tables) is list and block_tables == keys[:n]:
+            changed = ()
+        else:
+            changed = list(compress(range(n), map(ne, block_tables, keys)))
+            if changed:
+                limits = limits[:n]
+                m, num_blocks, limit_of = self.max_blocks_per_seq, self.num_blocks, self._limit_of
+                for i in changed:  # block ids are checked when a row is (re)built
+                    blocks = block_tables[i]
+                    if len(blocks) > m:
+                        raise InvalidArgument(f"row {i}: {len(blocks)} blocks exceed max_blocks_per_seq {m}")
+                    if blocks and not (0 < min(blocks) and max(blocks) < num_blocks):
+                        raise InvalidArgument(f"row {i}: block ids must be in [1, {num_blocks})")
+                    limit = limit_of.get(len(blocks))
+                    limits[i] = self._max_tokens(len(blocks)) if limit is None else limit
+        if n and (min(positions) < 0 or any(map(ge, positions, limits))):
+            self._check_positions(positions, block_tables, limits)
+        prefix = self._prefixes.get(n) or self._prefix(n)
+        ids, pos, lens, slots, tables, tmp, offsets = prefix
+        ids[:] = tokens
+        pos[:] = positions
+        np.add(pos, 1, out=lens)
         for i in changed:
-            self._build_row(i, block_tables[i])
+            self._build_row(i, block_tables[i], limits[i])
+        if self._period_slots is not None:  # a periodic layout: one lookup per row
+            np.remainder(pos, self.layout.slot_period, out=tmp)
+            tmp += offsets
+            self._period_flat.take(tmp, out=slots)
+        elif n <= _PYTHON_SLOT_ROWS:
+            slots[:] = self.layout.row_slots(block_tables, positions)
+        else:  # rows 0 .. n-1 of the block-table buffer now hold exactly ``block_tables``
+            slots[:] = self.layout.slots_np(tables, pos)
         if n < self.num_active:
             self._set_padding(n, self.num_active)
         copied = max(n, self.num_active)
@@ -169,9 +204,16 @@ class DecodeBuffers:
             raise InvalidArgument(f"batch {batch} must be in [{self.num_active}, {self.max_num_seqs}]")
         if not 1 <= num_blocks <= self.max_blocks_per_seq:
             raise InvalidArgument(f"num_blocks {num_blocks} must be in [1, {self.max_blocks_per_seq}]")
-        d = self._dev
-        return (d["input_ids"][:batch], d["positions"][:batch], d["slot_mapping"][:batch],
-                d["block_tables"][:batch, :num_blocks], d["seq_lens"][:batch])
+        # The views of a shape are made once per buffer allocation (slicing five tensors costs
+        # more than the rest of a step's host work); inference mode is part of the key, as
+        # views made inside it are flagged as such.
+        key = (batch, num_blocks, torch.is_inference_mode_enabled())
+        views = self._views.get(key)
+        if views is None:
+            d = self._dev
+            views = self._views[key] = (d["input_ids"][:batch], d["positions"][:batch], d["slot_mapping"][:batch],
+                                        d["block_tables"][:batch, :num_blocks], d["seq_lens"][:batch])
+        return views
 
     def max_active_blocks(self) -> int:
         """Most blocks held by an active row (1 when none is active)."""
@@ -183,20 +225,67 @@ class DecodeBuffers:
 
     def close(self) -> None:
         """Drop the buffers and the cache together; :meth:`reset` makes them usable again."""
-        self._host, self._dev, self._np = {}, {}, {}
-        self._row_keys = []
+        self._host, self._dev, self._np, self._period_slots, self._period_flat = {}, {}, {}, None, None
+        self._row_keys, self._row_limits, self._views, self._prefixes = [], [], {}, {}
         self.num_active = 0
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _build_row(self, row: int, blocks: Seq[int]) -> None:
+    def _prefix(self, n: int) -> tuple[np.ndarray, ...]:
+        """The host views of the first ``n`` rows a step writes: ``(input_ids, positions,
+        seq_lens, slot_mapping, block_tables)``, then a scratch row of ``n`` and, for a periodic
+        layout, each row's offset in the flattened period-slot table; made once per ``n`` and
+        allocation."""
+        np_, period = self._np, self.layout.slot_period
+        views = tuple(np_[name][:n] for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "block_tables"))
+        offsets = None if period is None else np.arange(n, dtype=np.int64) * period
+        views += (np.zeros(n, dtype=np.int64), offsets)
+        self._prefixes[n] = views
+        return views
+
+    def _max_tokens(self, num_blocks: int) -> int:
+        """``layout.max_tokens(num_blocks)``, memoised (a ring layout bisects for it)."""
+        limit = self._limit_of.get(num_blocks)
+        if limit is None:
+            limit = self._limit_of[num_blocks] = self.layout.max_tokens(num_blocks)
+        return limit
+
+    def _check_positions(self, positions: Seq[int], block_tables: Seq[Seq[int]], limits: Seq[int]) -> None:
+        """The slow path of the position check, taken when some position is negative or not
+        below its row's limit: raises unless every position is in its row's blocks (a capped
+        limit, e.g. a ring layout's ``max_model_len``, may be below what the blocks hold)."""
+        for i, (pos, limit) in enumerate(zip(positions, limits, strict=False)):
+            if pos < 0 or (pos >= limit and self.layout.blocks_needed(pos + 1) > len(block_tables[i])):
+                raise InvalidArgument(f"row {i}: position {pos} is outside its {len(block_tables[i])} blocks")
+
+    def _build_row(self, row: int, blocks: Seq[int], limit: int | None = None) -> None:
         """Rewrite block-table row ``row`` as ``blocks`` followed by scratch entries; the row's
-        cache key becomes a copy of ``blocks``."""
+        cache key becomes a copy of ``blocks`` and its limit ``limit`` (default: the most tokens
+        the blocks hold). Only the entries that differ from the old key's are written when
+        ``blocks`` extends it (a sequence grew a block), and a periodic layout's slot table only
+        when the blocks it reaches changed."""
         self.row_builds += 1
         bt = self._np["block_tables"][row]
-        bt[: len(blocks)] = blocks
-        bt[len(blocks):] = SCRATCH_BLOCK
+        old, n, n_old = self._row_keys[row], len(blocks), len(self._row_keys[row])
+        if n >= n_old and blocks[:n_old] == old:
+            bt[n_old:n] = blocks[n_old:]  # the row held ``old`` then scratch entries
+        else:
+            bt[:n] = blocks
+            bt[n:n_old] = SCRATCH_BLOCK
         self._row_keys[row] = list(blocks)
+        self._row_limits[row] = self._max_tokens(n) if limit is None else limit
+        period = self.layout.slot_period
+        if period is not None:
+            # Entry ``t`` is the slot of every position ``p`` with ``p % slot_period == t``; the
+            # first ``k`` are those the blocks reach (a position's block column is at most
+            # ``p // block_size``), the rest the scratch slot (no valid position maps there).
+            reach = -(-period // self.block_size)
+            if blocks[:reach] == old[:reach]:
+                return  # the same reachable blocks (then also the same k): the same table
+            k = min(period, n * self.block_size)
+            table = self._period_slots[row]
+            table[:k] = self.layout.slots_np(bt[None, :], self._period_positions[:k])
+            table[k:] = 0
 
     def _set_padding(self, start: int, stop: int) -> None:
         for name in ("input_ids", "positions", "slot_mapping"):
