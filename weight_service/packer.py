@@ -51,9 +51,9 @@ def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], n
     """The bytes of ``t`` as the layout stores it: float tensors cast to the spec's float dtype;
     integer parts (quantized codes) must already be in the spec's dtype (a cast would be a
     silent float detour)."""
-    if tuple(t.shape) != tuple(shape):
-        raise FailedPrecondition(f"checkpoint tensor for {name} has shape {list(t.shape)}, "
-                                 f"the family's layout expects {list(shape)}")
+    if tuple(t.shape) != tuple(shape):  # the checkpoint disagrees with its own config: bad input
+        raise InvalidArgument(f"checkpoint tensor for {name} has shape {list(t.shape)}, "
+                              f"the family's layout expects {list(shape)} (does config.json match the weights?)")
     if not dtype.is_floating_point and t.dtype != dtype:
         raise FailedPrecondition(f"the family packed {name} as {t.dtype}, its layout stores {dtype}")
     t = t.to(dtype).contiguous()
@@ -86,6 +86,7 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
     emit(ProgressEvent("read", message=f"reading {source.path.name}"))
     ckpt = open_checkpoint(source)
     temps: dict[str, Path] = {}
+    created = False
     try:
         config = ckpt.config
         generation = ckpt.generation_config()
@@ -115,6 +116,7 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
         if extra:
             metadata["warmserve.extra_tensors"] = extra_tensors_json(extra)
         prefix, entries, total = build_header(specs, metadata)
+        created = not directory.exists()
         directory.mkdir(parents=True, exist_ok=True)
         for name, data in ckpt.tokenizer_files().items():
             temps[name] = write_temp_file(directory, name, data)
@@ -164,3 +166,5 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
         ckpt.close()
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
+        if created and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()  # a failed first pack leaves no empty sidecar directory behind

@@ -250,3 +250,17 @@ def test_extra_tensors_outside_the_family_prefixes_are_refused(packed):
     _edit_header(handle.path / "model.safetensors", edit)
     with pytest.raises(InvalidSidecar, match=r"records extra tensors the deepseek_v4 family does not pack: \['junk.x'\]"):
         validate_sidecar(handle.path)
+
+
+def test_config_disagreeing_with_the_weights_is_invalid_argument_and_leaves_nothing(tmp_path):
+    """A config.json whose vocab_size does not match the tensors is bad input (INVALID_ARGUMENT,
+    exit 2), and the failed first pack leaves no sidecar directory behind."""
+    from services.errors import InvalidArgument
+
+    write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["vocab_size"] = 64
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidArgument, match=r"checkpoint tensor for embed has shape \[128, 64\]"):
+        prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc")
+    assert [p for p in (tmp_path / "sc").iterdir() if not p.name.startswith(".")] == []  # only the lock dir
