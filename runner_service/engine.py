@@ -560,7 +560,13 @@ class LLMEngine:
 
     def run_until_done(self, max_steps: int | None = None) -> int:
         """Step (in this thread) until no work is left; returns the steps taken. For tests and
-        benchmarks that do not start the loop thread."""
+        benchmarks that do not start the loop thread.
+
+        Raises ``RuntimeError`` when the loop thread is running: two threads stepping one
+        engine would race on the scheduler and on each request's generator."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            raise RuntimeError("run_until_done() while the engine loop thread is running; "
+                               "submit requests and read their streams instead")
         steps = 0
         while self.has_work() and (max_steps is None or steps < max_steps):
             self.step()
