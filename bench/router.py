@@ -132,7 +132,7 @@ def bench_instant(tokens: int, rounds: int) -> dict:
         def Generate(self, request, context):
             for i in range(request.sampling.max_tokens):
                 yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
-            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.LENGTH, runner_id="instant")
+            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant")
 
     runner = ServiceServer(ServerConfig(service="instant", port=0), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, Instant(), "warmserve.v1.Generation")])

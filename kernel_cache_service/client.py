@@ -146,7 +146,7 @@ class KernelCacheClient:
         if self._store is not None:
             return self._store.lookup(name, fingerprint)
         resp = self._unary(self._stub.Lookup, pb.LookupRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint)))
-        return entry_from_proto(resp.entry) if resp.status == pb.LookupResponse.HIT else None
+        return entry_from_proto(resp.entry) if resp.status == pb.LookupResponse.STATUS_HIT else None
 
     def fetch(self, name: str, fingerprint: str, dest: str | Path, *, chunk_bytes: int = 0) -> EntryInfo | None:
         """Write the entry at ``dest`` atomically: the file, or the directory restored from its tar
@@ -242,14 +242,14 @@ class KernelCacheClient:
         """``lease`` extended by its TTL from now, ``None`` when it is no longer held."""
         if self._store is not None:
             return self._store.renew(lease)
-        resp = self._unary(self._stub.RenewLease, pb.LeaseRequest(lease=lease_to_proto(lease)))
+        resp = self._unary(self._stub.RenewLease, pb.RenewLeaseRequest(lease=lease_to_proto(lease)))
         return lease_from_proto(resp.lease) if resp.held else None
 
     def release(self, lease: Lease) -> bool:
         """Give ``lease`` up without publishing; ``False`` when it was no longer held."""
         if self._store is not None:
             return self._store.release(lease)
-        return self._unary(self._stub.ReleaseLease, pb.LeaseRequest(lease=lease_to_proto(lease))).held
+        return self._unary(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease=lease_to_proto(lease))).held
 
     # ---------------------------------------------------------------- writes
 

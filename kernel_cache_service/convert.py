@@ -2,13 +2,17 @@
 :class:`~kernel_cache_service.entry.EntryInfo` <-> ``EntryInfo``, a
 :class:`~kernel_cache_service.entry.PublishResult` <-> ``PublishResponse``, a
 :class:`~kernel_cache_service.leases.Lease` <-> ``Lease``, a
-:class:`~kernel_cache_service.leases.Claim` <-> ``ClaimEvent``."""
+:class:`~kernel_cache_service.leases.Claim` <-> ``ClaimResponse``."""
 
 from __future__ import annotations
 
 from kernel_cache_service.entry import EntryInfo, PublishResult
 from kernel_cache_service.leases import Claim, Lease
 from services.proto import kernel_cache_pb2 as pb
+
+#: Status enum values carry their type's prefix in the proto (``STATUS_PUBLISHED``); the core
+#: objects use the bare names (``PUBLISHED``).
+_STATUS_PREFIX = "STATUS_"
 
 
 def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
@@ -41,7 +45,7 @@ def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
 def publish_to_proto(result: PublishResult) -> pb.PublishResponse:
     """:class:`PublishResult` as the ``warmserve.v1.PublishResponse`` message."""
     return pb.PublishResponse(
-        status=pb.PublishResponse.Status.Value(result.status),
+        status=pb.PublishResponse.Status.Value(_STATUS_PREFIX + result.status),
         reason=result.reason,
         entry=entry_to_proto(result.entry) if result.entry else None,
     )
@@ -50,7 +54,7 @@ def publish_to_proto(result: PublishResult) -> pb.PublishResponse:
 def publish_from_proto(msg: pb.PublishResponse) -> PublishResult:
     """The inverse of :func:`publish_to_proto`."""
     return PublishResult(
-        status=pb.PublishResponse.Status.Name(msg.status),
+        status=pb.PublishResponse.Status.Name(msg.status).removeprefix(_STATUS_PREFIX),
         reason=msg.reason,
         entry=entry_from_proto(msg.entry) if msg.HasField("entry") else None,
     )
@@ -67,15 +71,15 @@ def lease_from_proto(msg: pb.Lease) -> Lease:
     return Lease(msg.key.name, msg.key.fingerprint, msg.lease_id, msg.holder, msg.expires_unix_s, msg.ttl_s)
 
 
-def claim_to_proto(claim: Claim) -> pb.ClaimEvent:
-    """:class:`Claim` as the ``warmserve.v1.ClaimEvent`` message."""
-    return pb.ClaimEvent(status=pb.ClaimEvent.Status.Value(claim.status),
+def claim_to_proto(claim: Claim) -> pb.ClaimResponse:
+    """:class:`Claim` as the ``warmserve.v1.ClaimResponse`` message."""
+    return pb.ClaimResponse(status=pb.ClaimResponse.Status.Value(_STATUS_PREFIX + claim.status),
                          entry=entry_to_proto(claim.entry) if claim.entry else None,
                          lease=lease_to_proto(claim.lease) if claim.lease else None, takeover=claim.takeover)
 
 
-def claim_from_proto(msg: pb.ClaimEvent) -> Claim:
+def claim_from_proto(msg: pb.ClaimResponse) -> Claim:
     """The inverse of :func:`claim_to_proto`."""
-    return Claim(pb.ClaimEvent.Status.Name(msg.status),
+    return Claim(pb.ClaimResponse.Status.Name(msg.status).removeprefix(_STATUS_PREFIX),
                  entry=entry_from_proto(msg.entry) if msg.HasField("entry") else None,
                  lease=lease_from_proto(msg.lease) if msg.HasField("lease") else None, takeover=msg.takeover)

@@ -64,8 +64,8 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         except WarmserveError as e:
             abort_with(context, e)
         if info is None:
-            return pb.LookupResponse(status=pb.LookupResponse.MISS)
-        return pb.LookupResponse(status=pb.LookupResponse.HIT, entry=entry_to_proto(info))
+            return pb.LookupResponse(status=pb.LookupResponse.STATUS_MISS)
+        return pb.LookupResponse(status=pb.LookupResponse.STATUS_HIT, entry=entry_to_proto(info))
 
     def Fetch(self, request, context):
         """Stream the entry's blob in chunks, the first one carrying its info; NOT_FOUND on a miss."""
@@ -83,14 +83,14 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
             try:
                 for block in reader.chunks(chunk_bytes):
                     if sent_first:
-                        yield pb.FetchChunk(data=block)
+                        yield pb.FetchResponse(data=block)
                     else:
-                        yield pb.FetchChunk(entry=entry, data=block)
+                        yield pb.FetchResponse(entry=entry, data=block)
                         sent_first = True
             except CorruptArtifact as e:
                 abort_with(context, e)
             if not sent_first:  # an empty artifact still announces itself
-                yield pb.FetchChunk(entry=entry)
+                yield pb.FetchResponse(entry=entry)
 
     def Publish(self, request_iterator, context):
         """Store the streamed artifact (a header, then chunks) under its key."""
@@ -168,13 +168,13 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         except WarmserveError as e:
             abort_with(context, e)
         if renewed is None:
-            return pb.LeaseResponse(held=False)
-        return pb.LeaseResponse(held=True, lease=lease_to_proto(renewed))
+            return pb.RenewLeaseResponse(held=False)
+        return pb.RenewLeaseResponse(held=True, lease=lease_to_proto(renewed))
 
     def ReleaseLease(self, request, context):
         """Give the lease up (held=false when it was no longer held)."""
         try:
-            return pb.LeaseResponse(held=self.store.release(lease_from_proto(request.lease)))
+            return pb.ReleaseLeaseResponse(held=self.store.release(lease_from_proto(request.lease)))
         except WarmserveError as e:
             abort_with(context, e)
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from services.address import parse_address
 from services.errors import InvalidArgument
 
-#: The routing policies (:mod:`router_service.policy`), named as on the command line; each is the
-#: ``RoutingPolicy`` enum value's name in lower case with dashes (``LEAST_OUTSTANDING``).
+#: The routing policies (:mod:`router_service.policy`), named as on the command line; each is a
+#: ``RoutingPolicy`` enum value's name without its ``ROUTING_POLICY_`` prefix, in lower case with
+#: dashes (``ROUTING_POLICY_LEAST_OUTSTANDING`` is ``least-outstanding``).
 POLICY_NAMES = ("least-outstanding", "round-robin", "prefix-affinity")
 DEFAULT_POLICY = "least-outstanding"
 

@@ -6,9 +6,9 @@ from router_service.registry import Runner, RunnerLoad, RunnerState
 from services.proto import router_pb2
 
 _STATE_TO_PB = {
-    RunnerState.READY: router_pb2.RunnerStatus.READY,
-    RunnerState.UNHEALTHY: router_pb2.RunnerStatus.UNHEALTHY,
-    RunnerState.DRAINING: router_pb2.RunnerStatus.DRAINING,
+    RunnerState.READY: router_pb2.RunnerStatus.STATE_READY,
+    RunnerState.UNHEALTHY: router_pb2.RunnerStatus.STATE_UNHEALTHY,
+    RunnerState.DRAINING: router_pb2.RunnerStatus.STATE_DRAINING,
 }
 
 

@@ -123,8 +123,10 @@ class PrefixAffinity:
 class PolicySet:
     """The three policies, and the choice between them per request."""
 
-    #: ``RoutingPolicy`` enum value -> policy name (``LEAST_OUTSTANDING`` -> ``least-outstanding``).
-    _BY_ENUM = {generation_pb2.RoutingPolicy.Value(name.upper().replace("-", "_")): name for name in POLICY_NAMES}
+    #: ``RoutingPolicy`` enum value -> policy name (``ROUTING_POLICY_LEAST_OUTSTANDING`` ->
+    #: ``least-outstanding``).
+    _BY_ENUM = {generation_pb2.RoutingPolicy.Value("ROUTING_POLICY_" + name.upper().replace("-", "_")): name
+                for name in POLICY_NAMES}
 
     def __init__(self, config: RouterConfig) -> None:
         policies = (LeastOutstanding(), RoundRobin(),

@@ -98,7 +98,7 @@ class GenerationResult:
         if resp.runner_id:
             self.runner_id = resp.runner_id
         if resp.finish_reason:
-            self.finish_reason = generation_pb2.FinishReason.Name(resp.finish_reason)
+            self.finish_reason = generation_pb2.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_")
             self.prompt_tokens = resp.usage.prompt_tokens
             self.completion_tokens = resp.usage.completion_tokens
 

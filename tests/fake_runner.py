@@ -91,7 +91,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                     request_id=request.request_id or "r", token_ids=[tok],
                     text=chr(tok) + "." * b.pad_bytes, runner_id=self.runner_id)
             n = request.sampling.max_tokens or 8
-            reason = generation_pb2.LENGTH if len(ids) == n else generation_pb2.STOP
+            reason = generation_pb2.FINISH_REASON_LENGTH if len(ids) == n else generation_pb2.FINISH_REASON_STOP
             finished = True
             yield generation_pb2.GenerateResponse(
                 request_id=request.request_id or "r", finish_reason=reason, runner_id=self.runner_id,

@@ -308,7 +308,7 @@ class LocalStack:
 
         while True:
             ready = {r.runner_id for r in list_runners(self.router_address)
-                     if r.state == router_pb2.RunnerStatus.READY}
+                     if r.state == router_pb2.RunnerStatus.STATE_READY}
             if set(names) <= ready:
                 return
             if time.monotonic() > end:
@@ -654,7 +654,8 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
             running, waiting, used, usable, mark = (r.load.running, r.load.waiting, r.load.kv_blocks_used,
                                                     r.load.kv_blocks_total, " (hb)")
         kv = f"{used}/{usable}{mark}" if usable else "-"
-        table.append((r.runner_id, r.address, router_pb2.RunnerStatus.State.Name(r.state), programs,
+        state = router_pb2.RunnerStatus.State.Name(r.state).removeprefix("STATE_")
+        table.append((r.runner_id, r.address, state, programs,
                       str(r.outstanding), lease, f"{running}/{waiting}{mark}", kv, str(r.consecutive_failures),
                       *((str(restarts.get(r.runner_id, 0)),) if restarts else ())))
     if len(table) == 1:

@@ -67,7 +67,7 @@ class WeightsClient:
             return find_sidecar(dest_root, fingerprint).path
         except WarmserveError:
             pass
-        request = weights_pb2.FetchSidecarRequest(fingerprint=fingerprint, chunk_bytes=chunk_bytes)
+        request = weights_pb2.WeightsFetchRequest(fingerprint=fingerprint, chunk_bytes=chunk_bytes)
         stream = self._stub.Fetch(request, metadata=self._metadata)
         try:
             first = next(stream)
@@ -120,7 +120,7 @@ class WeightsClient:
     def list(self) -> list[SidecarHandle]:
         """Every valid sidecar on the server."""
         try:
-            response = self._stub.List(weights_pb2.ListSidecarsRequest(), metadata=self._metadata)
+            response = self._stub.List(weights_pb2.WeightsListRequest(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
         return [handle_from_proto(h) for h in response.sidecars]

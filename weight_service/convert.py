@@ -9,8 +9,8 @@ from services.proto import weights_pb2
 from weight_service.prepare import SidecarHandle
 from weight_service.progress import ProgressEvent
 
-_STATES = {"HOT": weights_pb2.HOT, "COLD": weights_pb2.COLD, "BUILT": weights_pb2.BUILT,
-           "REBUILT": weights_pb2.REBUILT}
+_STATES = {"HOT": weights_pb2.SIDECAR_STATE_HOT, "COLD": weights_pb2.SIDECAR_STATE_COLD,
+           "BUILT": weights_pb2.SIDECAR_STATE_BUILT, "REBUILT": weights_pb2.SIDECAR_STATE_REBUILT}
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
 
 

@@ -69,10 +69,10 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
                 if isinstance(result, WarmserveError):
                     abort_with(context, result)
                 files = [(n, (result.path / n).stat().st_size, "") for n in sidecar_files(result.path)]
-                yield weights_pb2.PrepareEvent(handle=handle_to_proto(result, files))
+                yield weights_pb2.PrepareResponse(handle=handle_to_proto(result, files))
                 return
             if context.is_active():
-                yield weights_pb2.PrepareEvent(progress=progress_to_proto(item))
+                yield weights_pb2.PrepareResponse(progress=progress_to_proto(item))
 
     def _find(self, request) -> SidecarInfo:
         if request.fingerprint:
@@ -108,12 +108,12 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             abort_with(context, e)
         try:
             files = [(name, os.fstat(f.fileno()).st_size, self._sha256(name, f)) for name, f in opened]
-            yield weights_pb2.SidecarChunk(handle=handle_to_proto(_current_handle(info), files))
+            yield weights_pb2.WeightsFetchResponse(handle=handle_to_proto(_current_handle(info), files))
             for name, f in opened:
                 f.seek(0)
                 offset = 0
                 while context.is_active() and (data := f.read(chunk)):
-                    yield weights_pb2.SidecarChunk(file=name, offset=offset, data=data)
+                    yield weights_pb2.WeightsFetchResponse(file=name, offset=offset, data=data)
                     offset += len(data)
         finally:
             for _, f in opened:
@@ -121,7 +121,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
 
     def List(self, request, context):
         """Every valid sidecar under the root, with its residency now."""
-        return weights_pb2.ListSidecarsResponse(
+        return weights_pb2.WeightsListResponse(
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 
 

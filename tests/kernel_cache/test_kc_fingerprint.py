@@ -309,7 +309,7 @@ def test_unknown_is_never_stored_or_matched_over_grpc(tmp_path, grpc_cache):
                                                   sha256=hashlib.sha256(data).hexdigest(), format="file")),
         pb.PublishRequest(chunk=data),
     ]))
-    assert resp.status == pb.PublishResponse.REJECTED and "UNKNOWN" in resp.reason
-    assert stub.Lookup(pb.LookupRequest(key=key)).status == pb.LookupResponse.MISS
+    assert resp.status == pb.PublishResponse.STATUS_REJECTED and "UNKNOWN" in resp.reason
+    assert stub.Lookup(pb.LookupRequest(key=key)).status == pb.LookupResponse.STATUS_MISS
     assert list(stub.List(pb.ListRequest()).entries) == []
     assert stub.Stat(pb.StatRequest()).publishes == 0

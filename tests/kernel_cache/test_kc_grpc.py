@@ -145,22 +145,22 @@ def test_publish_protocol_is_verified(grpc_cache):
         stub.Publish(_publish_requests("p", "f", data, fmt="zip"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "format" in e.value.details()
     short = stub.Publish(_publish_requests("p", "f", data, size=len(data) + 1))
-    assert short.status == pb.PublishResponse.REJECTED and "announced" in short.reason
+    assert short.status == pb.PublishResponse.STATUS_REJECTED and "announced" in short.reason
     long = stub.Publish(_publish_requests("p", "f", data, size=len(data) - 1))
-    assert long.status == pb.PublishResponse.REJECTED and "more bytes" in long.reason
+    assert long.status == pb.PublishResponse.STATUS_REJECTED and "more bytes" in long.reason
     wrong = stub.Publish(_publish_requests("p", "f", data, sha=hashlib.sha256(b"other").hexdigest()))
-    assert wrong.status == pb.PublishResponse.REJECTED and "sha256" in wrong.reason
-    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.MISS
+    assert wrong.status == pb.PublishResponse.STATUS_REJECTED and "sha256" in wrong.reason
+    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.STATUS_MISS
     with pytest.raises(grpc.RpcError) as e:
         stub.Publish(_publish_requests("p", "f", b""))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty artifact" in e.value.details()
     # announced as 50 000 bytes, none sent: a short transfer (REJECTED), not an empty artifact
     none_sent = stub.Publish(_publish_requests("p", "f", b"", size=len(data), sha=hashlib.sha256(data).hexdigest()))
-    assert none_sent.status == pb.PublishResponse.REJECTED and "announced" in none_sent.reason
+    assert none_sent.status == pb.PublishResponse.STATUS_REJECTED and "announced" in none_sent.reason
     ok = stub.Publish(_publish_requests("p", "f", data))
-    assert ok.status == pb.PublishResponse.PUBLISHED and ok.entry.size_bytes == len(data)
+    assert ok.status == pb.PublishResponse.STATUS_PUBLISHED and ok.entry.size_bytes == len(data)
     again = stub.Publish(_publish_requests("p", "f", data))
-    assert again.status == pb.PublishResponse.ALREADY_PRESENT
+    assert again.status == pb.PublishResponse.STATUS_ALREADY_PRESENT
     assert list((cache.store.root / "tmp").iterdir()) == []
 
 
@@ -177,7 +177,7 @@ def test_a_full_disk_in_the_daemon_is_resource_exhausted_and_leaves_nothing(grpc
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "no space left" in e.value.details() and "\n" not in e.value.details()
     monkeypatch.undo()
-    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.MISS
+    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.STATUS_MISS
     assert list((cache.store.root / "tmp").iterdir()) == []
 
 
@@ -192,7 +192,7 @@ def test_publish_and_evict_need_the_token_when_the_daemon_has_one(grpc_cache, tm
             stub.Evict(pb.EvictRequest(all=True), metadata=metadata)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Reads stay open.
-    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.MISS
+    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.STATUS_MISS
     assert stub.Stat(pb.StatRequest()).entries == 0
     (tmp_path / "a").write_bytes(b"data")
     with pytest.raises(Unauthenticated):

@@ -198,9 +198,9 @@ def test_a_raw_grpc_waiter_can_cancel_its_wait(grpc_cache):
     stub = pb_grpc.KernelCacheStub(open_channel(cache.address))
     key = pb.ProgramKey(name="p.decode", fingerprint=FP)
     first = next(stub.Claim(pb.ClaimRequest(key=key, holder="a")))
-    assert first.status == pb.ClaimEvent.OWNER
+    assert first.status == pb.ClaimResponse.STATUS_OWNER
     stream = stub.Claim(pb.ClaimRequest(key=key, holder="b"))
-    assert next(stream).status == pb.ClaimEvent.WAIT
+    assert next(stream).status == pb.ClaimResponse.STATUS_WAIT
     stream.cancel()
     with pytest.raises(grpc.RpcError) as e:
         next(stream)

@@ -41,7 +41,7 @@ def test_least_outstanding_breaks_ties_by_reported_load_then_rotates() -> None:
 def test_round_robin_cycles_in_id_order() -> None:
     policies = PolicySet(RouterConfig())
     runners = _runners(("a", 5), ("b", 0), ("c", 9))
-    req = _text("x", generation_pb2.ROUND_ROBIN)
+    req = _text("x", generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
     assert [policies.for_request(req)(runners).runner_id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
 
 
@@ -89,9 +89,9 @@ def test_prefix_affinity_is_sticky_and_consistent() -> None:
 def test_prefix_affinity_chooser_routes_shared_prefixes_together() -> None:
     policies = PolicySet(RouterConfig(prefix_block_bytes=8))
     runners = _runners(("a", 0), ("b", 0), ("c", 0), ("d", 0))
-    picks = {policies.for_request(_text(f"SHAREDPF then {i}", generation_pb2.PREFIX_AFFINITY))(runners).runner_id
+    picks = {policies.for_request(_text(f"SHAREDPF then {i}", generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY))(runners).runner_id
              for i in range(20)}
     assert len(picks) == 1
-    spread = {policies.for_request(_text(f"{i:08d}", generation_pb2.PREFIX_AFFINITY))(runners).runner_id
+    spread = {policies.for_request(_text(f"{i:08d}", generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY))(runners).runner_id
               for i in range(40)}
     assert len(spread) == 4

@@ -60,7 +60,7 @@ def test_register_heartbeat_load_and_lease_expiry() -> None:
                 generation_pb2.GenerateRequest(text="hey"), timeout=5))
         assert [t for m in msgs for t in m.token_ids] == [104, 101, 121]
         reg.stop(drain=True)
-        assert _listed(router)["r0"].state == router_pb2.RunnerStatus.DRAINING
+        assert _listed(router)["r0"].state == router_pb2.RunnerStatus.STATE_DRAINING
         assert _wait(lambda: "r0" not in _listed(router), 3.0)  # no heartbeats: the lease expires
     finally:
         reg.stop()

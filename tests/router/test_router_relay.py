@@ -73,7 +73,7 @@ def test_relays_the_runner_stream_unchanged(harness: Harness) -> None:
     ids, msgs = collect(harness.gen.Generate(req, timeout=5))
     assert ids == [ord(c) for c in "hello"] == expected_ids(req)
     assert "".join(m.text for m in msgs) == "hello"
-    assert msgs[-1].finish_reason == generation_pb2.LENGTH
+    assert msgs[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert msgs[-1].usage.completion_tokens == 5
     assert {m.runner_id for m in msgs} == {"r0"}
     assert harness.router.registry.snapshot()[0].outstanding == 0
@@ -96,18 +96,18 @@ def test_retries_on_another_runner_before_the_first_token(harness: Harness) -> N
     bad = harness.add("a", FakeBehaviour(fail_before_first=True))
     good = harness.add("b")
     # Round robin in id order sends the first request to "a", which fails before any token.
-    req = text_request("retry me", routing=generation_pb2.ROUND_ROBIN)
+    req = text_request("retry me", routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
     ids, msgs = collect(harness.gen.Generate(req, timeout=5))
     assert ids == expected_ids(req)
     assert {m.runner_id for m in msgs} == {"b"}
     assert (bad.stats.requests, good.stats.requests) == (1, 1)
-    assert harness.states()["a"] == router_pb2.RunnerStatus.UNHEALTHY
+    assert harness.states()["a"] == router_pb2.RunnerStatus.STATE_UNHEALTHY
 
 
 def test_failure_after_tokens_is_unavailable_naming_the_runner_and_not_retried(harness: Harness) -> None:
     harness.add("a", FakeBehaviour(fail_after=3))
     other = harness.add("b")
-    req = text_request("abcdefgh", routing=generation_pb2.ROUND_ROBIN)
+    req = text_request("abcdefgh", routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
     got: list[int] = []
     with pytest.raises(grpc.RpcError) as e:
         for m in harness.gen.Generate(req, timeout=5):
@@ -219,12 +219,12 @@ def test_prefix_affinity_keeps_a_prefix_on_one_runner(harness: Harness) -> None:
     owners = set()
     for i in range(8):
         req = text_request("You are a helpful assistant. Question " * 3 + str(i),
-                           routing=generation_pb2.PREFIX_AFFINITY)
+                           routing=generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY)
         owners |= {m.runner_id for m in harness.gen.Generate(req, timeout=5)}
     assert len(owners) == 1
     spread = set()
     for i in range(30):
-        req = text_request(f"{i:03d} distinct", routing=generation_pb2.PREFIX_AFFINITY)
+        req = text_request(f"{i:03d} distinct", routing=generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY)
         spread |= {m.runner_id for m in harness.gen.Generate(req, timeout=5)}
     assert spread == {"a", "b", "c"}
 
@@ -242,14 +242,14 @@ def test_health_checks_eject_and_readmit(harness: Harness) -> None:
     runner = harness.add("a")
     runner.set_serving(False)
     end = time.monotonic() + 5
-    while harness.states()["a"] != router_pb2.RunnerStatus.UNHEALTHY and time.monotonic() < end:
+    while harness.states()["a"] != router_pb2.RunnerStatus.STATE_UNHEALTHY and time.monotonic() < end:
         time.sleep(0.05)
     listed = harness.control.ListRunners(router_pb2.ListRunnersRequest()).runners[0]
-    assert listed.state == router_pb2.RunnerStatus.UNHEALTHY and listed.consecutive_failures >= 3
+    assert listed.state == router_pb2.RunnerStatus.STATE_UNHEALTHY and listed.consecutive_failures >= 3
     runner.set_serving(True)
-    while harness.states()["a"] != router_pb2.RunnerStatus.READY and time.monotonic() < end:
+    while harness.states()["a"] != router_pb2.RunnerStatus.STATE_READY and time.monotonic() < end:
         time.sleep(0.05)
-    assert harness.states()["a"] == router_pb2.RunnerStatus.READY
+    assert harness.states()["a"] == router_pb2.RunnerStatus.STATE_READY
     assert [t for m in harness.gen.Generate(text_request("ok"), timeout=5) for t in m.token_ids] == [111, 107]
 
 
@@ -262,8 +262,8 @@ def test_static_runners_are_admitted_by_health_checks() -> None:
     try:
         assert h.router.wait_ready(1, timeout_s=5)
         states = h.states()
-        assert states[runner.address] == router_pb2.RunnerStatus.READY
-        assert states[dead_port.address] == router_pb2.RunnerStatus.UNHEALTHY
+        assert states[runner.address] == router_pb2.RunnerStatus.STATE_READY
+        assert states[dead_port.address] == router_pb2.RunnerStatus.STATE_UNHEALTHY
         listed = {r.runner_id: r for r in h.control.ListRunners(router_pb2.ListRunnersRequest()).runners}
         assert listed[runner.address].static and listed[runner.address].lease_expires_in_s == -1
         ids, _ = collect(h.gen.Generate(text_request("static"), timeout=5))
@@ -290,7 +290,7 @@ def test_a_runner_silent_past_the_first_token_timeout_is_ejected_and_the_request
         h.add("ok")
         for i in range(4):  # round robin: some of these are sent to the frozen runner first
             sent = time.monotonic()
-            req = text_request(f"hello {i}", max_tokens=7, routing=generation_pb2.ROUND_ROBIN)
+            req = text_request(f"hello {i}", max_tokens=7, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
             got = list(h.gen.Generate(req, timeout=20))
             assert time.monotonic() - sent < 10.0  # bounded by the 0.5 s timeout, not the 20 s deadline
             assert [t for m in got for t in m.token_ids] == [ord(c) for c in f"hello {i}"]
@@ -312,7 +312,7 @@ def test_ejecting_a_runner_retries_its_calls_that_streamed_nothing() -> None:
         results: dict[int, tuple[list[int], set[str], float]] = {}
 
         def one(i: int) -> None:
-            req = text_request(f"hi {i}", max_tokens=5, routing=generation_pb2.ROUND_ROBIN)
+            req = text_request(f"hi {i}", max_tokens=5, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
             ids, msgs = collect(h.gen.Generate(req, timeout=30))
             results[i] = (ids, {m.runner_id for m in msgs}, time.monotonic())
 
@@ -333,7 +333,7 @@ def test_ejecting_a_runner_retries_its_calls_that_streamed_nothing() -> None:
         for i, (ids, runners, done_at) in results.items():
             assert ids == [ord(c) for c in f"hi {i}"] and runners == {"ok"}
             assert done_at - ejected_at < 5.0  # moved at the ejection
-        assert h.states()["frozen"] == router_pb2.RunnerStatus.UNHEALTHY
+        assert h.states()["frozen"] == router_pb2.RunnerStatus.STATE_UNHEALTHY
         end = time.monotonic() + 5
         while frozen.stats.cancelled < 2:  # the stuck calls were cancelled on the frozen runner
             assert time.monotonic() < end, frozen.stats

@@ -77,7 +77,7 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
             stub = generation_pb2_grpc.GenerationStub(channel)
             msgs = list(stub.Generate(pb.GenerateRequest(
                 text="w5 w6 w7", sampling=pb.SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))))
-            assert msgs[-1].finish_reason == pb.LENGTH and msgs[-1].usage.completion_tokens == 5
+            assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 5
             assert msgs[-1].usage.prompt_tokens == 3  # 3 words (this tokenizer.json adds no BOS)
             info = stub.ModelInfo(pb.ModelInfoRequest())
             assert info.runner_id == "cli-runner" and info.model == str(tiny_ckpt)

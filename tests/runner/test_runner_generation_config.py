@@ -115,7 +115,7 @@ def test_unset_sampling_fields_take_the_generation_config_defaults_and_set_ones_
     # max_new_tokens 3 when max_tokens is unset (or 0); an explicit max_tokens overrides it.
     assert len(_generate(chat, seed=1)[0]) == 3
     assert len(_generate(chat, seed=1, max_tokens=0)[0]) == 3
-    assert _generate(chat, temperature=0, max_tokens=6) == (greedy[:6], pb.LENGTH)
+    assert _generate(chat, temperature=0, max_tokens=6) == (greedy[:6], pb.FINISH_REASON_LENGTH)
     # Unset temperature/top_k/top_p sample with the file's values: the same tokens as the same
     # weights asked for them explicitly, and not the greedy ones. (The reference goes through the
     # "plain" runner's gRPC door too: its engine loop is running, so the test thread must not
@@ -129,7 +129,7 @@ def test_unset_sampling_fields_take_the_generation_config_defaults_and_set_ones_
     assert _generate(chat, seed=1, max_tokens=8, top_k=1)[0] == greedy
     # Without a generation config the runner's defaults apply: 64 tokens, greedy.
     tokens, reason = _generate(stubs["plain"])
-    assert len(tokens) == CFG.default_max_tokens == 64 and tokens[:8] == greedy and reason == pb.LENGTH
+    assert len(tokens) == CFG.default_max_tokens == 64 and tokens[:8] == greedy and reason == pb.FINISH_REASON_LENGTH
 
 
 def test_model_info_reports_eos_ids_and_sampling_defaults(served):

@@ -66,7 +66,7 @@ def test_generate_streams_token_deltas_then_finish_and_usage(served):
     assert all(len(m.token_ids) == 1 and m.runner_id == "r-test" for m in msgs)
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
     last = msgs[-1]
-    assert last.finish_reason == pb.LENGTH
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
     prompt_ids = engine.tokenizer.encode("Hello there")
     assert last.usage.prompt_tokens == len(prompt_ids) and last.usage.completion_tokens == 8
     ids = [m.token_ids[0] for m in msgs]
@@ -98,7 +98,7 @@ def test_max_tokens_zero_means_the_default(served):
     stub, engine, _, _ = served
     msgs = list(stub.Generate(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(ignore_eos=True))))
     assert msgs[-1].usage.completion_tokens == engine.config.default_max_tokens
-    assert msgs[-1].finish_reason == pb.LENGTH
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 BAD = {
@@ -132,7 +132,7 @@ def test_bad_input_is_invalid_argument_and_the_runner_keeps_serving(served, case
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(err.value.details()) > 10
     ok = list(stub.Generate(pb.GenerateRequest(text="still here", sampling=_greedy(2))))
-    assert ok[-1].finish_reason == pb.LENGTH
+    assert ok[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert _wait_for(lambda: engine.block_manager.num_used_blocks == 0)
 
 

@@ -60,7 +60,7 @@ def test_stack_is_up_with_both_runners_registered(stack: LocalStack) -> None:
     assert set(runners) == {"runner-0", "runner-1"}
     for i, name in enumerate(("runner-0", "runner-1")):
         r = runners[name]
-        assert r.state == router_pb2.RunnerStatus.READY and not r.static
+        assert r.state == router_pb2.RunnerStatus.STATE_READY and not r.static
         assert r.address == stack.runners[i].address
         assert 0 < r.lease_expires_in_s <= 2.0
     for name in ("kernel-cache", "weights", "router"):
@@ -91,7 +91,7 @@ def test_prefix_affinity_keeps_a_conversation_on_one_runner(stack: LocalStack) -
     params = sampling_params(max_tokens=4)
     with GenerationClient(stack.router_address) as client:
         served = {client.complete(chat_request([system, ("user", q)], params,
-                                               routing=generation_pb2.PREFIX_AFFINITY)).runner_id
+                                               routing=generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY)).runner_id
                   for q in QUESTIONS[:6]}
     assert len(served) == 1
 
@@ -104,7 +104,7 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
 
     def one(i: int) -> None:
         start = time.monotonic()
-        req = chat_request([("user", QUESTIONS[i])], params, routing=generation_pb2.ROUND_ROBIN)
+        req = chat_request([("user", QUESTIONS[i])], params, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
         try:
             got_first = False
             with GenerationClient(stack.router_address) as client:
@@ -165,11 +165,11 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
     rows = {line.split()[0]: line.split() for line in buf.getvalue().splitlines() if line.strip()}
     assert rows["runner-1"][-1] == "1" and rows["runner-0"][-1] == "0" and rows["router"][-1] == "0", buf.getvalue()
     assert rows["runner-0"][3] == rows["runner-1"][3] == "off", buf.getvalue()  # --compile off
-    assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.READY,
-                                     "runner-1": router_pb2.RunnerStatus.READY}
+    assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.STATE_READY,
+                                     "runner-1": router_pb2.RunnerStatus.STATE_READY}
     with GenerationClient(stack.router_address) as client:
         served = {client.complete(chat_request([("user", q)], sampling_params(max_tokens=4),
-                                               routing=generation_pb2.ROUND_ROBIN)).runner_id
+                                               routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)).runner_id
                   for q in QUESTIONS[:4]}
     assert served == {"runner-0", "runner-1"}
 

@@ -43,7 +43,7 @@ def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: 
     params = sampling_params(max_tokens=8, temperature=0.0)
     with GenerationClient(stack.router_address) as client:  # both runners serve before the freeze
         served = {client.complete(chat_request([("user", f"Count to {i}.")], params,
-                                               routing=generation_pb2.ROUND_ROBIN)).runner_id for i in range(4)}
+                                               routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)).runner_id for i in range(4)}
     assert served == {"runner-0", "runner-1"}
 
     results: list[tuple[str, str, float]] = []
@@ -51,7 +51,7 @@ def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: 
 
     def one(i: int) -> None:
         start = time.monotonic()
-        req = chat_request([("user", f"Say the number {i}.")], params, routing=generation_pb2.ROUND_ROBIN)
+        req = chat_request([("user", f"Say the number {i}.")], params, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
         try:
             with GenerationClient(stack.router_address) as c:
                 out = c.complete(req, timeout_s=60)
@@ -93,6 +93,6 @@ def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: 
             assert time.monotonic() < end, seen
             try:
                 seen.add(client.complete(chat_request([("user", "Hi")], params,
-                                                      routing=generation_pb2.ROUND_ROBIN)).runner_id)
+                                                      routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)).runner_id)
             except WarmserveError:
                 time.sleep(0.2)

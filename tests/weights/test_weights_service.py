@@ -67,7 +67,7 @@ def test_prepare_raw_stream_has_files_in_the_final_handle(server, ckpt):
     assert events[0].HasField("progress") and events[-1].HasField("handle")
     assert all(e.HasField("progress") for e in events[:-1])
     final = events[-1].handle
-    assert final.state == weights_pb2.BUILT
+    assert final.state == weights_pb2.SIDECAR_STATE_BUILT
     assert [f.name for f in final.files] == ["config.json", "tokenizer.json", "tokenizer_config.json",
                                              "model.safetensors"]
     assert final.files[-1].size_bytes == final.size_bytes
@@ -103,7 +103,7 @@ def test_fetch_first_chunk_carries_sha256_of_every_file(server, client, ckpt):
     handle = client.prepare(str(ckpt))
     with grpc.insecure_channel(server.address) as ch:
         chunks = list(weights_pb2_grpc.WeightsStub(ch).Fetch(
-            weights_pb2.FetchSidecarRequest(source=str(ckpt), dtype="f32", chunk_bytes=1000)))
+            weights_pb2.WeightsFetchRequest(source=str(ckpt), dtype="f32", chunk_bytes=1000)))
     first = chunks[0].handle
     assert first.fingerprint == handle.fingerprint
     for f in first.files:
@@ -117,7 +117,7 @@ def test_fetch_unknown_is_not_found(client, server, ckpt):
     with pytest.raises(NotFound, match="no valid sidecar with fingerprint"):
         client.fetch("0" * 64, Path("/nonexistent-never-created"))
     with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
-        list(weights_pb2_grpc.WeightsStub(ch).Fetch(weights_pb2.FetchSidecarRequest(source=str(ckpt))))
+        list(weights_pb2_grpc.WeightsStub(ch).Fetch(weights_pb2.WeightsFetchRequest(source=str(ckpt))))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "call Prepare first" in err.value.details()
     assert not Path("/nonexistent-never-created").exists()
 

@@ -10,26 +10,26 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class RoutingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROUTING_POLICY_UNSPECIFIED: _ClassVar[RoutingPolicy]
-    LEAST_OUTSTANDING: _ClassVar[RoutingPolicy]
-    ROUND_ROBIN: _ClassVar[RoutingPolicy]
-    PREFIX_AFFINITY: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_LEAST_OUTSTANDING: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_ROUND_ROBIN: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_PREFIX_AFFINITY: _ClassVar[RoutingPolicy]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    STOP: _ClassVar[FinishReason]
-    LENGTH: _ClassVar[FinishReason]
-    CANCELLED: _ClassVar[FinishReason]
-    ABORTED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
 ROUTING_POLICY_UNSPECIFIED: RoutingPolicy
-LEAST_OUTSTANDING: RoutingPolicy
-ROUND_ROBIN: RoutingPolicy
-PREFIX_AFFINITY: RoutingPolicy
+ROUTING_POLICY_LEAST_OUTSTANDING: RoutingPolicy
+ROUTING_POLICY_ROUND_ROBIN: RoutingPolicy
+ROUTING_POLICY_PREFIX_AFFINITY: RoutingPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
-STOP: FinishReason
-LENGTH: FinishReason
-CANCELLED: FinishReason
-ABORTED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ABORTED: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -92,22 +92,26 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing: _Optional[_Union[RoutingPolicy, str]] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
+    __slots__ = ("token_id", "logprob", "token")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top")
+    __slots__ = ("token_id", "logprob", "top", "token")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

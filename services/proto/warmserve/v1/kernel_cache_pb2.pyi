@@ -44,11 +44,11 @@ class LookupResponse(_message.Message):
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[LookupResponse.Status]
-        HIT: _ClassVar[LookupResponse.Status]
-        MISS: _ClassVar[LookupResponse.Status]
+        STATUS_HIT: _ClassVar[LookupResponse.Status]
+        STATUS_MISS: _ClassVar[LookupResponse.Status]
     STATUS_UNSPECIFIED: LookupResponse.Status
-    HIT: LookupResponse.Status
-    MISS: LookupResponse.Status
+    STATUS_HIT: LookupResponse.Status
+    STATUS_MISS: LookupResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     status: LookupResponse.Status
@@ -63,7 +63,7 @@ class FetchRequest(_message.Message):
     chunk_bytes: int
     def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
-class FetchChunk(_message.Message):
+class FetchResponse(_message.Message):
     __slots__ = ("entry", "data")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -98,13 +98,13 @@ class PublishResponse(_message.Message):
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[PublishResponse.Status]
-        PUBLISHED: _ClassVar[PublishResponse.Status]
-        ALREADY_PRESENT: _ClassVar[PublishResponse.Status]
-        REJECTED: _ClassVar[PublishResponse.Status]
+        STATUS_PUBLISHED: _ClassVar[PublishResponse.Status]
+        STATUS_ALREADY_PRESENT: _ClassVar[PublishResponse.Status]
+        STATUS_REJECTED: _ClassVar[PublishResponse.Status]
     STATUS_UNSPECIFIED: PublishResponse.Status
-    PUBLISHED: PublishResponse.Status
-    ALREADY_PRESENT: PublishResponse.Status
-    REJECTED: PublishResponse.Status
+    STATUS_PUBLISHED: PublishResponse.Status
+    STATUS_ALREADY_PRESENT: PublishResponse.Status
+    STATUS_REJECTED: PublishResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -201,42 +201,54 @@ class ClaimRequest(_message.Message):
     ttl_s: float
     def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
-class ClaimEvent(_message.Message):
+class ClaimResponse(_message.Message):
     __slots__ = ("status", "entry", "lease", "takeover")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        STATUS_UNSPECIFIED: _ClassVar[ClaimEvent.Status]
-        HIT: _ClassVar[ClaimEvent.Status]
-        OWNER: _ClassVar[ClaimEvent.Status]
-        WAIT: _ClassVar[ClaimEvent.Status]
-        PUBLISHED: _ClassVar[ClaimEvent.Status]
-        LEASE_EXPIRED: _ClassVar[ClaimEvent.Status]
-    STATUS_UNSPECIFIED: ClaimEvent.Status
-    HIT: ClaimEvent.Status
-    OWNER: ClaimEvent.Status
-    WAIT: ClaimEvent.Status
-    PUBLISHED: ClaimEvent.Status
-    LEASE_EXPIRED: ClaimEvent.Status
+        STATUS_UNSPECIFIED: _ClassVar[ClaimResponse.Status]
+        STATUS_HIT: _ClassVar[ClaimResponse.Status]
+        STATUS_OWNER: _ClassVar[ClaimResponse.Status]
+        STATUS_WAIT: _ClassVar[ClaimResponse.Status]
+        STATUS_PUBLISHED: _ClassVar[ClaimResponse.Status]
+        STATUS_LEASE_EXPIRED: _ClassVar[ClaimResponse.Status]
+    STATUS_UNSPECIFIED: ClaimResponse.Status
+    STATUS_HIT: ClaimResponse.Status
+    STATUS_OWNER: ClaimResponse.Status
+    STATUS_WAIT: ClaimResponse.Status
+    STATUS_PUBLISHED: ClaimResponse.Status
+    STATUS_LEASE_EXPIRED: ClaimResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     TAKEOVER_FIELD_NUMBER: _ClassVar[int]
-    status: ClaimEvent.Status
+    status: ClaimResponse.Status
     entry: EntryInfo
     lease: Lease
     takeover: bool
-    def __init__(self, status: _Optional[_Union[ClaimEvent.Status, str]] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., takeover: _Optional[bool] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[ClaimResponse.Status, str]] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., takeover: _Optional[bool] = ...) -> None: ...
 
-class LeaseRequest(_message.Message):
+class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease",)
     LEASE_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
-class LeaseResponse(_message.Message):
+class RenewLeaseResponse(_message.Message):
     __slots__ = ("held", "lease")
     HELD_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     held: bool
     lease: Lease
     def __init__(self, held: _Optional[bool] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...

@@ -42,7 +42,7 @@ class KernelCacheStub:
         self.Fetch = channel.unary_stream(
                 '/warmserve.v1.KernelCache/Fetch',
                 request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchChunk.FromString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchResponse.FromString,
                 _registered_method=True)
         self.Publish = channel.stream_unary(
                 '/warmserve.v1.KernelCache/Publish',
@@ -67,17 +67,17 @@ class KernelCacheStub:
         self.Claim = channel.unary_stream(
                 '/warmserve.v1.KernelCache/Claim',
                 request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.FromString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimResponse.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/warmserve.v1.KernelCache/RenewLease',
-                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/warmserve.v1.KernelCache/ReleaseLease',
-                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+                request_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
 
 
@@ -167,7 +167,7 @@ def add_KernelCacheServicer_to_server(servicer, server):
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchChunk.SerializeToString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.FetchResponse.SerializeToString,
             ),
             'Publish': grpc.stream_unary_rpc_method_handler(
                     servicer.Publish,
@@ -192,17 +192,17 @@ def add_KernelCacheServicer_to_server(servicer, server):
             'Claim': grpc.unary_stream_rpc_method_handler(
                     servicer.Claim,
                     request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.SerializeToString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ClaimResponse.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,7 +258,7 @@ class KernelCache:
             target,
             '/warmserve.v1.KernelCache/Fetch',
             warmserve_dot_v1_dot_kernel__cache__pb2.FetchRequest.SerializeToString,
-            warmserve_dot_v1_dot_kernel__cache__pb2.FetchChunk.FromString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -393,7 +393,7 @@ class KernelCache:
             target,
             '/warmserve.v1.KernelCache/Claim',
             warmserve_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
-            warmserve_dot_v1_dot_kernel__cache__pb2.ClaimEvent.FromString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class KernelCache:
             request,
             target,
             '/warmserve.v1.KernelCache/RenewLease',
-            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
-            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseRequest.SerializeToString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,8 +446,8 @@ class KernelCache:
             request,
             target,
             '/warmserve.v1.KernelCache/ReleaseLease',
-            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseRequest.SerializeToString,
-            warmserve_dot_v1_dot_kernel__cache__pb2.LeaseResponse.FromString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseRequest.SerializeToString,
+            warmserve_dot_v1_dot_kernel__cache__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

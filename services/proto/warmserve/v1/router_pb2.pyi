@@ -70,13 +70,13 @@ class RunnerStatus(_message.Message):
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[RunnerStatus.State]
-        READY: _ClassVar[RunnerStatus.State]
-        UNHEALTHY: _ClassVar[RunnerStatus.State]
-        DRAINING: _ClassVar[RunnerStatus.State]
+        STATE_READY: _ClassVar[RunnerStatus.State]
+        STATE_UNHEALTHY: _ClassVar[RunnerStatus.State]
+        STATE_DRAINING: _ClassVar[RunnerStatus.State]
     STATE_UNSPECIFIED: RunnerStatus.State
-    READY: RunnerStatus.State
-    UNHEALTHY: RunnerStatus.State
-    DRAINING: RunnerStatus.State
+    STATE_READY: RunnerStatus.State
+    STATE_UNHEALTHY: RunnerStatus.State
+    STATE_DRAINING: RunnerStatus.State
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1awarmserve/v1/weights.proto\x12\x0cwarmserve.v1\"S\n\x0ePrepareRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x13\n\x0b\x63old_policy\x18\x04 \x01(\t\"?\n\x0bSidecarFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xee\x01\n\rSidecarHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x11\n\tresidency\x18\x04 \x01(\x01\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.warmserve.v1.SidecarState\x12\x0e\n\x06\x66\x61mily\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06source\x18\x08 \x01(\t\x12(\n\x05\x66iles\x18\t \x03(\x0b\x32\x19.warmserve.v1.SidecarFile\x12\x0f\n\x07seconds\x18\n \x01(\x01\"s\n\x0fPrepareProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x14\n\x0clayers_total\x18\x03 \x01(\r\x12\x15\n\rbytes_written\x18\x04 \x01(\x04\x12\x0f\n\x07message\x18\x05 \x01(\t\"y\n\x0cPrepareEvent\x12\x31\n\x08progress\x18\x01 \x01(\x0b\x32\x1d.warmserve.v1.PrepareProgressH\x00\x12-\n\x06handle\x18\x02 \x01(\x0b\x32\x1b.warmserve.v1.SidecarHandleH\x00\x42\x07\n\x05\x65vent\"^\n\x13\x46\x65tchSidecarRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"g\n\x0cSidecarChunk\x12+\n\x06handle\x18\x01 \x01(\x0b\x32\x1b.warmserve.v1.SidecarHandle\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x15\n\x13ListSidecarsRequest\"E\n\x14ListSidecarsResponse\x12-\n\x08sidecars\x18\x01 \x03(\x0b\x32\x1b.warmserve.v1.SidecarHandle*X\n\x0cSidecarState\x12\x1d\n\x19SIDECAR_STATE_UNSPECIFIED\x10\x00\x12\x07\n\x03HOT\x10\x01\x12\x08\n\x04\x43OLD\x10\x02\x12\t\n\x05\x42UILT\x10\x03\x12\x0b\n\x07REBUILT\x10\x04\x32\xe9\x01\n\x07Weights\x12\x45\n\x07Prepare\x12\x1c.warmserve.v1.PrepareRequest\x1a\x1a.warmserve.v1.PrepareEvent0\x01\x12H\n\x05\x46\x65tch\x12!.warmserve.v1.FetchSidecarRequest\x1a\x1a.warmserve.v1.SidecarChunk0\x01\x12M\n\x04List\x12!.warmserve.v1.ListSidecarsRequest\x1a\".warmserve.v1.ListSidecarsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1awarmserve/v1/weights.proto\x12\x0cwarmserve.v1\"S\n\x0ePrepareRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x13\n\x0b\x63old_policy\x18\x04 \x01(\t\"?\n\x0bSidecarFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xee\x01\n\rSidecarHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x11\n\tresidency\x18\x04 \x01(\x01\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.warmserve.v1.SidecarState\x12\x0e\n\x06\x66\x61mily\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06source\x18\x08 \x01(\t\x12(\n\x05\x66iles\x18\t \x03(\x0b\x32\x19.warmserve.v1.SidecarFile\x12\x0f\n\x07seconds\x18\n \x01(\x01\"s\n\x0fPrepareProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x14\n\x0clayers_total\x18\x03 \x01(\r\x12\x15\n\rbytes_written\x18\x04 \x01(\x04\x12\x0f\n\x07message\x18\x05 \x01(\t\"|\n\x0fPrepareResponse\x12\x31\n\x08progress\x18\x01 \x01(\x0b\x32\x1d.warmserve.v1.PrepareProgressH\x00\x12-\n\x06handle\x18\x02 \x01(\x0b\x32\x1b.warmserve.v1.SidecarHandleH\x00\x42\x07\n\x05\x65vent\"^\n\x13WeightsFetchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\r\"o\n\x14WeightsFetchResponse\x12+\n\x06handle\x18\x01 \x01(\x0b\x32\x1b.warmserve.v1.SidecarHandle\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x14\n\x12WeightsListRequest\"D\n\x13WeightsListResponse\x12-\n\x08sidecars\x18\x01 \x03(\x0b\x32\x1b.warmserve.v1.SidecarHandle*\x90\x01\n\x0cSidecarState\x12\x1d\n\x19SIDECAR_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11SIDECAR_STATE_HOT\x10\x01\x12\x16\n\x12SIDECAR_STATE_COLD\x10\x02\x12\x17\n\x13SIDECAR_STATE_BUILT\x10\x03\x12\x19\n\x15SIDECAR_STATE_REBUILT\x10\x04\x32\xf2\x01\n\x07Weights\x12H\n\x07Prepare\x12\x1c.warmserve.v1.PrepareRequest\x1a\x1d.warmserve.v1.PrepareResponse0\x01\x12P\n\x05\x46\x65tch\x12!.warmserve.v1.WeightsFetchRequest\x1a\".warmserve.v1.WeightsFetchResponse0\x01\x12K\n\x04List\x12 .warmserve.v1.WeightsListRequest\x1a!.warmserve.v1.WeightsListResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'warmserve.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIDECARSTATE']._serialized_start=970
-  _globals['_SIDECARSTATE']._serialized_end=1058
+  _globals['_SIDECARSTATE']._serialized_start=980
+  _globals['_SIDECARSTATE']._serialized_end=1124
   _globals['_PREPAREREQUEST']._serialized_start=44
   _globals['_PREPAREREQUEST']._serialized_end=127
   _globals['_SIDECARFILE']._serialized_start=129
@@ -41,16 +41,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIDECARHANDLE']._serialized_end=433
   _globals['_PREPAREPROGRESS']._serialized_start=435
   _globals['_PREPAREPROGRESS']._serialized_end=550
-  _globals['_PREPAREEVENT']._serialized_start=552
-  _globals['_PREPAREEVENT']._serialized_end=673
-  _globals['_FETCHSIDECARREQUEST']._serialized_start=675
-  _globals['_FETCHSIDECARREQUEST']._serialized_end=769
-  _globals['_SIDECARCHUNK']._serialized_start=771
-  _globals['_SIDECARCHUNK']._serialized_end=874
-  _globals['_LISTSIDECARSREQUEST']._serialized_start=876
-  _globals['_LISTSIDECARSREQUEST']._serialized_end=897
-  _globals['_LISTSIDECARSRESPONSE']._serialized_start=899
-  _globals['_LISTSIDECARSRESPONSE']._serialized_end=968
-  _globals['_WEIGHTS']._serialized_start=1061
-  _globals['_WEIGHTS']._serialized_end=1294
+  _globals['_PREPARERESPONSE']._serialized_start=552
+  _globals['_PREPARERESPONSE']._serialized_end=676
+  _globals['_WEIGHTSFETCHREQUEST']._serialized_start=678
+  _globals['_WEIGHTSFETCHREQUEST']._serialized_end=772
+  _globals['_WEIGHTSFETCHRESPONSE']._serialized_start=774
+  _globals['_WEIGHTSFETCHRESPONSE']._serialized_end=885
+  _globals['_WEIGHTSLISTREQUEST']._serialized_start=887
+  _globals['_WEIGHTSLISTREQUEST']._serialized_end=907
+  _globals['_WEIGHTSLISTRESPONSE']._serialized_start=909
+  _globals['_WEIGHTSLISTRESPONSE']._serialized_end=977
+  _globals['_WEIGHTS']._serialized_start=1127
+  _globals['_WEIGHTS']._serialized_end=1369
 # @@protoc_insertion_point(module_scope)

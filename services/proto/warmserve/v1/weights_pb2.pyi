@@ -10,15 +10,15 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class SidecarState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SIDECAR_STATE_UNSPECIFIED: _ClassVar[SidecarState]
-    HOT: _ClassVar[SidecarState]
-    COLD: _ClassVar[SidecarState]
-    BUILT: _ClassVar[SidecarState]
-    REBUILT: _ClassVar[SidecarState]
+    SIDECAR_STATE_HOT: _ClassVar[SidecarState]
+    SIDECAR_STATE_COLD: _ClassVar[SidecarState]
+    SIDECAR_STATE_BUILT: _ClassVar[SidecarState]
+    SIDECAR_STATE_REBUILT: _ClassVar[SidecarState]
 SIDECAR_STATE_UNSPECIFIED: SidecarState
-HOT: SidecarState
-COLD: SidecarState
-BUILT: SidecarState
-REBUILT: SidecarState
+SIDECAR_STATE_HOT: SidecarState
+SIDECAR_STATE_COLD: SidecarState
+SIDECAR_STATE_BUILT: SidecarState
+SIDECAR_STATE_REBUILT: SidecarState
 
 class PrepareRequest(_message.Message):
     __slots__ = ("source", "dtype", "force", "cold_policy")
@@ -80,7 +80,7 @@ class PrepareProgress(_message.Message):
     message: str
     def __init__(self, phase: _Optional[str] = ..., layers_done: _Optional[int] = ..., layers_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
-class PrepareEvent(_message.Message):
+class PrepareResponse(_message.Message):
     __slots__ = ("progress", "handle")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -88,7 +88,7 @@ class PrepareEvent(_message.Message):
     handle: SidecarHandle
     def __init__(self, progress: _Optional[_Union[PrepareProgress, _Mapping]] = ..., handle: _Optional[_Union[SidecarHandle, _Mapping]] = ...) -> None: ...
 
-class FetchSidecarRequest(_message.Message):
+class WeightsFetchRequest(_message.Message):
     __slots__ = ("fingerprint", "source", "dtype", "chunk_bytes")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -100,7 +100,7 @@ class FetchSidecarRequest(_message.Message):
     chunk_bytes: int
     def __init__(self, fingerprint: _Optional[str] = ..., source: _Optional[str] = ..., dtype: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
-class SidecarChunk(_message.Message):
+class WeightsFetchResponse(_message.Message):
     __slots__ = ("handle", "file", "offset", "data")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
@@ -112,11 +112,11 @@ class SidecarChunk(_message.Message):
     data: bytes
     def __init__(self, handle: _Optional[_Union[SidecarHandle, _Mapping]] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class ListSidecarsRequest(_message.Message):
+class WeightsListRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ListSidecarsResponse(_message.Message):
+class WeightsListResponse(_message.Message):
     __slots__ = ("sidecars",)
     SIDECARS_FIELD_NUMBER: _ClassVar[int]
     sidecars: _containers.RepeatedCompositeFieldContainer[SidecarHandle]

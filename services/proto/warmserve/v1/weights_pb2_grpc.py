@@ -37,17 +37,17 @@ class WeightsStub:
         self.Prepare = channel.unary_stream(
                 '/warmserve.v1.Weights/Prepare',
                 request_serializer=warmserve_dot_v1_dot_weights__pb2.PrepareRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_weights__pb2.PrepareEvent.FromString,
+                response_deserializer=warmserve_dot_v1_dot_weights__pb2.PrepareResponse.FromString,
                 _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/warmserve.v1.Weights/Fetch',
-                request_serializer=warmserve_dot_v1_dot_weights__pb2.FetchSidecarRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_weights__pb2.SidecarChunk.FromString,
+                request_serializer=warmserve_dot_v1_dot_weights__pb2.WeightsFetchRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_weights__pb2.WeightsFetchResponse.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/warmserve.v1.Weights/List',
-                request_serializer=warmserve_dot_v1_dot_weights__pb2.ListSidecarsRequest.SerializeToString,
-                response_deserializer=warmserve_dot_v1_dot_weights__pb2.ListSidecarsResponse.FromString,
+                request_serializer=warmserve_dot_v1_dot_weights__pb2.WeightsListRequest.SerializeToString,
+                response_deserializer=warmserve_dot_v1_dot_weights__pb2.WeightsListResponse.FromString,
                 _registered_method=True)
 
 
@@ -83,17 +83,17 @@ def add_WeightsServicer_to_server(servicer, server):
             'Prepare': grpc.unary_stream_rpc_method_handler(
                     servicer.Prepare,
                     request_deserializer=warmserve_dot_v1_dot_weights__pb2.PrepareRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_weights__pb2.PrepareEvent.SerializeToString,
+                    response_serializer=warmserve_dot_v1_dot_weights__pb2.PrepareResponse.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
-                    request_deserializer=warmserve_dot_v1_dot_weights__pb2.FetchSidecarRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_weights__pb2.SidecarChunk.SerializeToString,
+                    request_deserializer=warmserve_dot_v1_dot_weights__pb2.WeightsFetchRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_weights__pb2.WeightsFetchResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=warmserve_dot_v1_dot_weights__pb2.ListSidecarsRequest.FromString,
-                    response_serializer=warmserve_dot_v1_dot_weights__pb2.ListSidecarsResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_v1_dot_weights__pb2.WeightsListRequest.FromString,
+                    response_serializer=warmserve_dot_v1_dot_weights__pb2.WeightsListResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,7 +122,7 @@ class Weights:
             target,
             '/warmserve.v1.Weights/Prepare',
             warmserve_dot_v1_dot_weights__pb2.PrepareRequest.SerializeToString,
-            warmserve_dot_v1_dot_weights__pb2.PrepareEvent.FromString,
+            warmserve_dot_v1_dot_weights__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class Weights:
             request,
             target,
             '/warmserve.v1.Weights/Fetch',
-            warmserve_dot_v1_dot_weights__pb2.FetchSidecarRequest.SerializeToString,
-            warmserve_dot_v1_dot_weights__pb2.SidecarChunk.FromString,
+            warmserve_dot_v1_dot_weights__pb2.WeightsFetchRequest.SerializeToString,
+            warmserve_dot_v1_dot_weights__pb2.WeightsFetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Weights:
             request,
             target,
             '/warmserve.v1.Weights/List',
-            warmserve_dot_v1_dot_weights__pb2.ListSidecarsRequest.SerializeToString,
-            warmserve_dot_v1_dot_weights__pb2.ListSidecarsResponse.FromString,
+            warmserve_dot_v1_dot_weights__pb2.WeightsListRequest.SerializeToString,
+            warmserve_dot_v1_dot_weights__pb2.WeightsListResponse.FromString,
             options,
             channel_credentials,
             insecure,
