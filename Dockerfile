@@ -17,6 +17,6 @@ ENV PATH=/app/.venv/bin:$PATH \
     PYTHONUNBUFFERED=1
 RUN mkdir -p /var/lib/warmserve
 
-EXPOSE 50050 50051 50052 50061
+EXPOSE 50050 50051 50052 50053 50061
 # compose.yaml gives each service its own command; alone, the image runs the whole stack.
 CMD ["python", "-m", "warmserve.cli", "up", "--runners", "2"]

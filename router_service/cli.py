@@ -1,8 +1,9 @@
 """``warmserve router ...``: the router daemon and its control commands.
 
 ``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
-[--health-interval S] [--eject-after K]`` runs the router; ``warmserve router drain RUNNER_ID``
-stops routing new requests to one runner. Heavy imports happen inside the handlers.
+[--health-interval S] [--eject-after K] [--served-model-name NAME]`` runs the router (``warmserve.v1``
+and the KServe v2 / Triton ``inference.GRPCInferenceService`` on one port); ``warmserve router
+drain RUNNER_ID`` stops routing new requests to one runner. Heavy imports happen inside the handlers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def register(subparsers) -> None:
     serve.add_argument("--first-token-timeout", type=float, default=30.0,
                        help="seconds a runner has to stream a request's first token before the request is "
                             "retried elsewhere and the runner ejected (default 30; 0: off)")
+    serve.add_argument("--served-model-name", default="", metavar="NAME",
+                       help="the model name KServe v2 / Triton clients use (inference.GRPCInferenceService on "
+                            "this port; requests may also give the runners' --model source); default: the "
+                            "source's last path component without .gguf/.safetensors, e.g. "
+                            "smollm2-135m-instruct")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")

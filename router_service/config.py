@@ -35,6 +35,9 @@ class RouterConfig:
     - ``prefix_block_tokens`` / ``prefix_block_bytes``: how much of the prompt keys prefix affinity
       (token ids, or UTF-8 bytes of text / rendered chat); ``ring_replicas``: virtual nodes per
       runner on the consistent-hash ring.
+    - ``served_model_name``: the model name the KServe v2 door (:mod:`router_service.kserve`)
+      answers to, as vLLM's ``--served-model-name``; ``""`` derives it from the runners' model
+      source (:func:`services.model_name.served_model_name`). Requests may also name the source.
     """
 
     static_runners: tuple[str, ...] = ()
@@ -51,8 +54,12 @@ class RouterConfig:
     prefix_block_tokens: int = 16
     prefix_block_bytes: int = 64
     ring_replicas: int = 64
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
+        if self.served_model_name != self.served_model_name.strip():
+            raise InvalidArgument(f"the served model name {self.served_model_name!r} has leading or trailing "
+                                  f"whitespace")
         if self.policy not in POLICY_NAMES:
             raise InvalidArgument(f"unknown routing policy {self.policy!r}; expected one of {', '.join(POLICY_NAMES)}")
         for addr in self.static_runners:

@@ -19,6 +19,7 @@ def serve_from_args(args) -> None:
         health_interval_s=args.health_interval,
         eject_after=args.eject_after,
         first_token_timeout_s=args.first_token_timeout,
+        served_model_name=args.served_model_name,
     )
     server = RouterServer(config, config_from_args(args, "router"))
     server.start()

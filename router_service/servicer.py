@@ -4,18 +4,21 @@ behind the server bootstrap.
 The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
 and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
 behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
-drain) and exports per-runner gauges.
+drain) and exports per-runner gauges; on the same port it serves the KServe v2 / Triton door,
+``inference.GRPCInferenceService`` (:mod:`router_service.kserve`).
 """
 
 from __future__ import annotations
 
 import urllib.parse
 
-import grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from router_service.config import RouterConfig
 from router_service.convert import load_from_proto, runner_to_proto
+from router_service.deadline import time_left
+from router_service.kserve import SERVICE_NAME as KSERVE_SERVICE
+from router_service.kserve import KServeServicer
 from router_service.registry import RunnerState
 from router_service.router import Router
 from services.address import format_address, parse_address
@@ -23,18 +26,10 @@ from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
-
-#: A client without a deadline shows up as a remaining time of about the epoch's age.
-_NO_DEADLINE_S = 1e8
+from services.proto.triton import grpc_service_pb2_grpc as kserve_pb2_grpc
 
 #: Hosts that mean "every interface": a runner bound there is dialled at the host it called from.
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-
-
-def time_left(context: grpc.ServicerContext) -> float | None:
-    """Seconds until the caller's deadline, or ``None`` when it set none."""
-    left = context.time_remaining()
-    return None if left is None or left > _NO_DEADLINE_S else left
 
 
 def advertised_address(address: str, peer: str) -> str:
@@ -153,6 +148,8 @@ class RouterServer:
              GENERATION_SERVICE),
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
+            (kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(self.router),
+             KSERVE_SERVICE),
         ])
         self.server.registry.register(_RunnerGauges(self.router))
 

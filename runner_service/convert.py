@@ -4,6 +4,8 @@ request's sampling settings and prompt in, the engine's outputs and start-up rep
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import lru_cache
 
 from runner_service.engine import RequestOutput, StartupReport
 from runner_service.sampling_params import SamplingDefaults, SamplingParams
@@ -54,13 +56,39 @@ def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:
     raise InvalidArgument("the request has no prompt (set text, chat or token_ids)")
 
 
-def output_to_proto(out: RequestOutput, runner_id: str) -> generation_pb2.GenerateResponse:
-    """One streamed engine output as a ``GenerateResponse`` (usage only on the final one)."""
+#: Single-token texts kept per tokenizer by :func:`token_text_decoder` (a vocabulary's worth).
+_TOKEN_TEXT_CACHE = 1 << 18
+
+
+def token_text_decoder(tokenizer) -> Callable[[int], str] | None:
+    """The text of one token id alone, as the logprobs' ``token`` fields carry it: the
+    tokenizer's decoding of ``[token_id]`` with special tokens kept (``"<|im_end|>"``, as vLLM
+    and the OpenAI API show them), so a byte-level BPE piece keeps its leading space (``" the"``)
+    and a piece that is part of a UTF-8 character decodes to U+FFFD. Cached per id (thread-safe).
+    ``None`` for an engine without a tokenizer (the fields stay empty)."""
+    if tokenizer is None:
+        return None
+
+    @lru_cache(maxsize=_TOKEN_TEXT_CACHE)
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text
+
+
+def output_to_proto(out: RequestOutput, runner_id: str,
+                    token_text: Callable[[int], str] | None = None) -> generation_pb2.GenerateResponse:
+    """One streamed engine output as a ``GenerateResponse`` (usage only on the final one).
+    ``token_text`` (:func:`token_text_decoder`) fills each logprob's ``token``, the sampled one's
+    and every top-n one's; without it they stay empty. Logprobs are present only when the
+    request asked for them, so the decoding costs nothing otherwise."""
+    piece = token_text or (lambda _id: "")
+    top_logprob = generation_pb2.TopLogprob
     msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
                                           runner_id=runner_id)
     for lp in out.logprobs:
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                         top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=piece(lp.token_id),
+                         top=[top_logprob(token_id=t, logprob=v, token=piece(t)) for t, v in lp.top])
     if out.finish_reason is not None:
         msg.finish_reason = int(out.finish_reason)
         msg.usage.prompt_tokens = out.prompt_tokens

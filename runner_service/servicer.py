@@ -27,6 +27,7 @@ from runner_service.convert import (
     sampling_defaults_to_proto,
     sampling_from_proto,
     startup_report_to_proto,
+    token_text_decoder,
 )
 from runner_service.engine import LLMEngine
 from services.errors import InvalidArgument, WarmserveError, abort_with
@@ -42,6 +43,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: LLMEngine, runner_id: str) -> None:
         self.engine = engine
         self.runner_id = runner_id
+        self._token_text = token_text_decoder(getattr(engine, "tokenizer", None))  # logprobs' token texts
 
     def Generate(self, request, context):
         """Run the request on the engine and stream its outputs."""
@@ -65,7 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     stream.cancel()
                     return
                 continue
-            yield output_to_proto(out, self.runner_id)
+            yield output_to_proto(out, self.runner_id, self._token_text)
             if out.finish_reason is not None:
                 return
 

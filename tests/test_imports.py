@@ -67,7 +67,7 @@ def _import_alone(module: str) -> tuple[str, int, str]:
 def test_the_tree_is_discovered() -> None:
     modules = project_modules()
     for package in ("services", "kernel_cache_service", "weight_service", "runner_service", "router_service",
-                    "warmserve"):
+                    "openai_service", "warmserve"):
         assert package in modules, package
     assert "services.proto.warmserve.v1.generation_pb2" in modules
     assert not any(m.split(".")[0] in NOT_PROJECT for m in modules)

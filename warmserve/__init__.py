@@ -11,6 +11,7 @@ included). ``tests/test_imports.py`` checks it against :data:`LAYERS`::
 
     warmserve             the tools: CLI dispatcher, local stack, demo
     router_service        the router: one Generation endpoint in front of many runners
+      openai_service      beside it: the OpenAI-compatible HTTP door, a gRPC client of the router
     runner_service        the runner: engine, model, KV cache, Generation servicer, registration
     kernel_cache_service  compiled-program store     weight_service  weight sidecars
     model_families        per-family model code (config, pack layout, forward) for weights and runner
@@ -21,7 +22,8 @@ So ``services`` imports no other package of the project; ``model_families`` only
 ``kernel_cache_service`` and ``weight_service`` only those two; ``runner_service`` uses everything
 below it (and registers itself with a router through the RouterControl stubs, not through
 ``router_service``); ``router_service`` relays to runners through the Generation stubs;
-``warmserve`` launches them all. (A layer whose package is absent constrains nothing.)
+``openai_service``, beside it (neither imports the other), calls the router through the same stubs
+and imports only ``services``; ``warmserve`` launches them all. (A layer whose package is absent constrains nothing.)
 """
 
 #: The package layers, lowest first; a package may import only its own layer's package and lower layers.
@@ -30,6 +32,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model_families",),
     ("kernel_cache_service", "weight_service"),
     ("runner_service",),
-    ("router_service",),
+    ("router_service", "openai_service"),
     ("warmserve",),
 )

@@ -11,6 +11,9 @@
    eager (``runner serve`` compiles in the background by default);
 
 and finally waits until the router lists every runner READY (runners register with ``--router``).
+With ``StackConfig.openai`` (``warmserve up`` sets it) the OpenAI-compatible HTTP door
+(``warmserve openai serve``, ``base_port + 3`` unless ``openai_port`` says otherwise) starts with
+the router: it is up once its ``GET /health`` answers from its own pid (503 until a runner is READY).
 :meth:`LocalStack.wait_programs` waits for a runner's compiled programs to take over.
 ``base_port = 0`` picks free ports instead. Each child writes its JSON log to
 ``HOME/logs/NAME.log``; a child that exits while starting raises ``Unavailable`` quoting the tail
@@ -45,12 +48,12 @@ from services.procs import PARENT_PID_ENV
 from services.table import format_table
 from weight_service.sources import BUNDLED_SMOLLM2
 
-ROUTER, KERNEL_CACHE, WEIGHTS = "router", "kernel-cache", "weights"
+ROUTER, KERNEL_CACHE, WEIGHTS, OPENAI = "router", "kernel-cache", "weights", "openai"
 #: The router's port; the other services' ports follow it (see :data:`_SERVICE_PORT_OFFSETS`).
 DEFAULT_BASE_PORT = 50050
 RUNNER_PORT_OFFSET = 11
 #: Each service's port is ``base_port`` + its offset; runner ``i`` is at ``RUNNER_PORT_OFFSET + i``.
-_SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2}
+_SERVICE_PORT_OFFSETS = {ROUTER: 0, KERNEL_CACHE: 1, WEIGHTS: 2, OPENAI: 3}
 #: Seconds between two "still starting" / "still compiling" lines of a long wait.
 NOTE_INTERVAL_S = 10.0
 
@@ -67,6 +70,8 @@ class StackConfig:
     core oversubscribe the CPU and OpenMP barriers then stall decode (see ``docs/benchmarks.md``).
     ``first_token_timeout_s``: the router's ``--first-token-timeout`` (``None``: its default).
     ``record_state``: write ``HOME/stack.json`` for ``warmserve status`` (the demo does not).
+    ``openai``: also start the OpenAI-compatible HTTP door over the router, on ``openai_port``
+    (``None``: ``base_port + 3``, or a free port when ``base_port`` is 0; 0: a free port).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -96,6 +101,8 @@ class StackConfig:
     max_restarts_per_minute: int = 5
     first_token_timeout_s: float | None = None
     record_state: bool = True
+    openai: bool = False
+    openai_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -110,6 +117,8 @@ class StackConfig:
             raise InvalidArgument(f"unknown weights dtype {self.weights_dtype!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
+            raise InvalidArgument(f"--openai-port must be in [0, 65535] (0: a free port), got {self.openai_port}")
         if self.runner_threads is not None and self.runner_threads < 1:
             raise InvalidArgument(f"runner threads must be >= 1, got {self.runner_threads}")
         if self.lease_seconds <= 0 or self.health_interval_s <= 0 or self.startup_timeout_s <= 0:
@@ -125,7 +134,8 @@ class StackConfig:
         return cls(runners=args.runners, model=args.model, base_port=args.base_port,
                    home=Path(args.home).expanduser().resolve() if args.home else None,
                    compile=args.compile, dtype=args.dtype, weights_dtype=args.weights_dtype,
-                   max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching, policy=args.policy)
+                   max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching, policy=args.policy,
+                   openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None))
 
 
 @dataclass
@@ -185,14 +195,17 @@ class LocalStack:
     # --- addresses ----------------------------------------------------------------------------
 
     def port(self, name: str) -> int:
-        """The port of ``router``, ``kernel-cache``, ``weights`` or ``runner-I`` (a free one, chosen
-        once, when ``base_port`` is 0)."""
+        """The port of ``router``, ``kernel-cache``, ``weights``, ``openai`` or ``runner-I`` (a free
+        one, chosen once, when ``base_port`` is 0; ``openai`` at ``openai_port`` when that is set)."""
         if name not in self._ports:
             offset = _SERVICE_PORT_OFFSETS.get(name)
             if offset is None:
                 offset = RUNNER_PORT_OFFSET + int(name.removeprefix("runner-"))
             base = self.config.base_port
-            self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
+            if name == OPENAI and self.config.openai_port is not None:
+                self._ports[name] = self.config.openai_port or _free_port(self.config.host)
+            else:
+                self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
         return self._ports[name]
 
     def address(self, name: str) -> str:
@@ -222,6 +235,9 @@ class LocalStack:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
         if name == WEIGHTS:
             return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *common)
+        if name == OPENAI:
+            return self._cli("openai", "serve", "--router", self.router_address, "--host", cfg.host,
+                             "--port", str(self.port(name)))
         argv = self._cli("router", "serve", *common, "--policy", cfg.policy,
                          "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s))
         if cfg.first_token_timeout_s is not None:
@@ -265,7 +281,7 @@ class LocalStack:
         return child
 
     def _wait_serving(self, children: list[ChildProcess]) -> None:
-        from services.healthcheck import FOREIGN, check_health
+        from services.healthcheck import FOREIGN
 
         pending = list(children)
         end = time.monotonic() + self.config.startup_timeout_s
@@ -276,7 +292,7 @@ class LocalStack:
                     code = child.proc.returncode if child.proc else None
                     raise Unavailable(f"{child.name} exited with status {code} while starting; "
                                       f"its log ({child.log_path}) ends:\n{child.log_tail()}")
-                health = check_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+                health = self._probe(child)
                 if health.startswith(FOREIGN):
                     raise Unavailable(f"{child.name}'s address {child.address} is answered by another process "
                                       f"({health.split(': ', 1)[1]}), not by the {child.name} started here (pid "
@@ -299,6 +315,19 @@ class LocalStack:
                                    + (f", now {last}" if last else ""))
                 next_note = now + NOTE_INTERVAL_S
             time.sleep(0.2)
+
+    @staticmethod
+    def _probe(child: ChildProcess) -> str:
+        """``SERVING`` once ``child`` answers from its own pid: a gRPC health check, or for the
+        OpenAI door its HTTP ``/health`` (200, or 503 while no runner is READY: it is up either way)."""
+        from services.healthcheck import check_health
+
+        if child.name != OPENAI:
+            return check_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+        from openai_service.healthcheck import check_http_health
+
+        status = check_http_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+        return "SERVING" if status == "NOT_SERVING" else status
 
     def wait_registered(self, names: list[str], timeout_s: float = 30.0) -> None:
         """Block until the router lists each runner in ``names`` READY (``Unavailable`` after
@@ -327,12 +356,16 @@ class LocalStack:
         resolve_source(self.config.model)
         if self.home.exists() and not self.home.is_dir():
             raise InvalidArgument(f"the home {self.home} is not a directory (--home / $WARMSERVE_HOME)")
+        openai = [OPENAI] if self.config.openai else []
         if self.config.base_port == 0:
             problem = bind_problem(self.config.host, 0)
             if problem is not None:
                 raise Unavailable(f"cannot start the stack on {self.config.host}: {problem}")
-            return
-        names = [KERNEL_CACHE, WEIGHTS, ROUTER, *(f"runner-{i}" for i in range(self.config.runners))]
+            if not (openai and self.config.openai_port):
+                return
+            names = openai  # a fixed port given for the door
+        else:
+            names = [KERNEL_CACHE, WEIGHTS, ROUTER, *openai, *(f"runner-{i}" for i in range(self.config.runners))]
         busy = [(n, self.port(n), problem) for n in names
                 if (problem := bind_problem(self.config.host, self.port(n))) is not None]
         if busy:
@@ -351,10 +384,11 @@ class LocalStack:
                                   f"{e.strerror or e}") from e
         try:
             self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
-            for name in (KERNEL_CACHE, WEIGHTS, ROUTER):
+            first = (KERNEL_CACHE, WEIGHTS, ROUTER, *((OPENAI,) if self.config.openai else ()))
+            for name in first:
                 self.services[name] = self._launch(ChildProcess(
                     name, self._service_argv(name), self.address(name), self.log_dir / f"{name}.log"))
-            self._progress("starting kernel-cache, weights and router ...")
+            self._progress(f"starting {', '.join(first[:-1])} and {first[-1]} ...")
             self._wait_serving(list(self.services.values()))
             n = self.config.runners
             if n:
@@ -431,10 +465,10 @@ class LocalStack:
             return client.model_info()
 
     def stop(self) -> None:
-        """SIGTERM every child (router first), wait ``stop_grace_s`` s, then SIGKILL stragglers;
-        the state file goes too."""
+        """SIGTERM every child (the OpenAI door and the router first), wait ``stop_grace_s`` s,
+        then SIGKILL stragglers; the state file goes too."""
         self.remove_state()
-        order = [self.services.get(ROUTER), *self.runners, self.services.get(WEIGHTS),
+        order = [self.services.get(OPENAI), self.services.get(ROUTER), *self.runners, self.services.get(WEIGHTS),
                  self.services.get(KERNEL_CACHE)]
         children = [c for c in order if c is not None and c.running]
         for c in children:
@@ -545,10 +579,11 @@ def read_state(home: Path, router_address: str) -> dict[str, int]:
 
 
 def stack_services(home: Path, router_address: str) -> dict[str, str]:
-    """The control-plane services (kernel-cache, weights) of that stack: name -> address."""
+    """The other services (kernel-cache, weights, and the OpenAI door when it runs) of that
+    stack: name -> address."""
     doc = _state_doc(home, router_address) or {}
     return {name: c["address"] for name, c in doc.get("children", {}).items()
-            if name in (KERNEL_CACHE, WEIGHTS) and c.get("address")}
+            if name in (KERNEL_CACHE, WEIGHTS, OPENAI) and c.get("address")}
 
 
 def _last_log_msg(child: ChildProcess) -> str:
@@ -625,7 +660,10 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
     programs and the load come from each runner's ``ModelInfo``, so they are as of now, not as of
     its last heartbeat to the router; a runner that does not answer shows the heartbeat's, marked
     ``(hb)``. ``restarts`` (name -> count, from :func:`read_state`) adds
-    a restarts column. Returns 0, or 1 when the router cannot be reached."""
+    a restarts column. The ``openai`` service (the stack's OpenAI door) is probed over HTTP
+    (``GET /health``: SERVING, or NOT_SERVING while no runner is READY) and shown by its URL.
+    Returns 0, or 1 when the router cannot be reached."""
+    from openai_service.healthcheck import check_http_health
     from services.healthcheck import check_health
     from services.proto import router_pb2
 
@@ -633,8 +671,9 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
     extra = ("restarts",) if restarts else ()
     rows = [("service", "address", "health", *extra)]
     for name, addr in {"router": router_address, **services}.items():
-        rows.append((name, addr, check_health(addr, timeout_s=2.0),
-                     *((str(restarts.get(name, 0)),) if restarts else ())))
+        shown, health = (f"http://{addr}/v1", check_http_health(addr, timeout_s=2.0)) if name == OPENAI else (
+            addr, check_health(addr, timeout_s=2.0))
+        rows.append((name, shown, health, *((str(restarts.get(name, 0)),) if restarts else ())))
     out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":
         return 1
@@ -698,14 +737,19 @@ def _announce_back(stack: LocalStack, back: set[int], pending: set[int], out: Te
 
 def ready_hint(stack: LocalStack) -> str:
     """What ``up`` prints once started: a ``generate`` command that works now, or, for a stack
-    without runners, how to add one (its router answers UNAVAILABLE until one registers)."""
+    without runners, how to add one (its router answers UNAVAILABLE until one registers); then,
+    when the stack runs its OpenAI door, the door's base URL."""
+    door = ""
+    if OPENAI in stack.services:
+        url = f"http://{stack.address(OPENAI)}/v1"
+        door = f"\nOpenAI-compatible API: {url}   (e.g. curl {url}/models)"
     if stack.runners:
-        return f"ready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)"
+        return f"ready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)" + door
     return (f"ready, with no runners: the router at {stack.router_address} answers UNAVAILABLE until one "
             f"registers; add one that shares this stack's weights and kernel cache with\n"
             f"  warmserve runner serve --model {stack.config.model} --router {stack.router_address} --weights "
             f"{stack.address(WEIGHTS)} --kernel-cache {stack.address(KERNEL_CACHE)} --sidecar-dir "
-            f"{stack.home / 'sidecars'} --port 0\n(Ctrl-C stops the stack)")
+            f"{stack.home / 'sidecars'} --port 0{door}\n(Ctrl-C stops the stack)")
 
 
 def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
@@ -727,7 +771,7 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
         started.set()
         out.write("\nendpoints:\n")
         for name, addr in stack.endpoints().items():
-            out.write(f"  {name:<13} {addr}\n")
+            out.write(f"  {name:<13} {f'http://{addr}/v1' if name == OPENAI else addr}\n")
         pending = set()
         for i in range(len(stack.runners)):
             info = stack.startup_report(i)

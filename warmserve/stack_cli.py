@@ -1,9 +1,9 @@
 """``warmserve up | generate | chat | status | demo``: the local stack and its clients.
 
-``up`` starts kernel-cache, weights, N runners and the router as child processes (see
-:class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a Generation endpoint
-(the router by default); ``status`` shows the router's runners and the health of each service;
-``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
+``up`` starts kernel-cache, weights, N runners, the router and the OpenAI-compatible HTTP door as
+child processes (see :class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a
+Generation endpoint (the router by default); ``status`` shows the router's runners and the health
+of each service; ``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
     p.add_argument("--runners", type=int, default=runners, help=f"number of runners (default {runners})")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model source (default {DEFAULT_MODEL}, bundled)")
     p.add_argument("--base-port", type=int, default=base_port,
-                   help=f"router port; kernel-cache +1, weights +2, runner i at +11+i; 0 = free ports "
-                        f"(default {base_port})")
+                   help=f"router port; kernel-cache +1, weights +2, the OpenAI API +3 (up), runner i at +11+i; "
+                        f"0 = free ports (default {base_port})")
     p.add_argument("--home", default=None, help=home_help)
     p.add_argument("--compile", choices=COMPILE_MODES, default=compile_mode,
                    help=f"runner compile mode (default {compile_mode or 'the runner default'})")
@@ -63,6 +63,11 @@ def register(subparsers) -> None:
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
     _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT,
                     home_help="state directory (default $WARMSERVE_HOME, else ~/.cache/warmserve)")
+    up.add_argument("--openai-port", type=int, default=None,
+                    help="port of the OpenAI-compatible HTTP API over the router (default: base port + 3, i.e. "
+                         "50053; 0 = a free port)")
+    up.add_argument("--no-openai", dest="openai", action="store_false",
+                    help="do not start the OpenAI-compatible HTTP API")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")

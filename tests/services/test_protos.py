@@ -1,7 +1,9 @@
-"""The committed stubs under services/proto/ are exactly what `make proto` generates."""
+"""The committed stubs under services/proto/ are exactly what `make proto` generates, and every
+servicer serves its service's RPCs (the KServe v2 door's deliberate UNIMPLEMENTED ones listed)."""
 
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services import protogen
@@ -9,7 +11,7 @@ from services import protogen
 
 def test_committed_stubs_are_current(tmp_path: Path) -> None:
     fresh = protogen.generate(tmp_path)
-    assert len(fresh) == 3 * len(protogen.proto_files())
+    assert len(fresh) == 3 * (len(protogen.proto_files()) + len(protogen.triton_proto_files()))
     for path in fresh:
         rel = path.relative_to(tmp_path)
         committed = protogen.STUB_ROOT / rel
@@ -33,10 +35,55 @@ def test_all_four_services_are_defined() -> None:
     }
 
 
+def test_the_vendored_triton_protos_define_the_kserve_v2_service() -> None:
+    """Triton's grpc_service.proto compiles into services.proto.triton, its model_config import
+    rewritten to the package (the generated module imports in a fresh interpreter: test_imports)."""
+    from services.proto.triton import grpc_service_pb2, model_config_pb2
+
+    assert [p.name for p in protogen.triton_proto_files()] == ["grpc_service.proto", "model_config.proto"]
+    assert list(grpc_service_pb2.DESCRIPTOR.services_by_name) == ["GRPCInferenceService"]
+    assert grpc_service_pb2.DESCRIPTOR.dependencies[0] is model_config_pb2.DESCRIPTOR
+    assert grpc_service_pb2.DESCRIPTOR.package == "inference"
+
+
+#: The Triton RPCs the KServe v2 door answers UNIMPLEMENTED on purpose (each by a method of its
+#: own that says so, not the generated placeholder); every other RPC of the service is served.
+KSERVE_UNIMPLEMENTED = {
+    "ModelStatistics", "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister", "TraceSetting", "LogSettings",
+}
+
+
+def test_the_kserve_door_serves_every_other_triton_rpc() -> None:
+    from router_service.kserve import UNIMPLEMENTED_RPCS, KServeServicer
+    from services.proto.triton import grpc_service_pb2
+
+    assert UNIMPLEMENTED_RPCS == KSERVE_UNIMPLEMENTED
+    methods = {m.name for m in grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    assert KSERVE_UNIMPLEMENTED < methods
+    served = methods - KSERVE_UNIMPLEMENTED
+    assert served == {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
+                      "ModelInfer", "ModelStreamInfer", "RepositoryIndex"}
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):
+            raise Aborted(code, details)
+
+    for name in KSERVE_UNIMPLEMENTED:
+        with pytest.raises(Aborted) as err:
+            getattr(KServeServicer, name)(None, None, Context())
+        assert err.value.args[0] == grpc.StatusCode.UNIMPLEMENTED, name
+        assert name in err.value.args[1]
+
+
 @pytest.mark.parametrize("servicer_path", [
     "kernel_cache_service.servicer:KernelCacheServicer", "weight_service.servicer:WeightsServicer",
     "runner_service.servicer:GenerationServicer", "router_service.servicer:GenerationServicer",
-    "router_service.servicer:RouterControlServicer",
+    "router_service.servicer:RouterControlServicer", "router_service.kserve:KServeServicer",
 ])
 def test_every_rpc_is_implemented_by_its_servicer(servicer_path):
     """The generated base classes answer every RPC with NotImplementedError (grpc_tools' output,

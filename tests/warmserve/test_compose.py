@@ -2,7 +2,8 @@
 would run it, with host names mapped to 127.0.0.1, each service's port mapped to a free local
 port (two runners both listen on 50061 in their own containers), volume mount points mapped to
 temporary directories, and the services' own healthchecks awaited in ``depends_on`` order.
-Then a request goes through the router."""
+Then a request goes through the router, and the same one through the OpenAI door with the
+official ``openai`` client."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
@@ -126,12 +128,17 @@ class ComposeOnLoopback:
 def test_compose_file_shape() -> None:
     compose = _load()
     services = compose["services"]
-    assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router"}
+    assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router", "openai"}
     assert set(compose["volumes"]) == {"kernel-cache", "sidecars"}
     for name, svc in services.items():
         assert svc["build"] == "." and "--host" in svc["command"], name
         assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
-        assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "services.healthcheck"], name
+        probe = "openai_service.healthcheck" if name == "openai" else "services.healthcheck"  # HTTP / gRPC
+        assert svc["healthcheck"]["test"][1:4] == ["python", "-m", probe], name
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name  # published on loopback only
+    assert services["router"]["ports"] == ["127.0.0.1:50050:50050"]
+    assert services["openai"]["ports"] == ["127.0.0.1:50053:50053"]
+    assert services["openai"]["command"][3:7] == ["openai", "serve", "--router", "router:50050"]
     for runner in ("runner-0", "runner-1"):
         assert "sidecars:/var/lib/warmserve/sidecars" in services[runner]["volumes"]
     assert "sidecars:/var/lib/warmserve/sidecars" in services["weights"]["volumes"]
@@ -163,5 +170,14 @@ def test_compose_services_run_on_loopback_and_serve_a_request(tmp_path: Path) ->
         assert routed.runner_id in ("runner-0", "runner-1")
         assert routed.text.strip() and routed.text == direct.text
         assert routed.completion_tokens == direct.completion_tokens > 0
+        # The OpenAI door (healthy once the router had a READY runner) gives the same answer.
+        door = f"http://127.0.0.1:{stack.ports['openai']}/v1"
+        with openai.OpenAI(base_url=door, api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+            answer = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=16, messages=[
+                {"role": "user", "content": "What is the capital of France?"}])
+        assert answer.choices[0].message.content == routed.text
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (routed.prompt_tokens,
+                                                                              routed.completion_tokens)
     finally:
         stack.down()

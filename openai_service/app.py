@@ -1,0 +1,307 @@
+"""The OpenAI-compatible application: FastAPI routes over the router's ``Generation`` service.
+
+=====================================  ============================================================
+route                                  answer
+=====================================  ============================================================
+``GET /health``                        200 ``{"status": "ok"}`` when the router has a READY runner
+                                       (its ``ModelInfo`` answers), else 503 in OpenAI's error
+                                       shape; both carry the ``warmserve-pid`` header
+``GET /v1/models``                     the one served model (:mod:`openai_service.served_model`)
+``GET /v1/models/{model}``             that model, or 404 ``model_not_found``
+``POST /v1/completions``               a completion, or with ``stream`` server-sent chunks
+``POST /v1/chat/completions``          a chat completion, or with ``stream`` server-sent chunks
+=====================================  ============================================================
+
+Each generation request is one ``Generate`` call to the router. Non-streaming, the call is
+read to its end and answered with the text, logprobs, finish reason and usage of the final
+message. Streaming, the first message is awaited before the HTTP status is sent, so a request
+the runner refuses (e.g. a prompt over the context length) is an HTTP error as with vLLM, not a
+stream; then each message becomes one chunk, a chat stream starting with the assistant role's
+chunk, ``stream_options.include_usage`` adding a last chunk with ``choices: []`` and the usage,
+and ``data: [DONE]`` ending it. An error after the first chunk is sent as one
+``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does). A client that disconnects, while
+waiting or mid-stream, cancels its ``Generate`` call.
+
+Every error is OpenAI's ``{"error": {...}}`` (:mod:`openai_service.errors`), including a body
+that fails validation (HTTP 400, not FastAPI's 422) and unknown routes (404).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from openai_service.config import OpenAIConfig
+from openai_service.convert import (
+    CompletionLogprobsBuilder,
+    chat_logprobs,
+    chat_to_proto,
+    completion_to_proto,
+    finish_reason,
+    usage,
+)
+from openai_service.errors import OpenAIError, from_rpc_error, from_validation_error
+from openai_service.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+)
+from openai_service.router_client import RouterClient
+from openai_service.served_model import ServedModel
+from openai_service.sse import DONE, EventStream, event, unless_disconnected
+from services.healthcheck import PID_METADATA_KEY
+from services.proto import generation_pb2
+
+log = logging.getLogger(__name__)
+
+#: The status logged (never sent: nobody is left) for a request whose client disconnected.
+CLIENT_CLOSED = 499
+
+
+def _json(model) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _error(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _ignored(body) -> None:
+    extra = sorted(body.model_extra or ())
+    if extra:
+        log.warning("request fields ignored", extra={"fields": extra})
+
+
+class _Call:
+    """One ``Generate`` call read message by message (``grpc.aio``'s ``read()``), with gRPC
+    errors raised as :class:`OpenAIError`."""
+
+    def __init__(self, client: RouterClient, request: generation_pb2.GenerateRequest) -> None:
+        self.call = client.generate(request)
+
+    async def next(self) -> generation_pb2.GenerateResponse | None:
+        """The next message, ``None`` at the end of the stream."""
+        try:
+            msg = await self.call.read()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        return None if msg is grpc.aio.EOF else msg
+
+    async def all(self) -> list[generation_pb2.GenerateResponse]:
+        """Every message to the end of the stream."""
+        out = []
+        try:
+            while (msg := await self.next()) is not None:
+                out.append(msg)
+        finally:
+            self.call.cancel()  # no-op once finished; stops the request when this task is cancelled
+        return out
+
+    def cancel(self) -> None:
+        """Stop the request (the router cancels the runner's call, freeing its KV blocks)."""
+        self.call.cancel()
+
+
+def _final(messages: list[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
+    if not messages or not messages[-1].finish_reason:
+        raise OpenAIError(502, "the router's stream ended without a final message")
+    return messages[-1]
+
+
+def create_app(config: OpenAIConfig) -> FastAPI:
+    """The application for ``config`` (see the module docstring). Its lifespan opens the async
+    channel to ``config.router`` and closes it; nothing is dialled before the first request."""
+    client = RouterClient(config.router)
+    served = ServedModel(client, config.served_model_name, ttl_s=config.model_info_ttl_s)
+    pid_header = {PID_METADATA_KEY: str(os.getpid())}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await client.open()
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="warmserve OpenAI-compatible API", lifespan=lifespan)
+    app.state.client = client
+    app.state.served = served
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(from_validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(OpenAIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            info = await client.model_info(timeout_s=5.0)
+        except OpenAIError as e:
+            return _error(OpenAIError(503, e.message), headers=pid_header)
+        return JSONResponse({"status": "ok", "runner_id": info.runner_id}, headers=pid_header)
+
+    async def _card() -> ModelCard:
+        info = await served.info()
+        return ModelCard(id=await served.name(), created=served.created, root=info.model,
+                         max_model_len=info.max_model_len or None)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return _json(ModelList(data=[await _card()]))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        await served.check(model)
+        return _json(await _card())
+
+    async def _first(request: Request, call: _Call) -> generation_pb2.GenerateResponse | None:
+        """The stream's first message, awaited before any HTTP status is sent; ``None`` when the
+        client left meanwhile (the call is cancelled then)."""
+        try:
+            first = await unless_disconnected(request, call.next())
+        except BaseException:
+            call.cancel()
+            raise
+        if first is None:
+            call.cancel()
+        return first
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _ignored(body)
+        model = await served.check(body.model)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        call = _Call(client, completion_to_proto(body, rid))
+        top_n = body.logprobs
+
+        def chunk(choices, **kw) -> Completion:
+            return Completion(id=rid, created=created, model=model, choices=choices, **kw)
+
+        if not body.stream:
+            messages = await unless_disconnected(request, call.all())
+            if messages is None:
+                return Response(status_code=CLIENT_CLOSED)
+            final = _final(messages)
+            reason = finish_reason(final)
+            logprobs = None
+            if top_n is not None:
+                logprobs, builder = CompletionLogprobs(), CompletionLogprobsBuilder(top_n)
+                for m in messages:
+                    builder.add(m.logprobs, logprobs)
+            return _json(chunk([CompletionChoice(text="".join(m.text for m in messages), logprobs=logprobs,
+                                                 finish_reason=reason)], usage=usage(final)))
+
+        first = await _first(request, call)
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        skip = None if include_usage else {"usage"}
+
+        async def events() -> AsyncIterator[str]:
+            builder = CompletionLogprobsBuilder(top_n) if top_n is not None else None
+            msg, final = first, None
+            try:
+                while msg is not None:
+                    reason = finish_reason(msg)
+                    if msg.text or msg.logprobs or reason:
+                        logprobs = builder.add(msg.logprobs) if builder is not None else None
+                        yield event(chunk([CompletionChoice(text=msg.text, logprobs=logprobs, finish_reason=reason)])
+                                    .model_dump_json(exclude=skip))
+                    if reason:
+                        final = msg
+                    msg = await call.next()
+                if include_usage and final is not None:
+                    yield event(chunk([], usage=usage(final)).model_dump_json())
+            except OpenAIError as e:
+                yield event(e.body())
+            yield DONE
+
+        return EventStream(events(), on_close=call.cancel)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _ignored(body)
+        model = await served.check(body.model)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        call = _Call(client, chat_to_proto(body, rid))
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+
+        def logprobs_of(msgs) -> ChatLogprobs | None:
+            if top_n is None:
+                return None
+            return ChatLogprobs(content=[entry for m in msgs for entry in chat_logprobs(m.logprobs, top_n)])
+
+        if not body.stream:
+            messages = await unless_disconnected(request, call.all())
+            if messages is None:
+                return Response(status_code=CLIENT_CLOSED)
+            final = _final(messages)
+            choice = ChatChoice(message=AssistantMessage(content="".join(m.text for m in messages)),
+                                logprobs=logprobs_of(messages), finish_reason=finish_reason(final))
+            return _json(ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage(final)))
+
+        first = await _first(request, call)
+        if first is None:
+            return Response(status_code=CLIENT_CLOSED)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        skip = None if include_usage else {"usage"}
+
+        def chunk(choices, **kw) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **kw)
+
+        async def events() -> AsyncIterator[str]:
+            msg, final = first, None
+            try:
+                yield event(chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+                            .model_dump_json(exclude=skip))
+                while msg is not None:
+                    reason = finish_reason(msg)
+                    if msg.text or msg.logprobs or reason:
+                        yield event(chunk([ChatChunkChoice(delta=DeltaMessage(content=msg.text),
+                                                           logprobs=logprobs_of([msg]), finish_reason=reason)])
+                                    .model_dump_json(exclude=skip))
+                    if reason:
+                        final = msg
+                    msg = await call.next()
+                if include_usage and final is not None:
+                    yield event(chunk([], usage=usage(final)).model_dump_json())
+            except OpenAIError as e:
+                yield event(e.body())
+            yield DONE
+
+        return EventStream(events(), on_close=call.cancel)
+
+    return app

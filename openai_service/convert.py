@@ -1,0 +1,208 @@
+"""OpenAI requests to ``warmserve.v1.Generation`` requests, and ``GenerateResponse`` messages back
+to OpenAI's choices, logprobs, finish reasons and usage.
+
+Requests: a completion's prompt becomes ``GenerateRequest.text`` (raw text, no chat template)
+or ``token_ids``; chat messages become a ``ChatPrompt`` (the runner applies the model's chat
+template), each message's content a string or its text parts joined with ``"\\n"`` (as vLLM
+joins them), role ``developer`` sent as ``system``. Sampling fields left out stay unset on the
+wire, so the runner applies the model's defaults (its ``generation_config.json``), except a
+completion's ``max_tokens``, 16 by default as in OpenAI's API and vLLM. Parameters warmserve
+does not implement (``n`` other than 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
+``suffix``, tools, non-text ``response_format``) are refused with an HTTP 400 naming them.
+
+Responses: finish reasons STOP and LENGTH become ``"stop"`` and ``"length"``; a stream the
+runner ended as ABORTED or CANCELLED is an error (HTTP 500, as vLLM answers a request whose
+generation failed). Logprobs carry the runner's per-token texts (``TokenLogprob.token``, the
+tokenizer's decoding of that one id) and its natural-log values, clipped at -9999.0 as vLLM
+and OpenAI clip ``-inf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from openai_service.errors import OpenAIError, bad_request
+from openai_service.protocol import (
+    ChatCompletionRequest,
+    ChatLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    Usage,
+)
+from services.proto import generation_pb2
+
+#: The lowest logprob sent (``-inf`` is not JSON; vLLM and OpenAI send this instead).
+MIN_LOGPROB = -9999.0
+#: The exclusive end of token ids on the wire (``int32``).
+_ID_END = 2**31
+
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+def _refuse(value_set: bool, param: str, why: str = "is not supported by warmserve") -> None:
+    if value_set:
+        raise bad_request(f"{param} {why}", param=param)
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The checks every request shares; raises :class:`OpenAIError` (HTTP 400)."""
+    if req.n != 1:
+        raise bad_request(f"n must be 1: warmserve returns one choice per request (got n={req.n})", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
+    _refuse(bool(req.presence_penalty), "presence_penalty", "is not supported by warmserve (leave it 0)")
+    _refuse(bool(req.frequency_penalty), "frequency_penalty", "is not supported by warmserve (leave it 0)")
+    _refuse(bool(req.logit_bias), "logit_bias")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                      logprobs: int) -> generation_pb2.SamplingParams:
+    """The request's sampling fields; ``None`` ones stay unset (the model's defaults apply).
+    ``max_tokens``: tokens to generate at most (``None``: the model's default, capped to what the
+    context leaves); ``logprobs``: top-n per token for the runner (0: none). vLLM's
+    ``top_k = -1`` means off, the runner's 0."""
+    fields: dict = {"stop": _stop_list(req.stop), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
+                    "stop_token_ids": list(req.stop_token_ids or ())}
+    for name, value in (("max_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
+                        ("seed", req.seed), ("top_k", None if req.top_k is None else max(req.top_k, 0))):
+        if value is not None:
+            fields[name] = value
+    return generation_pb2.SamplingParams(**fields)
+
+
+def _prompt(prompt: str | list) -> dict:
+    """``{"text": ...}`` or ``{"token_ids": TokenIds}`` for a completion's ``prompt``; one
+    prompt only (a list holding one text or one id list counts as one)."""
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], str) or isinstance(prompt[0], list):
+        if len(prompt) != 1:
+            raise bad_request(f"one prompt per request: warmserve does not batch prompts (got {len(prompt)})",
+                              param="prompt")
+        return _prompt(prompt[0])
+    ids = list(prompt)
+    if any(not 0 <= t < _ID_END for t in ids):
+        raise bad_request("prompt token ids must be in [0, vocab_size)", param="prompt")
+    return {"token_ids": generation_pb2.TokenIds(ids=ids)}
+
+
+def completion_to_proto(req: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """A ``POST /v1/completions`` body as a ``GenerateRequest`` (raw text or token ids, no
+    chat template). Raises :class:`OpenAIError` (400) for what warmserve does not implement."""
+    _check_common(req)
+    _refuse(req.echo, "echo")
+    _refuse(req.best_of not in (None, 1), "best_of", "must be 1 (or left out): warmserve returns one choice")
+    _refuse(bool(req.suffix), "suffix")
+    sampling = sampling_to_proto(req, max_tokens=req.max_tokens,
+                                 logprobs=0 if req.logprobs is None else max(req.logprobs, 1))
+    return generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling, **_prompt(req.prompt))
+
+
+def _content(message_index: int, content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{message_index}].content[{j}] has type {part.type!r}: only text parts "
+                              "are supported", param="messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_to_proto(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    """A ``POST /v1/chat/completions`` body as a ``GenerateRequest`` with a ``ChatPrompt``.
+    Raises :class:`OpenAIError` (400) for what warmserve does not implement, and for
+    ``top_logprobs`` without ``logprobs`` (as vLLM)."""
+    _check_common(req)
+    _refuse(bool(req.tools), "tools")
+    _refuse(req.response_format is not None and req.response_format.get("type", "text") != "text",
+            "response_format", "is not supported by warmserve (only {\"type\": \"text\"})")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    messages = [generation_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
+                                           content=_content(i, m.content))
+                for i, m in enumerate(req.messages)]
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    sampling = sampling_to_proto(req, max_tokens=max_tokens,
+                                 logprobs=max(req.top_logprobs or 0, 1) if req.logprobs else 0)
+    return generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
+                                          chat=generation_pb2.ChatPrompt(messages=messages))
+
+
+def finish_reason(resp: generation_pb2.GenerateResponse) -> str | None:
+    """``"stop"``/``"length"`` for the final message, ``None`` for the others. Raises
+    :class:`OpenAIError` (500) when the runner ended the request ABORTED (it failed while
+    generating) or CANCELLED."""
+    if not resp.finish_reason:
+        return None
+    name = FINISH_REASONS.get(resp.finish_reason)
+    if name is not None:
+        return name
+    what = generation_pb2.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_")
+    raise OpenAIError(500, f"the runner ended the request {what} after {resp.usage.completion_tokens} tokens "
+                           "without finishing it (see its log)")
+
+
+def usage(resp: generation_pb2.GenerateResponse) -> Usage:
+    """The final message's usage, as the runner counted it (tokens)."""
+    u = resp.usage
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                 total_tokens=u.prompt_tokens + u.completion_tokens)
+
+
+def _clip(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class CompletionLogprobsBuilder:
+    """Legacy completions logprobs, one call of :meth:`add` per message; ``text_offset``
+    counts on across calls, so a stream's chunks and the whole answer agree. ``top_n``: the
+    alternatives asked for (0: only the sampled token's entry)."""
+
+    def __init__(self, top_n: int) -> None:
+        self.top_n = top_n
+        self.offset = 0
+
+    def add(self, logprobs: Iterable[generation_pb2.TokenLogprob],
+            into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """Append these tokens' entries to ``into`` (a new object when ``None``); returns it."""
+        out = into if into is not None else CompletionLogprobs()
+        for lp in logprobs:
+            top: dict[str, float] = {}
+            for alt in lp.top[: self.top_n]:
+                top.setdefault(alt.token, _clip(alt.logprob))
+            top.setdefault(lp.token, _clip(lp.logprob))  # the sampled token is always there (up to n + 1)
+            out.tokens.append(lp.token)
+            out.token_logprobs.append(_clip(lp.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(lp.token)
+        return out
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(logprobs: Sequence[generation_pb2.TokenLogprob], top_n: int) -> list[ChatLogprob]:
+    """``choices[].logprobs.content`` entries for these tokens: text, logprob, UTF-8 bytes and
+    the ``top_n`` most likely alternatives (most likely first)."""
+    return [ChatLogprob(token=lp.token, logprob=_clip(lp.logprob), bytes=_utf8(lp.token),
+                        top_logprobs=[TopLogprob(token=t.token, logprob=_clip(t.logprob), bytes=_utf8(t.token))
+                                      for t in lp.top[:top_n]])
+            for lp in logprobs]

@@ -1,0 +1,108 @@
+"""``warmserve openai serve``: the OpenAI door (:func:`openai_service.app.create_app`) on uvicorn.
+
+:class:`OpenAIServer` serves either in the foreground (:meth:`~OpenAIServer.serve_forever`:
+uvicorn handles SIGINT/SIGTERM, finishing requests for up to 5 s) or in a background thread with
+its own event loop (:meth:`~OpenAIServer.start` / :meth:`~OpenAIServer.stop`, for tests and
+embedding). A busy port is one sentence before anything starts (``Unavailable``: ``cannot bind
+127.0.0.1:50053: address already in use``), as the gRPC daemons say it. Once listening it logs
+``ready`` with its address and the router's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import uvicorn
+
+from openai_service.app import create_app
+from openai_service.config import OpenAIConfig
+from services.address import bind_problem, format_address
+from services.errors import Unavailable
+from services.log import configure_logging
+
+log = logging.getLogger(__name__)
+
+#: Seconds in-flight requests get to finish once the server is asked to stop.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class OpenAIServer:
+    """One OpenAI door for ``config``; ``log_level`` is uvicorn's (``INFO``, ``DEBUG``, ...)."""
+
+    def __init__(self, config: OpenAIConfig, *, log_level: str = "INFO") -> None:
+        self.config = config
+        self.app = create_app(config)
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, host=config.host, port=config.port, loop="asyncio", lifespan="on", log_config=None,
+            log_level=log_level.lower(), access_log=log_level.upper() == "DEBUG",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        self._thread: threading.Thread | None = None
+        #: The bound port (valid once started; differs from ``config.port`` when that is 0).
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` served (valid once started)."""
+        return format_address(self.config.host, self.port if self.port is not None else self.config.port)
+
+    @property
+    def url(self) -> str:
+        """The API's base URL, ``http://host:port/v1`` (valid once started)."""
+        return f"http://{self.address}/v1"
+
+    def _preflight(self) -> None:
+        problem = bind_problem(self.config.host, self.config.port)
+        if problem is not None:
+            raise Unavailable(f"cannot bind {self.config.address}: {problem}")
+
+    def _on_started(self) -> None:
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        log.info("ready", extra={"address": self.address, "url": self.url, "router": self.config.router})
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        """Serve in a background thread; returns the bound port once listening. Raises
+        ``Unavailable`` when the port is busy or the server does not start within ``timeout_s``
+        seconds."""
+        self._preflight()
+        self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                self.stop()
+                raise Unavailable(f"the OpenAI door did not start on {self.config.address} (see its log)")
+            time.sleep(0.01)
+        self._on_started()
+        return self.port
+
+    def stop(self, timeout_s: float = GRACEFUL_SHUTDOWN_S + 5.0) -> None:
+        """Stop a :meth:`start`-ed server (in-flight requests get :data:`GRACEFUL_SHUTDOWN_S`)."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until SIGINT/SIGTERM. Raises ``Unavailable`` for a busy port."""
+        self._preflight()
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        task = asyncio.ensure_future(self._server.serve())
+        while not self._server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if self._server.started:
+            self._on_started()
+        await task
+
+
+def serve_from_args(args) -> int:
+    """Entry point of ``warmserve openai serve``: serve until SIGINT/SIGTERM. Raises
+    ``InvalidArgument`` for bad flags (exit 2) and ``Unavailable`` for a busy port (exit 1)."""
+    config = OpenAIConfig(router=args.router, host=args.host, port=args.port,
+                          served_model_name=args.served_model_name)
+    configure_logging("openai", args.log_level)
+    OpenAIServer(config, log_level=args.log_level).serve_forever()
+    return 0

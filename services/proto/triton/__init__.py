@@ -1,0 +1,1 @@
+"""Generated stubs of Triton's vendored KServe v2 protos (``third_party/triton``; ``make proto``)."""

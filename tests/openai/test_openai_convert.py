@@ -1,0 +1,194 @@
+"""The door's conversions without a network: OpenAI bodies to ``GenerateRequest``, runner
+messages to finish reasons and logprobs, gRPC statuses and validation errors to OpenAI errors."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from openai_service.convert import (
+    CompletionLogprobsBuilder,
+    chat_logprobs,
+    chat_to_proto,
+    completion_to_proto,
+    finish_reason,
+    usage,
+)
+from openai_service.errors import OpenAIError, from_rpc_error, from_validation_error, model_not_found
+from openai_service.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DeltaMessage,
+)
+from services.proto import generation_pb2 as pb
+
+
+def completion(**kw) -> pb.GenerateRequest:
+    return completion_to_proto(CompletionRequest(**{"prompt": "w1 w2", **kw}), "cmpl-1")
+
+
+def chat(**kw) -> pb.GenerateRequest:
+    return chat_to_proto(ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **kw}), "chat-1")
+
+
+def test_unset_sampling_fields_stay_unset_and_a_completion_defaults_to_16_tokens() -> None:
+    req = completion()
+    assert req.request_id == "cmpl-1" and req.WhichOneof("prompt") == "text" and req.text == "w1 w2"
+    s = req.sampling
+    assert s.HasField("max_tokens") and s.max_tokens == 16  # OpenAI's and vLLM's default for completions
+    assert not any(s.HasField(f) for f in ("temperature", "top_p", "top_k", "seed"))
+    assert (list(s.stop), s.logprobs, s.ignore_eos) == ([], 0, False)
+    c = chat().sampling
+    assert not any(c.HasField(f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed"))
+
+
+def test_sampling_fields_reach_the_wire() -> None:
+    s = completion(max_tokens=7, temperature=0.5, top_p=0.25, seed=2**63, stop="w9", top_k=-1, ignore_eos=True,
+                   stop_token_ids=[4, 5], logprobs=3).sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop)) == (7, 0.5, 0.25, 2**63, ["w9"])
+    assert (s.HasField("top_k"), s.top_k, s.ignore_eos, list(s.stop_token_ids), s.logprobs) == (True, 0, True, [4, 5], 3)
+    assert list(completion(stop=["a", "b"]).sampling.stop) == ["a", "b"]
+    assert completion(logprobs=0).sampling.logprobs == 1  # the sampled token's logprob needs one from the runner
+    assert completion(top_k=40).sampling.top_k == 40
+
+
+def test_completion_prompt_forms() -> None:
+    assert completion(prompt=["w3"]).text == "w3"
+    ids = completion(prompt=[1, 2, 3])
+    assert ids.WhichOneof("prompt") == "token_ids" and list(ids.token_ids.ids) == [1, 2, 3]
+    assert list(completion(prompt=[[4, 5]]).token_ids.ids) == [4, 5]
+    for prompt, words in ((["a", "b"], "one prompt per request"), ([[1], [2]], "one prompt per request"),
+                          ([], "must not be empty"), ([2**31], "token ids must be in")):
+        with pytest.raises(OpenAIError) as e:
+            completion(prompt=prompt)
+        assert e.value.status == 400 and e.value.param == "prompt" and words in e.value.message
+
+
+def test_chat_messages_become_a_chat_prompt() -> None:
+    req = chat_to_proto(ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": None},
+    ], max_tokens=9, max_completion_tokens=4, logprobs=True, top_logprobs=3), "c")
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "one\ntwo"),
+                                                               ("assistant", "")]
+    assert req.sampling.max_tokens == 4 and req.sampling.logprobs == 3
+    assert chat(max_tokens=9).sampling.max_tokens == 9
+    assert chat(logprobs=True).sampling.logprobs == 1 and chat(logprobs=False).sampling.logprobs == 0
+
+
+@pytest.mark.parametrize(("make", "kw", "param", "words"), [
+    (completion, {"n": 2}, "n", "n must be 1: warmserve returns one choice per request (got n=2)"),
+    (chat, {"n": 3}, "n", "got n=3"),
+    (completion, {"stream_options": {"include_usage": True}}, "stream_options", "`stream=True`"),
+    (completion, {"presence_penalty": 0.1}, "presence_penalty", "not supported"),
+    (completion, {"frequency_penalty": -0.1}, "frequency_penalty", "not supported"),
+    (completion, {"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    (completion, {"echo": True}, "echo", "not supported"),
+    (completion, {"best_of": 2}, "best_of", "must be 1"),
+    (completion, {"suffix": "x"}, "suffix", "not supported"),
+    (chat, {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    (chat, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    (chat, {"top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
+    (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
+])
+def test_what_warmserve_does_not_implement_is_a_400_naming_the_parameter(make, kw, param, words) -> None:
+    with pytest.raises(OpenAIError) as e:
+        make(**kw)
+    assert (e.value.status, e.value.type, e.value.param, e.value.code) == (400, "BadRequestError", param, 400)
+    assert words in e.value.message
+
+
+def test_defaults_of_refused_parameters_pass() -> None:
+    completion(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False, best_of=1, suffix="")
+    chat(tools=[], tool_choice="none", response_format={"type": "text"}, stream=True,
+         stream_options={"include_usage": False})
+
+
+def test_finish_reasons_and_usage() -> None:
+    assert finish_reason(pb.GenerateResponse()) is None
+    assert finish_reason(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP)) == "stop"
+    assert finish_reason(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH)) == "length"
+    for reason, name in ((pb.FINISH_REASON_ABORTED, "ABORTED"), (pb.FINISH_REASON_CANCELLED, "CANCELLED")):
+        with pytest.raises(OpenAIError) as e:
+            finish_reason(pb.GenerateResponse(finish_reason=reason, usage=pb.Usage(completion_tokens=4)))
+        assert e.value.status == 500 and e.value.type == "InternalServerError"
+        assert f"ended the request {name} after 4 tokens" in e.value.message
+    u = usage(pb.GenerateResponse(usage=pb.Usage(prompt_tokens=7, completion_tokens=5)))
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (7, 5, 12)
+
+
+def _lp(token: str, logprob: float, top: list[tuple[str, float]]) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token=token, logprob=logprob, top=[pb.TopLogprob(token=t, logprob=v) for t, v in top])
+
+
+def test_completion_logprobs_add_the_sampled_token_and_count_offsets_across_chunks() -> None:
+    builder = CompletionLogprobsBuilder(top_n=2)
+    first = builder.add([_lp("ab", -0.5, [("ab", -0.5), ("c", -1.0), ("d", -3.0)])])
+    second = builder.add([_lp(" xyz", -2.0, [("q", -0.25), ("r", -1.5)]), _lp("é", -math.inf, [])])
+    assert (first.tokens, first.token_logprobs, first.text_offset) == (["ab"], [-0.5], [0])
+    assert first.top_logprobs == [{"ab": -0.5, "c": -1.0}]  # top 2 of the 3 sent
+    assert second.tokens == [" xyz", "é"] and second.text_offset == [2, 6]
+    # a sampled token outside the top n is added (n + 1 entries); -inf becomes -9999.0
+    assert second.top_logprobs == [{"q": -0.25, "r": -1.5, " xyz": -2.0}, {"é": -9999.0}]
+    assert second.token_logprobs == [-2.0, -9999.0]
+
+
+def test_chat_logprobs_carry_bytes_and_the_top_n() -> None:
+    out = chat_logprobs([_lp("é", -0.125, [("é", -0.125), ("e", -2.5), ("f", -4.0)])], top_n=2)
+    assert [(e.token, e.logprob, e.bytes) for e in out] == [("é", -0.125, [0xC3, 0xA9])]
+    assert [(t.token, t.logprob, t.bytes) for t in out[0].top_logprobs] == [("é", -0.125, [0xC3, 0xA9]),
+                                                                          ("e", -2.5, [0x65])]
+    assert chat_logprobs([_lp("x", -1.0, [("x", -1.0)])], top_n=0)[0].top_logprobs == []
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(("code", "status", "kind"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "BadRequestError"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 400, "BadRequestError"),
+    (grpc.StatusCode.NOT_FOUND, 404, "NotFoundError"),
+    (grpc.StatusCode.UNAUTHENTICATED, 401, "AuthenticationError"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "ServiceUnavailableError"),
+    (grpc.StatusCode.FAILED_PRECONDITION, 503, "ServiceUnavailableError"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "GatewayTimeoutError"),
+    (grpc.StatusCode.INTERNAL, 500, "InternalServerError"),
+])
+def test_grpc_statuses_map_to_http_statuses(code, status, kind) -> None:
+    err = from_rpc_error(_RpcError(code, "the sentence"))
+    assert (err.status, err.type, err.code) == (status, kind, status)
+    assert err.message == ("the sentence" if status != 500 else "INTERNAL: the sentence")
+    assert err.body() == {"error": {"message": err.message, "type": kind, "param": None, "code": status}}
+
+
+def test_model_not_found_and_validation_errors() -> None:
+    assert model_not_found("x").body() == {"error": {"message": "The model `x` does not exist.",
+                                                     "type": "NotFoundError", "param": "model",
+                                                     "code": "model_not_found"}}
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(prompt=5, max_tokens=0)
+    err = from_validation_error(e.value.errors())
+    assert err.status == 400 and err.param == "prompt"
+    assert "max_tokens: Input should be greater than or equal to 1" in err.message
+    assert err.message.startswith("invalid request: prompt: ")
+
+
+def test_a_chunk_delta_leaves_unset_fields_out() -> None:
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[ChatChunkChoice(delta=DeltaMessage(content="x"))])
+    doc = chunk.model_dump()
+    assert doc["choices"][0]["delta"] == {"content": "x"}
+    assert doc["choices"][0]["finish_reason"] is None and doc["choices"][0]["logprobs"] is None

@@ -1,0 +1,96 @@
+"""``warmserve up`` starts the OpenAI-compatible HTTP door with the router: its flags, port and
+command line, the busy-port check, and a stack without runners whose door is up (503 on
+``/health`` from its own pid), recorded in ``stack.json``, shown by ``warmserve status``,
+relaunched when it dies, and stopped with the stack."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from openai_service.config import DEFAULT_PORT
+from openai_service.healthcheck import check_http_health
+from services.errors import InvalidArgument, Unavailable
+from warmserve.cli import build_parser
+from warmserve.stack import (
+    DEFAULT_BASE_PORT,
+    OPENAI,
+    LocalStack,
+    StackConfig,
+    print_status,
+    ready_hint,
+    stack_services,
+)
+
+
+def test_up_starts_the_door_unless_told_not_to_and_the_demo_does_not() -> None:
+    parse = build_parser().parse_args
+    assert (StackConfig.from_args(parse(["up"])).openai, StackConfig.from_args(parse(["up"])).openai_port) == (True, None)
+    assert StackConfig.from_args(parse(["up", "--no-openai"])).openai is False
+    assert StackConfig.from_args(parse(["up", "--openai-port", "8123"])).openai_port == 8123
+    assert StackConfig.from_args(parse(["demo"])).openai is False
+    with pytest.raises(InvalidArgument, match="--openai-port must be in"):
+        StackConfig.from_args(parse(["up", "--openai-port", "70000"]))
+
+
+def test_the_doors_port_and_command_line(tmp_path: Path) -> None:
+    assert DEFAULT_BASE_PORT + 3 == DEFAULT_PORT  # `warmserve openai serve`'s default is the default stack's door
+    stack = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True), progress=None)
+    assert stack.address(OPENAI) == "127.0.0.1:50103"
+    assert stack._service_argv(OPENAI)[1:] == ["-m", "warmserve.cli", "openai", "serve", "--router", "127.0.0.1:50100",
+                                               "--host", "127.0.0.1", "--port", "50103"]
+    assert LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=8123),
+                      progress=None).address(OPENAI) == "127.0.0.1:8123"
+    free = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=0), progress=None)
+    assert free.port(OPENAI) not in (0, 50103) and free.port(OPENAI) == free.port(OPENAI)
+
+
+def test_a_busy_door_port_fails_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path / "h", openai=True, openai_port=port),
+                           progress=None)
+        with pytest.raises(Unavailable, match=rf"port {port} \(openai: address already in use\)"):
+            stack.start()
+        assert not stack.services and not (tmp_path / "h").exists()
+
+
+def test_a_stack_runs_records_shows_heals_and_stops_its_door(tmp_path: Path) -> None:
+    lines: list[str] = []
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path, openai=True, restart_backoff_s=0.1),
+                       progress=lines.append)
+    with stack:
+        door = stack.services[OPENAI]
+        assert "starting kernel-cache, weights, router and openai ..." in lines
+        assert door.ready_s is not None and door.argv[3:5] == ["openai", "serve"]
+        # no runner: the door is up, and says 503 from its own pid
+        assert check_http_health(door.address, pid=door.proc.pid) == "NOT_SERVING"
+        assert (tmp_path / "logs" / "openai.log").stat().st_size > 0
+        state = json.loads(stack.state_path.read_text())
+        assert state["children"][OPENAI] == {"address": door.address, "pid": door.proc.pid, "restarts": 0}
+        services = stack_services(tmp_path, stack.router_address)
+        assert services[OPENAI] == door.address
+        out = io.StringIO()
+        assert print_status(stack.router_address, services, out=out) == 0
+        row = next(line for line in out.getvalue().splitlines() if line.startswith("openai"))
+        assert f"http://{door.address}/v1" in row and "NOT_SERVING" in row
+        assert f"OpenAI-compatible API: http://{door.address}/v1" in ready_hint(stack)
+
+        door.proc.send_signal(signal.SIGKILL)
+        door.proc.wait(timeout=10)
+        end = time.monotonic() + 60
+        while not (door.restarts == 1 and check_http_health(door.address, pid=door.proc.pid) == "NOT_SERVING"):
+            assert time.monotonic() < end, "the door was not relaunched"
+            assert stack.heal() == []
+            time.sleep(0.2)
+        assert stack.restarts()[OPENAI] == 1
+    assert not door.running
+    assert check_http_health(door.address, timeout_s=0.5).startswith("UNREACHABLE")
