@@ -15,6 +15,15 @@ Method (one run, one machine):
    compute, so only gRPC and the relay cost time): per-token cost is the stream's wall time
    divided by its tokens, routed minus direct, and the time to first token.
 
+3. *Front doors* (issue 13): the same paired method, with the native ``warmserve.v1`` stream
+   through the router as the reference. For each door the same greedy request is sent at the
+   same moment natively and through the door: KServe v2 ``ModelStreamInfer`` on the router's
+   port (``stream`` true, one response per text delta), and the OpenAI HTTP door
+   (``POST /v1/completions`` with ``stream``, one server-sent event per delta, read raw with
+   ``http.client``, so the cost is the door's, not a client library's). The door's added latency per
+   streamed token is its arrival time minus the native one for the same decode step. With the
+   instant runner: wall time per token through each door minus the native router path.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
     python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json]
@@ -23,12 +32,14 @@ Prints a JSON object and a Markdown table; never asserts on timings.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 from services.channel import open_channel
@@ -58,21 +69,82 @@ def _arrivals(stub, request, timeout_s: float = 300.0, t0: float | None = None) 
 
 def _together(stub_a, stub_b, request) -> tuple[list[float], list[float]]:
     """Send ``request`` on both stubs at the same instant; arrival times on one clock."""
+    return _together_calls(lambda t0: _arrivals(stub_a, request, t0=t0), lambda t0: _arrivals(stub_b, request, t0=t0))
+
+
+def _together_calls(call_a, call_b) -> tuple[list[float], list[float]]:
+    """Run ``call_a(t0)`` and ``call_b(t0)`` at the same instant (each returns arrival times in
+    seconds since ``t0``, a shared ``perf_counter`` origin); returns both lists."""
     barrier = threading.Barrier(2)
     t0 = [0.0]
     out: dict[str, list[float]] = {}
 
-    def run(key: str, stub) -> None:
+    def run(key: str, call) -> None:
         if barrier.wait() == 0:
             t0[0] = time.perf_counter()
-        out[key] = _arrivals(stub, request, t0=t0[0] or time.perf_counter())
+        out[key] = call(t0[0] or time.perf_counter())
 
-    threads = [threading.Thread(target=run, args=("a", stub_a)), threading.Thread(target=run, args=("b", stub_b))]
+    threads = [threading.Thread(target=run, args=("a", call_a)), threading.Thread(target=run, args=("b", call_b))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return out["a"], out["b"]
+
+
+def _kserve_request(model: str, prompt: str, tokens: int):
+    """A ``ModelStreamInfer`` request as a vLLM-on-Triton client builds it (``text_input``,
+    ``stream`` true, greedy ``sampling_parameters`` JSON), tensor data in ``contents``."""
+    from services.proto.triton import grpc_service_pb2 as kpb
+
+    req = kpb.ModelInferRequest(model_name=model)
+    req.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(prompt.encode())
+    req.inputs.add(name="stream", datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
+    sampling = json.dumps({"max_tokens": tokens, "temperature": 0, "ignore_eos": True}).encode()
+    req.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1]).contents.bytes_contents.append(sampling)
+    return req
+
+
+def _arrivals_kserve(stub, request, t0: float, timeout_s: float = 300.0) -> list[float]:
+    """Arrival time (seconds since ``t0``) of each streamed ``ModelStreamInfer`` response that
+    carries text, up to the one flagged ``triton_final_response``."""
+    out: list[float] = []
+    for resp in stub.ModelStreamInfer(iter([request]), timeout=timeout_s):
+        now = time.perf_counter() - t0
+        if resp.error_message:
+            raise RuntimeError(f"ModelStreamInfer: {resp.error_message}")
+        r = resp.infer_response
+        if any(len(raw) > 4 for raw in r.raw_output_contents):  # a BYTES element longer than its prefix
+            out.append(now)
+        if r.parameters["triton_final_response"].bool_param:
+            break
+    return out
+
+
+def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, timeout_s: float = 300.0) -> list[float]:
+    """Arrival time (seconds since ``t0``) of each streamed ``/v1/completions`` chunk with text,
+    read as raw server-sent events over one ``http.client`` connection (``url`` is the door's
+    ``http://host:port/v1``)."""
+    parts = urllib.parse.urlsplit(url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    out: list[float] = []
+    try:
+        conn.request("POST", f"{parts.path}/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/v1/completions: HTTP {resp.status} {resp.read()[:300]!r}")
+        while line := resp.readline():
+            now = time.perf_counter() - t0
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                out.append(now)
+    finally:
+        conn.close()
+    return out
 
 
 def _aligned_gaps(a: list[float], b: list[float], max_shift: int = 3) -> tuple[int, list[float]]:
@@ -92,7 +164,7 @@ def _aligned_gaps(a: list[float], b: list[float], max_shift: int = 3) -> tuple[i
 def bench_real(tokens: int, rounds: int, home: Path) -> dict:
     from warmserve.stack import LocalStack, StackConfig
 
-    cfg = StackConfig(runners=1, base_port=0, home=home, compile="off", max_num_seqs=8)
+    cfg = StackConfig(runners=1, base_port=0, home=home, compile="off", max_num_seqs=8, openai=True)
     request = generation_pb2.GenerateRequest(
         text=PROMPT, sampling=generation_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     with LocalStack(cfg, progress=lambda m: print(m, file=sys.stderr)) as stack:
@@ -112,8 +184,11 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
                 d1, d2 = _together(direct, direct2, request)
                 noise += _aligned_gaps(d1, d2)[1]
             single = _arrivals(direct, request)
+            doors = _bench_doors(routed, request, stack.router_address,
+                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
+        "doors": doors,
         "tokens_per_request": tokens, "rounds": rounds, "samples": len(added),
         "step_offsets_seen": sorted(set(shifts)),
         "added_ms_p50": _pct(added, 50), "added_ms_p99": _pct(added, 99),
@@ -122,50 +197,112 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
     }
 
 
+def _paired(native, door, rounds: int) -> dict:
+    """Added latency per streamed token of ``door`` over ``native`` (both ``call(t0)`` returning
+    arrival times), paired per decode step as in :func:`bench_real`; the order alternates."""
+    for _ in range(2):  # warm both paths
+        _together_calls(native, door)
+    added, shifts = [], []
+    for k in range(rounds):
+        n, d = _together_calls(native, door) if k % 2 == 0 else _together_calls(door, native)[::-1]
+        shift, gaps = _aligned_gaps(n, d)
+        added += gaps
+        shifts.append(shift)
+    return {"samples": len(added), "step_offsets_seen": sorted(set(shifts)),
+            "added_ms_p50": _pct(added, 50), "added_ms_p99": _pct(added, 99)}
+
+
+def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: int, rounds: int) -> dict:
+    """Each front door against the native router stream (see the module docstring, item 3)."""
+    from services.model_name import served_model_name
+    from services.proto.triton import grpc_service_pb2_grpc as kgrpc
+
+    model = served_model_name(routed.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).model)
+    with open_channel(router_address) as kch:
+        kstub = kgrpc.GRPCInferenceServiceStub(kch)
+        kreq = _kserve_request(model, request.text, tokens)
+
+        def native(t0: float) -> list[float]:
+            return _arrivals(routed, request, t0=t0)
+
+        return {
+            "kserve_stream_infer": _paired(native, lambda t0: _arrivals_kserve(kstub, kreq, t0), rounds),
+            "openai_completions_sse": _paired(
+                native, lambda t0: _arrivals_openai(openai_url, model, request.text, tokens, t0), rounds),
+        }
+
+
 def bench_instant(tokens: int, rounds: int) -> dict:
-    """Relay cost alone: a runner that streams ``tokens`` tokens with no compute."""
+    """Relay cost alone: a runner that streams ``tokens`` tokens with no compute; per-token wall
+    time direct, through the router natively, and through each front door on the router."""
+    from openai_service.config import OpenAIConfig
+    from openai_service.daemon import OpenAIServer
     from router_service.config import RouterConfig
     from router_service.servicer import RouterServer
     from services.bootstrap import ServerConfig, ServiceServer
+    from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 
     class Instant(generation_pb2_grpc.GenerationServicer):
         def Generate(self, request, context):
             for i in range(request.sampling.max_tokens):
                 yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
-            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant")
+            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant",
+                                                  usage=generation_pb2.Usage(prompt_tokens=1,
+                                                                             completion_tokens=request.sampling.max_tokens))
+
+        def ModelInfo(self, request, context):
+            return generation_pb2.ModelInfoResponse(runner_id="instant", model="instant", max_model_len=1 << 20,
+                                                    vocab_size=1 << 16)
 
     runner = ServiceServer(ServerConfig(service="instant", port=0), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, Instant(), "warmserve.v1.Generation")])
     runner.start()
-    router = RouterServer(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2),
-                          ServerConfig(service="router", port=0))
+    router = RouterServer(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2,
+                                       served_model_name="instant"), ServerConfig(service="router", port=0))
     router.start()
+    door = OpenAIServer(OpenAIConfig(router=router.address, port=0, served_model_name="instant"), log_level="WARNING")
     try:
         router.router.wait_ready(1, 10)
+        door.start()
         request = generation_pb2.GenerateRequest(text="x", sampling=generation_pb2.SamplingParams(max_tokens=tokens))
         with open_channel(runner.address) as dch, open_channel(router.address) as rch:
-            stubs = {"direct": generation_pb2_grpc.GenerationStub(dch),
-                     "router": generation_pb2_grpc.GenerationStub(rch)}
-            per_token = {k: [] for k in stubs}
-            ttft = {k: [] for k in stubs}
-            for stub in stubs.values():  # warm both paths
-                _arrivals(stub, request)
+            direct = generation_pb2_grpc.GenerationStub(dch)
+            routed = generation_pb2_grpc.GenerationStub(rch)
+            kstub = kgrpc.GRPCInferenceServiceStub(rch)
+            kreq = _kserve_request("instant", "x", tokens)
+            paths = {
+                "direct": lambda t0: _arrivals(direct, request, t0=t0),
+                "router": lambda t0: _arrivals(routed, request, t0=t0),
+                "kserve": lambda t0: _arrivals_kserve(kstub, kreq, t0),
+                "openai": lambda t0: _arrivals_openai(door.url, "instant", "x", tokens, t0),
+            }
+            per_token = {k: [] for k in paths}
+            ttft = {k: [] for k in paths}
+            for call in paths.values():  # warm every path
+                call(time.perf_counter())
             for _ in range(rounds):
-                for k, stub in stubs.items():
-                    t = _arrivals(stub, request)
+                for k, call in paths.items():
+                    t = call(time.perf_counter())
                     per_token[k].append(t[-1] / len(t) * 1e3)
                     ttft[k].append(t[0] * 1e3)
     finally:
+        door.stop()
         router.stop()
         runner.stop()
-    added = [r - d for r, d in zip(per_token["router"], per_token["direct"], strict=True)]
-    return {
-        "tokens_per_request": tokens, "rounds": rounds,
-        "per_token_ms_direct_p50": statistics.median(per_token["direct"]),
-        "per_token_ms_router_p50": statistics.median(per_token["router"]),
-        "added_per_token_ms_p50": _pct(added, 50), "added_per_token_ms_p99": _pct(added, 99),
-        "ttft_ms_direct_p50": statistics.median(ttft["direct"]), "ttft_ms_router_p50": statistics.median(ttft["router"]),
-    }
+
+    def added(path: str, over: str) -> list[float]:
+        return [a - b for a, b in zip(per_token[path], per_token[over], strict=True)]
+
+    out = {"tokens_per_request": tokens, "rounds": rounds}
+    for k in paths:
+        out[f"per_token_ms_{k}_p50"] = statistics.median(per_token[k])
+        out[f"ttft_ms_{k}_p50"] = statistics.median(ttft[k])
+    out["added_per_token_ms_p50"] = _pct(added("router", "direct"), 50)
+    out["added_per_token_ms_p99"] = _pct(added("router", "direct"), 99)
+    for k in ("kserve", "openai"):
+        out[f"{k}_added_per_token_ms_p50"] = _pct(added(k, "router"), 50)
+        out[f"{k}_added_per_token_ms_p99"] = _pct(added(k, "router"), 99)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| instant runner, time to first token (p50) | {instant['ttft_ms_direct_p50']:.2f} ms | "
           f"{instant['ttft_ms_router_p50']:.2f} ms | "
           f"{instant['ttft_ms_router_p50'] - instant['ttft_ms_direct_p50']:.2f} ms | - |")
+    print("\nFront doors, each against the native warmserve.v1 stream through the router:\n")
+    print("| door | SmolLM2, same decode step: added p50 | added p99 | instant runner, wall per token | "
+          "added p50 | added p99 |")
+    print("|---|---|---|---|---|---|")
+    print(f"| native warmserve.v1 (reference) | - | - | {instant['per_token_ms_router_p50']:.3f} ms | - | - |")
+    for key, name, door in (("kserve", "KServe v2 ModelStreamInfer", real["doors"]["kserve_stream_infer"]),
+                            ("openai", "OpenAI /v1/completions SSE", real["doors"]["openai_completions_sse"])):
+        print(f"| {name} | {door['added_ms_p50']:.2f} ms | {door['added_ms_p99']:.2f} ms | "
+              f"{instant[f'per_token_ms_{key}_p50']:.3f} ms | {instant[f'{key}_added_per_token_ms_p50']:.3f} ms | "
+              f"{instant[f'{key}_added_per_token_ms_p99']:.3f} ms |")
     print(f"\nSmolLM2 direct inter-token time p50: {real['inter_token_ms_p50_direct']:.1f} ms")
     return 0
 

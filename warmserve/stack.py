@@ -72,6 +72,8 @@ class StackConfig:
     ``record_state``: write ``HOME/stack.json`` for ``warmserve status`` (the demo does not).
     ``openai``: also start the OpenAI-compatible HTTP door over the router, on ``openai_port``
     (``None``: ``base_port + 3``, or a free port when ``base_port`` is 0; 0: a free port).
+    ``served_model_name``: the model name the router's KServe v2 door and the OpenAI door
+    publish (``--served-model-name`` of both; ``None``: derived from the model source).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -103,6 +105,7 @@ class StackConfig:
     record_state: bool = True
     openai: bool = False
     openai_port: int | None = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -119,6 +122,8 @@ class StackConfig:
             raise InvalidArgument(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
             raise InvalidArgument(f"--openai-port must be in [0, 65535] (0: a free port), got {self.openai_port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise InvalidArgument("--served-model-name must not be empty")
         if self.runner_threads is not None and self.runner_threads < 1:
             raise InvalidArgument(f"runner threads must be >= 1, got {self.runner_threads}")
         if self.lease_seconds <= 0 or self.health_interval_s <= 0 or self.startup_timeout_s <= 0:
@@ -135,7 +140,8 @@ class StackConfig:
                    home=Path(args.home).expanduser().resolve() if args.home else None,
                    compile=args.compile, dtype=args.dtype, weights_dtype=args.weights_dtype,
                    max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching, policy=args.policy,
-                   openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None))
+                   openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None),
+                   served_model_name=getattr(args, "served_model_name", None))
 
 
 @dataclass
@@ -235,11 +241,13 @@ class LocalStack:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
         if name == WEIGHTS:
             return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *common)
+        named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         if name == OPENAI:
             return self._cli("openai", "serve", "--router", self.router_address, "--host", cfg.host,
-                             "--port", str(self.port(name)))
+                             "--port", str(self.port(name)), *named)
         argv = self._cli("router", "serve", *common, "--policy", cfg.policy,
-                         "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s))
+                         "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s),
+                         *named)
         if cfg.first_token_timeout_s is not None:
             argv += ["--first-token-timeout", str(cfg.first_token_timeout_s)]
         return argv

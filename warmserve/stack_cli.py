@@ -68,6 +68,9 @@ def register(subparsers) -> None:
                          "50053; 0 = a free port)")
     up.add_argument("--no-openai", dest="openai", action="store_false",
                     help="do not start the OpenAI-compatible HTTP API")
+    up.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="the model name the KServe v2 and OpenAI doors publish and accept (default: derived "
+                         "from the model source, e.g. smollm2-135m-instruct)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")

@@ -21,6 +21,7 @@ from warmserve.cli import build_parser
 from warmserve.stack import (
     DEFAULT_BASE_PORT,
     OPENAI,
+    ROUTER,
     LocalStack,
     StackConfig,
     print_status,
@@ -49,6 +50,19 @@ def test_the_doors_port_and_command_line(tmp_path: Path) -> None:
                       progress=None).address(OPENAI) == "127.0.0.1:8123"
     free = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=0), progress=None)
     assert free.port(OPENAI) not in (0, 50103) and free.port(OPENAI) == free.port(OPENAI)
+
+
+def test_one_served_model_name_reaches_both_doors(tmp_path: Path) -> None:
+    """`up --served-model-name` names the model for the router's KServe door and the OpenAI door."""
+    args = build_parser().parse_args(["up", "--served-model-name", "smol", "--base-port", "50100"])
+    stack = LocalStack(StackConfig.from_args(args), progress=None)
+    for name in (OPENAI, ROUTER):
+        argv = stack._service_argv(name)
+        assert argv[argv.index("--served-model-name") + 1] == "smol", name
+    plain = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True), progress=None)
+    assert all("--served-model-name" not in plain._service_argv(n) for n in (OPENAI, ROUTER))
+    with pytest.raises(InvalidArgument, match="--served-model-name must not be empty"):
+        StackConfig(served_model_name=" ")
 
 
 def test_a_busy_door_port_fails_before_anything_starts(tmp_path: Path) -> None:
