@@ -12,7 +12,8 @@ RPCs and their behaviour:
 
 - ``ServerLive``: always live. ``ServerReady``: a runner is READY.
 - ``ModelReady``: ready when a runner is READY; ``ready=false`` while no runner has told the
-  router which model it serves (and no ``--served-model-name`` names it).
+  router which model it serves (and no ``--served-model-name`` names it), and for a model or
+  version it does not serve (as Triton's ``ModelIsReady``: not an error).
 - ``ServerMetadata``: name ``warmserve``, the package's version, extensions
   ``model_configuration`` and ``parameters``.
 - ``ModelMetadata`` / ``ModelConfig``: the served name, version ``1``, platform/backend ``vllm``,
@@ -75,11 +76,13 @@ from router_service.kserve_convert import (
 from router_service.registry import RunnerState
 from router_service.relay import RelayStream
 from router_service.router import Router
+from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.model_name import names_model, served_model_name
 from services.proto import generation_pb2
 from services.proto.triton import grpc_service_pb2 as kserve_pb2
 from services.proto.triton import grpc_service_pb2_grpc as kserve_pb2_grpc
+from services.stream_slots import StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +207,12 @@ class _Plan:
 class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over a :class:`Router` (see the module docstring)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, slots: StreamSlots | None = None) -> None:
+        """``slots`` caps the ``ModelInfer``/``ModelStreamInfer`` calls served at once, shared with
+        the router's other doors (:mod:`services.stream_slots`; default: its own cap)."""
         self._router = router
         self.names = ModelNames(router, router.config.served_model_name)
+        self._slots = slots or StreamSlots(ServerConfig.max_streams, "the router")
 
     # -- health and metadata ---------------------------------------------------------------
 
@@ -220,11 +226,14 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelReady(self, request, context):
         """Ready when the name is the model's and a runner is READY; ``ready=false`` while the
-        name is not known yet; ``NOT_FOUND`` for another model."""
+        name is not known yet and for another model or version (as Triton); a malformed version
+        is ``INVALID_ARGUMENT``."""
         if self.names.current() is None:
             return kserve_pb2.ModelReadyResponse(ready=False)
         try:
             self.names.resolve(request.name, request.version)
+        except NotFound:  # as Triton: an unknown model or version is not ready, not an error
+            return kserve_pb2.ModelReadyResponse(ready=False)
         except WarmserveError as e:
             abort_with(context, e)
         return kserve_pb2.ModelReadyResponse(ready=self._router.ready_count() > 0)
@@ -310,6 +319,7 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelInfer(self, request, context):
         """Run one request to the end; the whole answer in one response."""
         try:
+            self._slots.take(context)
             plan = self._plan(request)
             if plan.stream:
                 raise InvalidArgument("input 'stream' is true: a streamed answer needs ModelStreamInfer "
@@ -328,6 +338,10 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelStreamInfer(self, request_iterator, context):
         """Serve every request of the stream concurrently (see the module docstring)."""
         grpc_errors = dict(context.invocation_metadata() or ()).get(GRPC_ERROR_HEADER, "").lower() == "true"
+        try:
+            self._slots.take(context)
+        except WarmserveError as e:
+            abort_with(context, e)
         session = _StreamSession(self, context)
         context.add_callback(session.cancel)
         reader = threading.Thread(target=session.read, args=(request_iterator,), name="kserve-stream-read",

@@ -27,6 +27,7 @@ from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
 from services.proto.triton import grpc_service_pb2_grpc as kserve_pb2_grpc
+from services.stream_slots import StreamSlots
 
 #: Hosts that mean "every interface": a runner bound there is dialled at the host it called from.
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -55,12 +56,15 @@ def advertised_address(address: str, peer: str) -> str:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``Generate`` relays to a runner; ``ModelInfo`` forwards to a READY runner."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, slots: StreamSlots | None = None) -> None:
+        """``slots`` caps the streams served at once (:mod:`services.stream_slots`)."""
         self._router = router
+        self._slots = slots or StreamSlots(ServerConfig.max_streams, "the router")
 
     def Generate(self, request, context):
         """Relay the request to a runner and stream its answer back."""
         try:
+            self._slots.take(context)
             stream = self._router.generate(request, timeout_s=time_left(context))
         except WarmserveError as e:
             abort_with(context, e)
@@ -143,12 +147,14 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig, server_config: ServerConfig) -> None:
         self.router = Router(config)
+        #: One cap for every door's streams (:mod:`services.stream_slots`).
+        self.slots = StreamSlots(server_config.max_streams, "the router")
         self.server = ServiceServer(server_config, [
-            (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router),
+            (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.router, self.slots),
              GENERATION_SERVICE),
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
-            (kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(self.router),
+            (kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(self.router, self.slots),
              KSERVE_SERVICE),
         ])
         self.server.registry.register(_RunnerGauges(self.router))

@@ -75,6 +75,7 @@ def serve_from_args(args) -> int:
     from services.generation_client import GENERATION_SERVICE
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
+    from services.stream_slots import StreamSlots
 
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
@@ -96,7 +97,8 @@ def serve_from_args(args) -> int:
     try:
         from runner_service.servicer import GenerationServicer, RunnerCollector
 
-        servicer = GenerationServicer(engine, config.runner_id)
+        servicer = GenerationServicer(engine, config.runner_id,
+                                      StreamSlots(server_config.max_streams, f"runner {config.runner_id}"))
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
                                                 GENERATION_SERVICE)])
         server.registry.register(RunnerCollector(engine))

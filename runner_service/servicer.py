@@ -30,8 +30,10 @@ from runner_service.convert import (
     token_text_decoder,
 )
 from runner_service.engine import LLMEngine
+from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.proto import generation_pb2, generation_pb2_grpc
+from services.stream_slots import StreamSlots
 
 #: How often (seconds) a streaming RPC wakes up to check that its client is still there.
 _POLL_S = 0.5
@@ -40,9 +42,12 @@ _POLL_S = 0.5
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``warmserve.v1.Generation`` over one :class:`LLMEngine` (whose loop thread is running)."""
 
-    def __init__(self, engine: LLMEngine, runner_id: str) -> None:
+    def __init__(self, engine: LLMEngine, runner_id: str, slots: StreamSlots | None = None) -> None:
+        """``slots`` caps the ``Generate`` streams served at once (:mod:`services.stream_slots`;
+        default: :attr:`ServerConfig.max_streams <services.bootstrap.ServerConfig>`)."""
         self.engine = engine
         self.runner_id = runner_id
+        self.slots = slots or StreamSlots(ServerConfig.max_streams, f"runner {runner_id}")
         self._token_text = token_text_decoder(getattr(engine, "tokenizer", None))  # logprobs' token texts
 
     def Generate(self, request, context):
@@ -50,6 +55,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if request.routing not in generation_pb2.RoutingPolicy.values():
                 raise InvalidArgument(f"routing {request.routing} is not a RoutingPolicy value")
+            self.slots.take(context)
             params = sampling_from_proto(request.sampling, self.engine.sampling_defaults)
             stream = self.engine.add_request(params, request_id=request.request_id or None,
                                              **prompt_from_proto(request))

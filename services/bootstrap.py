@@ -54,6 +54,11 @@ class ServerConfig:
     ``protected_methods`` lists full method names (``/warmserve.v1.KernelCache/Publish``) that
     need the token; ``None`` protects every method except health and reflection. The token is
     ignored when ``token`` is ``None``. Sizes are bytes, times seconds.
+
+    Threads (:mod:`services.stream_slots`): a server's streaming RPCs that take a slot hold at
+    most ``max_streams`` threads at once; the pool has ``max_streams + control_threads`` threads,
+    so short control calls (heartbeats, health checks, ``ModelInfo``) always find one.
+    ``max_workers`` overrides the pool size outright (``None``: that sum).
     """
 
     service: str
@@ -62,7 +67,9 @@ class ServerConfig:
     metrics_port: int | None = None
     token: str | None = None
     protected_methods: frozenset[str] | None = None
-    max_workers: int = 64
+    max_workers: int | None = None
+    max_streams: int = 256
+    control_threads: int = 16
     drain_grace_s: float = 30.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
     options: tuple[tuple[str, object], ...] = field(default_factory=tuple)
@@ -72,12 +79,20 @@ class ServerConfig:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"metrics port must be in [0, 65535], got {self.metrics_port}")
-        if self.max_workers < 1:
+        if self.max_workers is not None and self.max_workers < 1:
             raise InvalidArgument(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.max_streams < 1 or self.control_threads < 1:
+            raise InvalidArgument(f"--max-streams and the control threads must be >= 1, got {self.max_streams} "
+                                  f"and {self.control_threads}")
         if self.drain_grace_s < 0:
             raise InvalidArgument(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
         if self.token is not None and not self.token:
             raise InvalidArgument("the bearer token is empty")
+
+    @property
+    def pool_threads(self) -> int:
+        """Threads of the server's pool: ``max_workers``, else ``max_streams + control_threads``."""
+        return self.max_workers if self.max_workers is not None else self.max_streams + self.control_threads
 
 
 def read_token_file(path: str | Path) -> str:
@@ -272,7 +287,7 @@ class ServiceServer:
             *cfg.options,
         ]
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix=cfg.service),
+            futures.ThreadPoolExecutor(max_workers=cfg.pool_threads, thread_name_prefix=cfg.service),
             interceptors=interceptors,
             options=options,
         )
@@ -375,6 +390,9 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
     parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
     parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
+    parser.add_argument("--max-streams", type=int_at_least(1), default=ServerConfig.max_streams,
+                        help=f"streams (Generate, ModelStreamInfer) served at once; one more is UNAVAILABLE "
+                             f"(default {ServerConfig.max_streams})")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="log threshold (default INFO)")
 
@@ -418,4 +436,5 @@ def config_from_args(args, service: str, protected_methods: frozenset[str] | Non
         token=token,
         protected_methods=protected_methods,
         drain_grace_s=args.drain_grace,
+        max_streams=getattr(args, "max_streams", ServerConfig.max_streams),
     )

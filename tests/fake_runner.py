@@ -115,7 +115,7 @@ class FakeRunner:
         self.behaviour = behaviour or FakeBehaviour()
         self.stats = FakeStats()
         self.servicer = FakeGeneration(runner_id, self.behaviour, self.stats)
-        self.server = ServiceServer(ServerConfig(service=runner_id, port=port, max_workers=32), [
+        self.server = ServiceServer(ServerConfig(service=runner_id, port=port, max_streams=128), [
             (generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer, "warmserve.v1.Generation")])
         self.port = self.server.start()
         self.address = f"127.0.0.1:{self.port}"

@@ -99,8 +99,12 @@ def main() -> int:
         report["bad_stream"] = _stream(client, args.model, None, sampling, "bad-2")
         report["bad_stream_grpc_error"] = _stream(client, args.model, None, sampling, "bad-3",
                                                   headers={"triton_grpc_error": "true"})
+        try:  # as Triton: False for a model it does not serve, not an exception
+            report["unknown_model_ready"] = client.is_model_ready("no-such-model")
+        except InferenceServerException as e:
+            report["unknown_model_ready"] = _error(e)
         try:
-            client.is_model_ready("no-such-model")
+            client.get_model_metadata("no-such-model")
             report["unknown_model"] = None
         except InferenceServerException as e:
             report["unknown_model"] = _error(e)

@@ -159,8 +159,16 @@ def test_model_ready_metadata_and_config_describe_a_vllm_model(stack, stub) -> N
     (MODEL_DIR, "latest", grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_another_model_or_version_is_refused(stub, name, version, code) -> None:
-    for call in (lambda: stub.ModelReady(kpb.ModelReadyRequest(name=name, version=version)),
-                 lambda: stub.ModelMetadata(kpb.ModelMetadataRequest(name=name, version=version)),
+    # ModelReady answers ready=false for a model or version it does not serve, as Triton's
+    # ModelIsReady does (so `if not client.is_model_ready(...)` works); a malformed version is
+    # still INVALID_ARGUMENT.
+    if code == grpc.StatusCode.NOT_FOUND:
+        assert stub.ModelReady(kpb.ModelReadyRequest(name=name, version=version)).ready is False
+    else:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelReady(kpb.ModelReadyRequest(name=name, version=version))
+        assert err.value.code() == code, err.value.details()
+    for call in (lambda: stub.ModelMetadata(kpb.ModelMetadataRequest(name=name, version=version)),
                  lambda: stub.ModelConfig(kpb.ModelConfigRequest(name=name, version=version)),
                  lambda: stub.ModelInfer(infer_request(model=name, version=version, sampling=GREEDY_8), timeout=30)):
         with pytest.raises(grpc.RpcError) as err:
@@ -443,8 +451,9 @@ def test_router_serve_takes_served_model_name() -> None:
                 time.sleep(0.1)
             assert stub.ModelMetadata(kpb.ModelMetadataRequest(name="smol")).name == "smol"
             assert stub.ModelReady(kpb.ModelReadyRequest(name="fake")).ready is True  # the runner's source
+            assert stub.ModelReady(kpb.ModelReadyRequest(name="fake-model")).ready is False
             with pytest.raises(grpc.RpcError) as err:
-                stub.ModelReady(kpb.ModelReadyRequest(name="fake-model"))
+                stub.ModelMetadata(kpb.ModelMetadataRequest(name="fake-model"))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         proc.kill()

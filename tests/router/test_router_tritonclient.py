@@ -59,4 +59,5 @@ def test_tritonclient_streams_the_generate_paths_greedy_text(tmp_path) -> None:
     assert "missing required input 'text_input'" in in_band["error"]["message"]
     (as_status,) = report["bad_stream_grpc_error"]
     assert as_status["error"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert report["unknown_model_ready"] is False
     assert report["unknown_model"]["status"] == "StatusCode.NOT_FOUND"
