@@ -5,12 +5,14 @@ runner-1 and heals it, then the router is killed and healed."""
 from __future__ import annotations
 
 import io
+import json
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -214,8 +216,11 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         assert "start-up report of runner-0" in text, text
         endpoints = dict(line.split() for line in out[out.index("endpoints:\n") + 1:] if line.startswith("  ")
                          and len(line.split()) == 2)
+        openai_url = endpoints.pop("openai")  # `up` starts the OpenAI door too
         assert set(endpoints) == {"kernel-cache", "weights", "router", "runner-0"}
         assert check_health(endpoints["router"]) == "SERVING"
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as resp:
+            assert [m["id"] for m in json.load(resp)["data"]] == ["smollm2-135m-instruct"]
         with GenerationClient(endpoints["router"]) as client:
             result = client.complete(chat_request([("user", "Hi")], sampling_params(max_tokens=3)))
         assert (result.completion_tokens, result.runner_id) == (3, "runner-0")
@@ -232,6 +237,8 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         assert proc.wait(timeout=30) == 0
         for addr in endpoints.values():
             assert check_health(addr, timeout_s=0.5).startswith("UNREACHABLE"), addr
+        with pytest.raises(OSError):  # the door is gone too (URLError is an OSError)
+            urllib.request.urlopen(f"{openai_url}/models", timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()
