@@ -95,17 +95,20 @@ def _ignored(body) -> None:
 
 class _Call:
     """One ``Generate`` call read message by message (``grpc.aio``'s ``read()``), with gRPC
-    errors raised as :class:`OpenAIError`."""
+    errors raised as :class:`OpenAIError` (``fields``: the request's names for the fields the
+    runner's sentences are about, see :func:`from_rpc_error`)."""
 
-    def __init__(self, client: RouterClient, request: generation_pb2.GenerateRequest) -> None:
+    def __init__(self, client: RouterClient, request: generation_pb2.GenerateRequest,
+                 fields: dict[str, str]) -> None:
         self.call = client.generate(request)
+        self.fields = fields
 
     async def next(self) -> generation_pb2.GenerateResponse | None:
         """The next message, ``None`` at the end of the stream."""
         try:
             msg = await self.call.read()
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+            raise from_rpc_error(e, self.fields) from e
         return None if msg is grpc.aio.EOF else msg
 
     async def all(self) -> list[generation_pb2.GenerateResponse]:
@@ -153,8 +156,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(from_validation_error(list(exc.errors())))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(from_validation_error(list(exc.errors()), request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -204,7 +207,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         _ignored(body)
         model = await served.check(body.model)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        call = _Call(client, completion_to_proto(body, rid))
+        call = _Call(client, completion_to_proto(body, rid), {"prompt": "prompt", "max_tokens": "max_tokens"})
         top_n = body.logprobs
 
         def chunk(choices, **kw) -> Completion:
@@ -256,7 +259,9 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         _ignored(body)
         model = await served.check(body.model)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        call = _Call(client, chat_to_proto(body, rid))
+        call = _Call(client, chat_to_proto(body, rid), {
+            "prompt": "messages",
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"})
         top_n = (body.top_logprobs or 0) if body.logprobs else None
 
         def logprobs_of(msgs) -> ChatLogprobs | None:

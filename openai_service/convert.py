@@ -1,14 +1,18 @@
 """OpenAI requests to ``warmserve.v1.Generation`` requests, and ``GenerateResponse`` messages back
 to OpenAI's choices, logprobs, finish reasons and usage.
 
-Requests: a completion's prompt becomes ``GenerateRequest.text`` (raw text, no chat template)
-or ``token_ids``; chat messages become a ``ChatPrompt`` (the runner applies the model's chat
-template), each message's content a string or its text parts joined with ``"\\n"`` (as vLLM
-joins them), role ``developer`` sent as ``system``. Sampling fields left out stay unset on the
-wire, so the runner applies the model's defaults (its ``generation_config.json``), except a
-completion's ``max_tokens``, 16 by default as in OpenAI's API and vLLM. Parameters warmserve
-does not implement (``n`` other than 1, penalties, ``logit_bias``, ``echo``, ``best_of``,
-``suffix``, tools, non-text ``response_format``) are refused with an HTTP 400 naming them.
+Requests: a completion's prompt becomes ``GenerateRequest.text`` (raw text, no chat template,
+with ``allow_special_tokens``: special-token text such as ``<|im_start|>`` is the control token,
+as vLLM's completions endpoint tokenizes it) or ``token_ids``; chat messages become a
+``ChatPrompt`` (the runner applies the model's chat template and keeps content plain text), each
+message's content a string or its text parts joined with ``"\\n"`` (as vLLM joins them), role
+``developer`` sent as ``system``. Sampling fields left out (or null) stay unset on the wire, so
+the runner applies the model's defaults (its ``generation_config.json``); a completion's unset
+``max_tokens`` is sent as ``default_max_tokens`` 16 (OpenAI's default), which the runner caps to
+what the context leaves like its own default. Parameters warmserve does not implement (``n``
+other than 1, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools, non-text
+``response_format``) are refused with an HTTP 400 naming them, as are an empty prompt, empty
+stop strings and unknown chat roles.
 
 Responses: finish reasons STOP and LENGTH become ``"stop"`` and ``"length"``; a stream the
 runner ended as ABORTED or CANCELLED is an error (HTTP 500, as vLLM answers a request whose
@@ -23,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from openai_service.errors import OpenAIError, bad_request
 from openai_service.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     ChatLogprob,
     CompletionLogprobs,
@@ -36,6 +41,8 @@ from services.proto import generation_pb2
 MIN_LOGPROB = -9999.0
 #: The exclusive end of token ids on the wire (``int32``).
 _ID_END = 2**31
+#: Chat roles a request may use (``developer`` is sent as ``system``; the runner takes the rest).
+CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 FINISH_REASONS = {
     generation_pb2.FINISH_REASON_STOP: "stop",
@@ -62,18 +69,23 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
 def _stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else list(stop)
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not s for s in stops):
+        raise bad_request("stop strings must not be empty", param="stop")
+    return stops
 
 
 def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                      logprobs: int) -> generation_pb2.SamplingParams:
+                      logprobs: int, default_max_tokens: int | None = None) -> generation_pb2.SamplingParams:
     """The request's sampling fields; ``None`` ones stay unset (the model's defaults apply).
-    ``max_tokens``: tokens to generate at most (``None``: the model's default, capped to what the
-    context leaves); ``logprobs``: top-n per token for the runner (0: none). vLLM's
-    ``top_k = -1`` means off, the runner's 0."""
+    ``max_tokens``: tokens to generate at most (``None``: ``default_max_tokens`` when given, else
+    the model's default, either capped by the runner to what the context leaves); ``logprobs``:
+    top-n per token for the runner (0: none). vLLM's ``top_k = -1`` means off, the runner's 0.
+    Raises :class:`OpenAIError` (400) for an empty stop string."""
     fields: dict = {"stop": _stop_list(req.stop), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
                     "stop_token_ids": list(req.stop_token_ids or ())}
-    for name, value in (("max_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
+    for name, value in (("max_tokens", max_tokens), ("default_max_tokens", default_max_tokens),
+                        ("temperature", req.temperature), ("top_p", req.top_p),
                         ("seed", req.seed), ("top_k", None if req.top_k is None else max(req.top_k, 0))):
         if value is not None:
             fields[name] = value
@@ -81,12 +93,13 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
 
 
 def _prompt(prompt: str | list) -> dict:
-    """``{"text": ...}`` or ``{"token_ids": TokenIds}`` for a completion's ``prompt``; one
-    prompt only (a list holding one text or one id list counts as one)."""
-    if isinstance(prompt, str):
-        return {"text": prompt}
-    if not prompt:
+    """``{"text": ..., "allow_special_tokens": True}`` or ``{"token_ids": TokenIds}`` for a
+    completion's ``prompt``; one prompt only (a list holding one text or one id list counts as
+    one). Special-token text in a text prompt is the control token, as vLLM tokenizes it."""
+    if not prompt:  # "", [], [""], [[]]: the same sentence whatever the form
         raise bad_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt, str):
+        return {"text": prompt, "allow_special_tokens": True}
     if isinstance(prompt[0], str) or isinstance(prompt[0], list):
         if len(prompt) != 1:
             raise bad_request(f"one prompt per request: warmserve does not batch prompts (got {len(prompt)})",
@@ -100,12 +113,13 @@ def _prompt(prompt: str | list) -> dict:
 
 def completion_to_proto(req: CompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     """A ``POST /v1/completions`` body as a ``GenerateRequest`` (raw text or token ids, no
-    chat template). Raises :class:`OpenAIError` (400) for what warmserve does not implement."""
+    chat template). ``max_tokens`` left out or null stays unset, with ``default_max_tokens`` 16.
+    Raises :class:`OpenAIError` (400) for what warmserve does not implement."""
     _check_common(req)
     _refuse(req.echo, "echo")
     _refuse(req.best_of not in (None, 1), "best_of", "must be 1 (or left out): warmserve returns one choice")
     _refuse(bool(req.suffix), "suffix")
-    sampling = sampling_to_proto(req, max_tokens=req.max_tokens,
+    sampling = sampling_to_proto(req, max_tokens=req.max_tokens, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
                                  logprobs=0 if req.logprobs is None else max(req.logprobs, 1))
     return generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling, **_prompt(req.prompt))
 
@@ -126,17 +140,27 @@ def _content(message_index: int, content) -> str:
 
 def chat_to_proto(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     """A ``POST /v1/chat/completions`` body as a ``GenerateRequest`` with a ``ChatPrompt``.
-    Raises :class:`OpenAIError` (400) for what warmserve does not implement, and for
-    ``top_logprobs`` without ``logprobs`` (as vLLM)."""
+    ``max_completion_tokens`` or ``max_tokens``, both unset: the model's default, capped to what
+    the context leaves. Raises :class:`OpenAIError` (400) for what warmserve does not implement,
+    for ``top_logprobs`` without ``logprobs`` (as vLLM), and for no messages, only empty ones or
+    an unknown role (``param`` ``messages``)."""
     _check_common(req)
     _refuse(bool(req.tools), "tools")
     _refuse(req.response_format is not None and req.response_format.get("type", "text") != "text",
             "response_format", "is not supported by warmserve (only {\"type\": \"text\"})")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}] has unknown role {m.role!r} (expected one of "
+                              f"{', '.join(repr(r) for r in CHAT_ROLES)})", param="messages")
     messages = [generation_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
                                            content=_content(i, m.content))
                 for i, m in enumerate(req.messages)]
+    if all(not m.content.strip() for m in messages):
+        raise bad_request("messages must not be empty: every message's content is empty", param="messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = sampling_to_proto(req, max_tokens=max_tokens,
                                  logprobs=max(req.top_logprobs or 0, 1) if req.logprobs else 0)

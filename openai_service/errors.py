@@ -7,20 +7,31 @@ status vLLM's OpenAI server gives for the same failure.
 =======================  =====  ========================================================
 gRPC status              HTTP   why
 =======================  =====  ========================================================
-INVALID_ARGUMENT         400    bad input, e.g. a prompt over the context length (vLLM: 400)
+INVALID_ARGUMENT         400    bad input, e.g. a prompt over the context length (vLLM: 400);
+                                ``param`` names the field the runner's sentence is about
+                                (:data:`RUNNER_PARAMS`)
 RESOURCE_EXHAUSTED       400    a request that can never fit the KV cache: retrying cannot
                                 help, so not 429 (which clients retry); vLLM refuses what it
                                 could never hold with a 400 validation error
 NOT_FOUND                404
 UNAUTHENTICATED          401
-UNAVAILABLE              503    no runner is ready, or the runner died mid-stream
+UNAVAILABLE              503    no runner is ready, or the runner serving the request went
+                                away or became unreachable, before or after the first token
+                                (not vLLM's 500: the fault is not in the request nor in the
+                                model, and another try may land on a healthy runner)
 FAILED_PRECONDITION      503    the runner is shutting down: another try may land elsewhere
 DEADLINE_EXCEEDED        504
-anything else            500
+anything else            500    e.g. INTERNAL, UNKNOWN
 =======================  =====  ========================================================
 
+A runner that fails while generating ends the stream with finish reason ABORTED, which
+:func:`openai_service.convert.finish_reason` answers with a 500, as vLLM answers its
+``GenerationError``. A streamed request that fails after its first chunk carries the same
+status in the ``code`` of its in-band ``data: {"error": ...}`` event.
+
 :func:`from_validation_error` makes a request body pydantic refused an HTTP 400 (vLLM's
-handler does the same instead of FastAPI's 422).
+handler does the same instead of FastAPI's 422), with one sentence for a body that is not a
+JSON object at all (invalid JSON, another ``Content-Type``, no body).
 """
 
 from __future__ import annotations
@@ -87,19 +98,67 @@ def model_not_found(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
-def from_rpc_error(err: grpc.RpcError) -> OpenAIError:
+#: Openings of the runner's INVALID_ARGUMENT sentences, and the request field each is about
+#: (a key of ``from_rpc_error``'s ``fields``: ``prompt`` is ``messages`` for a chat request).
+RUNNER_PARAMS = (
+    ("max_tokens ", "max_tokens"),            # "max_tokens 40 is more than the context leaves: ..."
+    ("stop token id ", "stop_token_ids"),     # "stop token id 99 is outside the vocabulary ..."
+    ("token id ", "prompt"),                  # "token id 99 is outside the vocabulary ..."
+    ("the prompt ", "prompt"),                # "the prompt has 2000 tokens but the context holds ..."
+    ("the chat ", "prompt"),                  # "the chat template rejected the messages: ..."
+    ("message ", "prompt"),                   # "message 0 has unknown role ..."
+)
+
+
+def from_rpc_error(err: grpc.RpcError, fields: dict[str, str] | None = None) -> OpenAIError:
     """The :class:`OpenAIError` for a failed ``Generate``/``ModelInfo`` call (see the module
-    table), keeping the server's sentence as the message."""
+    table), keeping the server's sentence as the message. ``fields`` maps :data:`RUNNER_PARAMS`'
+    names to this request's field names (``{"prompt": "messages"}``); given, an INVALID_ARGUMENT
+    whose sentence is about a field sets ``param`` to it."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or code.name
     status = GRPC_TO_HTTP.get(code, 500)
-    return OpenAIError(status, details if status != 500 else f"{code.name}: {details}")
+    param = None
+    if fields is not None and code == grpc.StatusCode.INVALID_ARGUMENT:
+        about = next((name for opening, name in RUNNER_PARAMS if details.startswith(opening)), None)
+        param = fields.get(about, about) if about is not None else None
+    return OpenAIError(status, details if status != 500 else f"{code.name}: {details}", param=param)
 
 
-def from_validation_error(errors: list[dict]) -> OpenAIError:
-    """An HTTP 400 for a body that failed validation (pydantic/FastAPI ``errors()``): one
-    ``field: problem`` clause per error, ``param`` the first field's dotted path (``body``
-    and union branch names left out)."""
+#: What a JSON value that is not an object is, by its Python type once parsed.
+_JSON_VALUES = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean", int: "a JSON number",
+                float: "a JSON number", type(None): "JSON null"}
+
+
+def _body_error(e: dict, content_type: str | None) -> OpenAIError | None:
+    """The sentence for an error about the body as a whole (not JSON, not an object, absent),
+    ``None`` for an error about a field."""
+    loc = tuple(e.get("loc", ()))
+    kind = e.get("type")
+    if kind == "json_invalid":  # FastAPI's; loc ("body", character offset)
+        pos = f"at character {loc[1]}: " if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return bad_request(f"the body is not valid JSON ({pos}{e.get('ctx', {}).get('error', 'JSON decode error')})")
+    if loc != ("body",):
+        return None
+    if kind == "missing":
+        return bad_request("the request has no body: send a JSON object (Content-Type: application/json)")
+    value = e.get("input")
+    if isinstance(value, bytes | bytearray):  # FastAPI leaves a body that is not declared JSON unparsed
+        got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        return bad_request(f"the body must be a JSON object (Content-Type: application/json); the request has {got}")
+    return bad_request(f"the body must be a JSON object, not {_JSON_VALUES.get(type(value), 'another JSON value')}")
+
+
+def from_validation_error(errors: list[dict], content_type: str | None = None) -> OpenAIError:
+    """An HTTP 400 for a body that failed validation (pydantic/FastAPI ``errors()``): a body
+    that is not a JSON object (invalid JSON, a ``Content-Type`` other than JSON, which FastAPI
+    leaves unparsed, another JSON value, no body) gets one sentence with ``param`` null; else one
+    ``field: problem`` clause per error, ``param`` the first field's dotted path (``body`` and
+    union branch names left out). ``content_type``: the request's header, for the sentence."""
+    for e in errors:
+        whole = _body_error(e, content_type)
+        if whole is not None:
+            return whole
     clauses, params = [], []
     for e in errors:
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]

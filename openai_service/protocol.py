@@ -27,6 +27,10 @@ INT32_END = 2**31
 #: default ``--max-logprobs``).
 MAX_LOGPROBS = 20
 
+#: What a completion's ``max_tokens`` left out (or null) means: OpenAI's default for
+#: ``/v1/completions`` (and vLLM's), capped to what the context leaves after the prompt.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -67,11 +71,13 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: one text, or one prompt's token ids (a list of
-    texts or of id lists is accepted when it holds one prompt). ``max_tokens`` defaults to 16,
-    as in OpenAI's API and vLLM. ``logprobs``: top-n per token, 0..20 (0: the sampled token's)."""
+    texts or of id lists is accepted when it holds one prompt). ``max_tokens`` left out or null
+    is :data:`COMPLETION_DEFAULT_MAX_TOKENS` (16, OpenAI's default), capped to what the context
+    leaves (the runner caps it: ``SamplingParams.default_max_tokens``). ``logprobs``: top-n per
+    token, 0..20 (0: the sampled token's)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None

@@ -17,10 +17,16 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams, defaults: SamplingDef
     """Map the proto's conventions and validate: ``max_tokens``, ``temperature``, ``top_k`` and
     ``top_p`` left unset take ``defaults`` (the model's generation config, else the runner's);
     a field set is used as given, except ``max_tokens`` 0 (the default) and ``top_p`` 0 (1.0,
-    off). Raises ``InvalidArgument``."""
+    off). ``default_max_tokens``, when set, replaces the model's ``max_tokens`` default for this
+    request (capped like it to what the context leaves). Raises ``InvalidArgument``."""
+    default_max_tokens = sp.default_max_tokens if sp.HasField("default_max_tokens") else None
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise InvalidArgument(f"default_max_tokens must be > 0 when set (leave it unset for the model's default, "
+                              f"{defaults.max_tokens}), got {default_max_tokens}")
     max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 0
     if max_tokens < 0:
-        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default {defaults.max_tokens}), got {max_tokens}")
+        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default "
+                              f"{default_max_tokens or defaults.max_tokens}), got {max_tokens}")
     temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
     top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
     if not math.isfinite(temperature) or not math.isfinite(top_p):
@@ -35,6 +41,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams, defaults: SamplingDef
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
+        default_max_tokens=default_max_tokens,
     )
 
 

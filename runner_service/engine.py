@@ -435,18 +435,19 @@ class LLMEngine:
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """``params`` with ``max_tokens`` resolved against the context: unset (``None``) becomes
-        the default capped to what the context leaves after ``prompt_tokens``; a value above
-        that is ``InvalidArgument`` (as vLLM and the OpenAI API refuse it, rather than silently
-        generating fewer tokens than asked)."""
+        the default (the request's ``default_max_tokens``, else the model's) capped to what the
+        context leaves after ``prompt_tokens``; a value above that is ``InvalidArgument`` (as
+        vLLM and the OpenAI API refuse it, rather than silently generating fewer tokens than
+        asked)."""
         left = self.max_model_len - prompt_tokens
+        default = params.default_max_tokens or self.sampling_defaults.max_tokens
         if params.max_tokens is None:
-            return replace(params, max_tokens=min(self.sampling_defaults.max_tokens, left))
+            return replace(params, max_tokens=min(default, left))
         if params.max_tokens > left:
             raise InvalidArgument(
                 f"max_tokens {params.max_tokens} is more than the context leaves: the prompt has {prompt_tokens} "
                 f"of the {self.max_model_len}-token context, so at most {left} can be generated; ask for at most "
-                f"{left}, or leave max_tokens unset (the default, {self.sampling_defaults.max_tokens}, is capped "
-                "to what the context leaves)")
+                f"{left}, or leave max_tokens unset (the default, {default}, is capped to what the context leaves)")
         return params
 
     def add_request(self, params: SamplingParams, *, text: str | None = None,

@@ -16,8 +16,8 @@ class SamplingParams:
 
     - ``max_tokens``: tokens to generate at most (>= 1), and at most what the context leaves after
       the prompt (:meth:`LLMEngine.add_request` refuses more with ``InvalidArgument``, as vLLM
-      and the OpenAI API do); ``None`` (the proto's unset or 0) is the engine's default
-      (``LLMEngine.sampling_defaults``) capped to what the context leaves.
+      and the OpenAI API do); ``None`` (the proto's unset or 0) is ``default_max_tokens``, else
+      the engine's default (``LLMEngine.sampling_defaults``), capped to what the context leaves.
     - ``temperature``: >= 0; 0 means greedy (argmax), otherwise logits are divided by it.
     - ``top_k``: keep the k most likely tokens (0 = no limit).
     - ``top_p``: keep the smallest most-likely set whose probability reaches ``top_p``, in (0, 1].
@@ -27,6 +27,9 @@ class SamplingParams:
     - ``stop_token_ids``: token ids that end generation (the token is returned).
     - ``logprobs``: top-n log-probabilities to return per generated token (0..20).
     - ``ignore_eos``: keep generating past the model's EOS tokens.
+    - ``default_max_tokens``: what an unset ``max_tokens`` becomes instead of the engine's
+      default (>= 1; ``None``: the engine's), capped the same way; for front doors whose API has
+      its own default (OpenAI completions: 16).
     """
 
     max_tokens: int | None = 64
@@ -38,10 +41,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0
     ignore_eos: bool = False
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise InvalidArgument(f"default_max_tokens must be >= 1 when set (leave it unset for the model's "
+                                  f"default), got {self.default_max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

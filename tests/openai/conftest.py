@@ -1,15 +1,20 @@
 """A runner, a router and an OpenAI door in this process on loopback, over a tiny random Llama
 checkpoint with a word-level tokenizer (token ``i`` is the word ``w{i}``, and the chat template
-concatenates the messages' contents), for the tests of the OpenAI-compatible HTTP API."""
+concatenates the messages' contents), for the tests of the OpenAI-compatible HTTP API.
+``special_door`` is the same stack over a checkpoint whose tokenizer also has special tokens
+(:func:`write_special_word_tokenizer`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from weights_tiny import write_tiny_checkpoint
 
 from openai_service.config import OpenAIConfig
@@ -42,11 +47,29 @@ class Door:
     server: OpenAIServer
 
 
-@pytest.fixture(scope="package")
-def door(tmp_path_factory) -> Iterator[Door]:
-    tmp: Path = tmp_path_factory.mktemp("openai-stack")
-    ckpt = tmp / "tiny-llama"
-    write_tiny_checkpoint(ckpt, tokenizer=True, vocab=VOCAB, extra_config={"max_position_embeddings": MAX_MODEL_LEN})
+#: The special tokens of :func:`write_special_word_tokenizer`, and their ids.
+SPECIAL_TOKENS = {"<|im_start|>": VOCAB - 3, "<|im_end|>": VOCAB - 2}
+
+
+def write_special_word_tokenizer(directory: Path) -> None:
+    """A word-level ``tokenizer.json`` whose last ids (inside the model's ``VOCAB``) are the
+    special tokens :data:`SPECIAL_TOKENS` and ``[UNK]``, so a prompt is valid however its
+    special-token text is tokenized: ``w0``..``w92`` are words, ``<|im_start|>`` one control id,
+    and the same text taken plainly the three ``[UNK]`` pieces ``<|``, ``im_start``, ``|>``."""
+    vocab_map = {f"w{i}": i for i in range(VOCAB - 3)} | SPECIAL_TOKENS | {"[UNK]": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab_map, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "w1"}, "eos_token": "w2",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }))
+
+
+@contextmanager
+def _stack(tmp: Path, ckpt: Path) -> Iterator[Door]:
+    """Runner, router and door over the checkpoint in ``ckpt``."""
     sidecar = prepare(str(ckpt), root=tmp / "sidecars").path
     engine = LLMEngine.from_sidecar(sidecar, EngineConfig(max_num_seqs=4, block_size=4, max_model_len=MAX_MODEL_LEN,
                                                           kv_cache_bytes=4 << 20, warmup=False, num_threads=1),
@@ -75,3 +98,23 @@ def door(tmp_path_factory) -> Iterator[Door]:
         if runner is not None:
             runner.stop()
         engine.close()
+
+
+@pytest.fixture(scope="package")
+def door(tmp_path_factory) -> Iterator[Door]:
+    tmp: Path = tmp_path_factory.mktemp("openai-stack")
+    ckpt = tmp / "tiny-llama"
+    write_tiny_checkpoint(ckpt, tokenizer=True, vocab=VOCAB, extra_config={"max_position_embeddings": MAX_MODEL_LEN})
+    with _stack(tmp, ckpt) as d:
+        yield d
+
+
+@pytest.fixture(scope="package")
+def special_door(tmp_path_factory) -> Iterator[Door]:
+    """The stack over a checkpoint whose tokenizer has :data:`SPECIAL_TOKENS`."""
+    tmp: Path = tmp_path_factory.mktemp("openai-special-stack")
+    ckpt = tmp / "tiny-llama-special"
+    write_tiny_checkpoint(ckpt, vocab=VOCAB, extra_config={"max_position_embeddings": MAX_MODEL_LEN})
+    write_special_word_tokenizer(ckpt)
+    with _stack(tmp, ckpt) as d:
+        yield d

@@ -12,18 +12,22 @@ import os
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 
 import openai
 import pytest
+from fake_runner import FakeBehaviour, FakeRunner
+from tokenizers import Tokenizer
 
 from openai_service.config import OpenAIConfig
 from openai_service.daemon import OpenAIServer
 from openai_service.healthcheck import check_http_health
 from router_service.config import RouterConfig
 from router_service.servicer import RouterServer
-from services.bootstrap import ServerConfig
-from services.generation_client import GenerationClient, chat_request, text_request
+from services.bootstrap import ServerConfig, ServiceServer
+from services.generation_client import GENERATION_SERVICE, GenerationClient, chat_request, text_request
 from services.proto import generation_pb2 as pb
+from services.proto import generation_pb2_grpc
 
 PROMPT = "w5 w6 w7"
 MODEL = "tiny-llama"  # the checkpoint directory's name: the default served model name
@@ -62,13 +66,15 @@ def chat_messages(pairs) -> list[dict]:
     return [{"role": r, "content": c} for r, c in pairs]
 
 
-def http(door, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict, dict]:
+def http(door, method: str, path: str, body: bytes | dict | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
     """(status, headers, JSON body) of a raw HTTP request to the door (``path`` under /v1
-    unless it starts with /health)."""
+    unless it starts with /health); ``headers`` replace the default JSON ``Content-Type``."""
     base = door.url.removesuffix("/v1")
     url = base + (path if path.startswith("/health") else "/v1" + path)
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if headers is None else headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
@@ -260,7 +266,77 @@ def test_a_prompt_over_the_context_length_is_a_400(door, client) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
     with pytest.raises(openai.BadRequestError) as e:  # more tokens than the context leaves
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=door.max_model_len)
-    assert "max_tokens" in e.value.message
+    assert "max_tokens" in e.value.message and e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=chat_messages(MESSAGES),
+                                       max_completion_tokens=door.max_model_len)
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
+    assert e.value.param == "messages" and "context" in e.value.message
+
+
+def test_an_unset_max_tokens_is_16_for_completions_capped_to_what_the_context_leaves(door, client) -> None:
+    """A completion's max_tokens left out or null is OpenAI's 16, capped like the model's own
+    default: a prompt leaving fewer than 16 tokens gets what is left, not a 400."""
+    left = 10
+    long_prompt = " ".join(["w5"] * (door.max_model_len - left))
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0, stream=stream,
+                                        extra_body={"ignore_eos": True},
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(got)
+            reason, got = [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1]
+        else:
+            reason = got.choices[0].finish_reason
+        assert reason == "length" and got.usage.completion_tokens == left
+        assert got.usage.prompt_tokens == door.max_model_len - left
+    for max_tokens in ({}, {"max_tokens": None}):  # left out, or null: the same
+        status, _, doc = http(door, "POST", "/completions", {"model": MODEL, "prompt": long_prompt,
+                                                             "ignore_eos": True, **max_tokens})
+        assert status == 200, doc
+        assert doc["choices"][0]["finish_reason"] == "length" and doc["usage"]["completion_tokens"] == left
+        status, _, doc = http(door, "POST", "/completions", {"model": MODEL, "prompt": PROMPT, "ignore_eos": True,
+                                                             **max_tokens})
+        assert status == 200 and doc["usage"]["completion_tokens"] == 16  # room enough: 16, not the model's 64
+    # Asked for explicitly, 16 is more than the context leaves: refused, naming the field.
+    status, _, doc = http(door, "POST", "/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 16})
+    assert status == 400 and doc["error"]["param"] == "max_tokens"
+    assert f"at most {left} can be generated" in doc["error"]["message"]
+    assert "leave max_tokens unset (the default, 16, is capped" in doc["error"]["message"]
+
+    # Chat has no default of its own: the model's (64 here), capped the same way.
+    default = door.engine.sampling_defaults.max_tokens
+    for max_tokens in ({}, {"max_tokens": None, "max_completion_tokens": None}):
+        status, _, doc = http(door, "POST", "/chat/completions", {
+            "model": MODEL, "messages": chat_messages(MESSAGES), "ignore_eos": True, **max_tokens})
+        assert status == 200 and doc["usage"]["completion_tokens"] == default
+        status, _, doc = http(door, "POST", "/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "ignore_eos": True, **max_tokens})
+        assert status == 200 and doc["usage"]["completion_tokens"] == left
+        assert doc["choices"][0]["finish_reason"] == "length"
+
+
+def test_special_token_text_is_the_control_token_in_a_completion_prompt_only(special_door) -> None:
+    """As vLLM: a completion's text prompt is tokenized with special tokens, so ``<|im_start|>``
+    is one control id; chat content stays plain text (the runner never lets it forge a turn).
+    The counts come from the checkpoint's own tokenizer.json through ``tokenizers``."""
+    text = "w5 <|im_start|>w6 w7<|im_end|>"
+    tok = Tokenizer.from_file(os.path.join(special_door.model_source, "tokenizer.json"))
+    with_specials = tok.encode(text).ids
+    tok.encode_special_tokens = True  # special-token text as plain characters
+    plain = tok.encode(text).ids
+    assert len(with_specials) == 5 and len(plain) == 9  # the test means something
+    with openai.OpenAI(base_url=special_door.url, api_key="unused", max_retries=0) as c:
+        got = c.completions.create(model="tiny-llama-special", prompt=text, max_tokens=1, temperature=0)
+        assert got.usage.prompt_tokens == len(with_specials)
+        streamed = list(c.completions.create(model="tiny-llama-special", prompt=text, max_tokens=1, stream=True,
+                                             stream_options={"include_usage": True}))
+        assert streamed[-1].usage.prompt_tokens == len(with_specials)
+        chat = c.chat.completions.create(model="tiny-llama-special", messages=[{"role": "user", "content": text}],
+                                         max_tokens=1, temperature=0)
+        assert chat.usage.prompt_tokens == len(plain)
 
 
 def test_an_unknown_model_is_a_404_model_not_found(client) -> None:
@@ -295,14 +371,104 @@ def test_invalid_bodies_are_400s_in_openai_error_shape(door) -> None:
     assert status == 400 and "only text parts" in doc["error"]["message"] and doc["error"]["param"] == "messages"
     status, _, doc = http(door, "POST", "/chat/completions", {"model": MODEL, "messages": [
         {"role": "tool", "content": "w5"}]})
-    assert status == 400 and "unknown role 'tool'" in doc["error"]["message"]  # the runner's sentence
+    assert status == 400 and "messages[0] has unknown role 'tool'" in doc["error"]["message"]
+    assert doc["error"]["param"] == "messages"
+    for body, param, message in (
+            ({**base, "prompt": ""}, "prompt", "prompt must not be empty"),
+            ({**base, "prompt": []}, "prompt", "prompt must not be empty"),
+            ({**base, "stop": ""}, "stop", "stop strings must not be empty"),
+            ({**base, "prompt": [5, 200]}, "prompt", "token id 200 is outside the vocabulary")):
+        status, _, doc = http(door, "POST", "/completions", body)
+        assert (status, doc["error"]["param"]) == (400, param) and message in doc["error"]["message"], doc
+    status, _, doc = http(door, "POST", "/chat/completions", {"model": MODEL, "messages": []})
+    assert (status, doc["error"]["param"], doc["error"]["message"]) == (400, "messages", "messages must not be empty")
+
+    # A body that is not a JSON object: one sentence, param null (not FastAPI's byte offset).
+    status, _, doc = http(door, "POST", "/completions", b'{"prompt": "w5", }')
+    assert (status, doc["error"]["param"], doc["error"]["type"]) == (400, None, "BadRequestError")
+    assert doc["error"]["message"] == "the body is not valid JSON (at character 17: Expecting property name " \
+                                      "enclosed in double quotes)"
     status, _, doc = http(door, "POST", "/completions", b"{not json")
-    assert status == 400 and doc["error"]["type"] == "BadRequestError"
+    assert status == 400 and doc["error"]["message"].startswith("the body is not valid JSON (at character 1: ")
+    payload = json.dumps(base).encode()
+    for headers, got in (({}, "Content-Type: application/x-www-form-urlencoded"),  # urllib's default, curl -d's
+                         ({"Content-Type": "text/plain"}, "Content-Type: text/plain")):
+        status, _, doc = http(door, "POST", "/completions", payload, headers=headers)
+        assert (status, doc["error"]["param"]) == (400, None), doc
+        assert doc["error"]["message"] == ("the body must be a JSON object (Content-Type: application/json); "
+                                           f"the request has {got}")
+    conn = HTTPConnection(door.server.address, timeout=30)  # no Content-Type at all
+    try:
+        conn.request("POST", "/v1/completions", body=payload)
+        resp = conn.getresponse()
+        status, doc = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert (status, doc["error"]["message"]) == (400, "the body must be a JSON object (Content-Type: "
+                                                      "application/json); the request has no Content-Type")
+    status, _, doc = http(door, "POST", "/completions", b'["w5"]')
+    assert (status, doc["error"]["message"]) == (400, "the body must be a JSON object, not a JSON array")
+    status, _, doc = http(door, "POST", "/completions", b"")
+    assert status == 400 and doc["error"]["message"].startswith("the request has no body")
+    status, _, doc = http(door, "POST", "/completions", b"null")
+    assert (status, doc["error"]["message"]) == (400, "the body must be a JSON object, not JSON null")
+    status, _, doc = http(door, "POST", "/completions", payload, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200, doc
     status, _, doc = http(door, "GET", "/nowhere")
     assert status == 404 and doc["error"]["type"] == "NotFoundError"
     # an unknown field is ignored, as vLLM ignores it
     status, _, doc = http(door, "POST", "/completions", {**base, "max_tokens": 2, "frobnicate": True})
     assert status == 200 and doc["usage"]["completion_tokens"] <= 2
+
+
+class _AbortingRunner(generation_pb2_grpc.GenerationServicer):
+    """A runner whose engine fails after one token: it ends the stream FINISH_REASON_ABORTED."""
+
+    def Generate(self, request, context):
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[65], text="A", runner_id="bad")
+        yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_ABORTED,
+                                  runner_id="bad", usage=pb.Usage(prompt_tokens=3, completion_tokens=1))
+
+    def ModelInfo(self, request, context):
+        return pb.ModelInfoResponse(runner_id="bad", model="fake", family="fake", vocab_size=256, max_num_seqs=4)
+
+
+def _sse(door, path: str, body: dict) -> tuple[int, list]:
+    """(status, events) of a streamed request: each ``data:`` payload, JSON-decoded except [DONE]."""
+    req = urllib.request.Request(door.url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        lines = [ln.decode().removeprefix("data: ").strip() for ln in resp if ln.startswith(b"data: ")]
+        return resp.status, [ln if ln == "[DONE]" else json.loads(ln) for ln in lines]
+
+
+@pytest.mark.parametrize("failure", ["runner unavailable", "runner aborted"])
+def test_a_runner_failure_mid_request_has_the_documented_status(failure) -> None:
+    """UNAVAILABLE (the runner went away mid-stream) is 503, as before the first token: another
+    try may land on a healthy runner; a runner that ends the request ABORTED (its engine failed)
+    is 500, vLLM's status for a GenerationError. Streamed, the in-band error event carries the
+    same code after the chunks already sent."""
+    if failure == "runner unavailable":
+        runner = FakeRunner("fake-0", FakeBehaviour(fail_after=2))
+        status, kind = 503, "ServiceUnavailableError"
+    else:
+        runner = ServiceServer(ServerConfig(service="bad", port=0), [
+            (generation_pb2_grpc.add_GenerationServicer_to_server, _AbortingRunner(), GENERATION_SERVICE)])
+        runner.start()
+        status, kind = 500, "InternalServerError"
+    door = OpenAIServer(OpenAIConfig(router=runner.address, port=0))  # the door in front of a runner
+    try:
+        door.start()
+        code, _, doc = http(door, "POST", "/completions", {"prompt": "w5 w6 w7"})
+        assert (code, doc["error"]["type"], doc["error"]["code"]) == (status, kind, status), doc
+        code, events = _sse(door, "/completions", {"prompt": "w5 w6 w7", "stream": True})
+        assert code == 200 and events[-1] == "[DONE]"
+        assert events[0]["choices"][0]["text"] and "error" not in events[0]
+        error = events[-2]["error"]
+        assert (error["type"], error["code"]) == (kind, status), events
+    finally:
+        door.stop()
+        runner.stop()
 
 
 def _wait_idle(door, baseline: pb.ModelInfoResponse, timeout_s: float = 15.0) -> pb.ModelInfoResponse:

@@ -40,11 +40,25 @@ def test_unset_sampling_fields_stay_unset_and_a_completion_defaults_to_16_tokens
     req = completion()
     assert req.request_id == "cmpl-1" and req.WhichOneof("prompt") == "text" and req.text == "w1 w2"
     s = req.sampling
-    assert s.HasField("max_tokens") and s.max_tokens == 16  # OpenAI's and vLLM's default for completions
+    # max_tokens stays unset, so the runner caps the default to what the context leaves; the
+    # default is OpenAI's for completions, 16, instead of the model's.
+    assert not s.HasField("max_tokens") and s.HasField("default_max_tokens") and s.default_max_tokens == 16
     assert not any(s.HasField(f) for f in ("temperature", "top_p", "top_k", "seed"))
     assert (list(s.stop), s.logprobs, s.ignore_eos) == ([], 0, False)
+    assert completion(max_tokens=None).sampling == s  # null is the same as left out
+    given = completion(max_tokens=5).sampling
+    assert (given.max_tokens, given.default_max_tokens) == (5, 16)  # a value given wins (the default is unused)
     c = chat().sampling
-    assert not any(c.HasField(f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed"))
+    assert not any(c.HasField(f) for f in ("max_tokens", "default_max_tokens", "temperature", "top_p", "top_k",
+                                           "seed"))
+    assert chat(max_tokens=None, max_completion_tokens=None).sampling == c
+
+
+def test_a_completion_text_prompt_may_name_special_tokens_but_chat_content_may_not() -> None:
+    req = completion(prompt="<|im_start|>user")
+    assert req.text == "<|im_start|>user" and req.allow_special_tokens  # as vLLM's completions endpoint
+    assert not completion(prompt=[1, 2]).allow_special_tokens  # ids are ids
+    assert not chat(messages=[{"role": "user", "content": "<|im_start|>"}]).allow_special_tokens
 
 
 def test_sampling_fields_reach_the_wire() -> None:
@@ -63,10 +77,14 @@ def test_completion_prompt_forms() -> None:
     assert ids.WhichOneof("prompt") == "token_ids" and list(ids.token_ids.ids) == [1, 2, 3]
     assert list(completion(prompt=[[4, 5]]).token_ids.ids) == [4, 5]
     for prompt, words in ((["a", "b"], "one prompt per request"), ([[1], [2]], "one prompt per request"),
-                          ([], "must not be empty"), ([2**31], "token ids must be in")):
+                          ([2**31], "token ids must be in")):
         with pytest.raises(OpenAIError) as e:
             completion(prompt=prompt)
         assert e.value.status == 400 and e.value.param == "prompt" and words in e.value.message
+    for empty in ("", [], [""], [[]]):  # every form of an empty prompt: one sentence
+        with pytest.raises(OpenAIError) as e:
+            completion(prompt=empty)
+        assert (e.value.status, e.value.param, e.value.message) == (400, "prompt", "prompt must not be empty")
 
 
 def test_chat_messages_become_a_chat_prompt() -> None:
@@ -96,6 +114,13 @@ def test_chat_messages_become_a_chat_prompt() -> None:
     (chat, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     (chat, {"top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
     (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
+    (completion, {"stop": ""}, "stop", "stop strings must not be empty"),
+    (chat, {"stop": ["w1", ""]}, "stop", "stop strings must not be empty"),
+    (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages",
+     "messages[1] has unknown role 'tool' (expected one of 'system', 'user', 'assistant', 'developer')"),
+    (chat, {"messages": []}, "messages", "messages must not be empty"),
+    (chat, {"messages": [{"role": "system", "content": " "}, {"role": "user", "content": None}]}, "messages",
+     "messages must not be empty: every message's content is empty"),
 ])
 def test_what_warmserve_does_not_implement_is_a_400_naming_the_parameter(make, kw, param, words) -> None:
     with pytest.raises(OpenAIError) as e:
@@ -175,6 +200,25 @@ def test_grpc_statuses_map_to_http_statuses(code, status, kind) -> None:
     assert err.body() == {"error": {"message": err.message, "type": kind, "param": None, "code": status}}
 
 
+@pytest.mark.parametrize(("details", "fields", "param"), [
+    ("max_tokens 40 is more than the context leaves: ...", {"prompt": "prompt", "max_tokens": "max_tokens"},
+     "max_tokens"),
+    ("max_tokens 40 is more than the context leaves: ...", {"prompt": "messages",
+                                                              "max_tokens": "max_completion_tokens"},
+     "max_completion_tokens"),
+    ("the prompt has 2000 tokens but the context holds 1024", {"prompt": "messages"}, "messages"),
+    ("token id 99 is outside the vocabulary [0, 96)", {"prompt": "prompt"}, "prompt"),
+    ("stop token id 99 is outside the vocabulary [0, 96)", {"prompt": "prompt"}, "stop_token_ids"),
+    ("the chat template rejected the messages: x", {"prompt": "messages"}, "messages"),
+    ("unknown routing policy 99", {"prompt": "prompt"}, None),
+    ("max_tokens 40 is more than the context leaves", None, None),
+])
+def test_a_runner_sentence_about_a_field_names_it_as_param(details, fields, param) -> None:
+    err = from_rpc_error(_RpcError(grpc.StatusCode.INVALID_ARGUMENT, details), fields)
+    assert (err.status, err.message, err.param) == (400, details, param)
+    assert from_rpc_error(_RpcError(grpc.StatusCode.UNAVAILABLE, details), fields).param is None
+
+
 def test_model_not_found_and_validation_errors() -> None:
     assert model_not_found("x").body() == {"error": {"message": "The model `x` does not exist.",
                                                      "type": "NotFoundError", "param": "model",
@@ -185,6 +229,29 @@ def test_model_not_found_and_validation_errors() -> None:
     assert err.status == 400 and err.param == "prompt"
     assert "max_tokens: Input should be greater than or equal to 1" in err.message
     assert err.message.startswith("invalid request: prompt: ")
+
+
+@pytest.mark.parametrize(("error", "content_type", "message"), [
+    ({"type": "json_invalid", "loc": ("body", 16), "msg": "JSON decode error", "input": {},
+      "ctx": {"error": "Expecting value"}}, "application/json",
+     "the body is not valid JSON (at character 16: Expecting value)"),
+    ({"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
+      "input": b'{"prompt": "x"}'}, "application/x-www-form-urlencoded",
+     "the body must be a JSON object (Content-Type: application/json); the request has Content-Type: "
+     "application/x-www-form-urlencoded"),
+    ({"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
+      "input": b"{}"}, None,
+     "the body must be a JSON object (Content-Type: application/json); the request has no Content-Type"),
+    ({"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
+      "input": [1, 2]}, "application/json", "the body must be a JSON object, not a JSON array"),
+    ({"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary",
+      "input": None}, "application/json", "the body must be a JSON object, not JSON null"),
+    ({"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}, "application/json",
+     "the request has no body: send a JSON object (Content-Type: application/json)"),
+])
+def test_a_body_that_is_not_a_json_object_gets_one_sentence(error, content_type, message) -> None:
+    err = from_validation_error([error], content_type)
+    assert (err.status, err.message, err.param, err.type) == (400, message, None, "BadRequestError")
 
 
 def test_a_chunk_delta_leaves_unset_fields_out() -> None:

@@ -132,6 +132,31 @@ def test_finish_reasons_eos_stop_tokens_ignore_eos_and_context_length():
     assert unset.completion_tokens == engine.config.default_max_tokens  # room enough: the plain default
 
 
+def test_a_requests_default_max_tokens_replaces_the_engines_default_capped_the_same_way():
+    """``default_max_tokens`` (a front door's own default, OpenAI completions' 16) is what an
+    unset ``max_tokens`` becomes, capped to what the context leaves like the engine's default;
+    a ``max_tokens`` given wins, and more than the context leaves is refused naming that default."""
+    def tokens(prompt_len, **kw):
+        params = SamplingParams(**{"max_tokens": None, "temperature": 0, "ignore_eos": True, **kw})
+        out = _run(_engine(), [(_prompt(prompt_len, 4), params)])[0]
+        assert out.finish_reason is FinishReason.LENGTH
+        return out.completion_tokens
+
+    engine = _engine()
+    assert engine.sampling_defaults.max_tokens == 64
+    assert tokens(7, default_max_tokens=16) == 16  # set: not the engine's 64
+    assert tokens(7) == 64  # unset: the engine's
+    assert tokens(7, max_tokens=3, default_max_tokens=16) == 3  # max_tokens given: the default is unused
+    assert tokens(250, default_max_tokens=16) == 6  # capped: the 256-token context leaves 6
+    with pytest.raises(InvalidArgument, match=r"max_tokens 16 is more than the context leaves: .* at most 6 can be "
+                                              r"generated; .* leave max_tokens unset \(the default, 16, is capped"):
+        engine.add_request(SamplingParams(max_tokens=16, default_max_tokens=16, temperature=0),
+                           token_ids=_prompt(250, 4))
+    for bad in (0, -1):
+        with pytest.raises(InvalidArgument, match=f"default_max_tokens must be >= 1 when set .*got {bad}"):
+            SamplingParams(default_max_tokens=bad)
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
     alone = _run(_engine(), [(_prompt(9, 5), params)])[0]

@@ -101,6 +101,28 @@ def test_max_tokens_zero_means_the_default(served):
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_default_max_tokens_stands_in_for_an_unset_max_tokens(served):
+    stub, engine, _, _ = served
+
+    def tokens(**sampling):
+        msgs = list(stub.Generate(pb.GenerateRequest(
+            text="a", sampling=pb.SamplingParams(temperature=0.0, ignore_eos=True, **sampling))))
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        return msgs[-1].usage.completion_tokens
+
+    assert tokens(default_max_tokens=5) == 5  # set: instead of the model's default
+    assert tokens() == engine.sampling_defaults.max_tokens  # unset: the model's
+    assert tokens(max_tokens=3, default_max_tokens=5) == 3  # max_tokens given wins
+    assert tokens(max_tokens=0, default_max_tokens=5) == 5  # max_tokens 0 is unset
+    # (capped to what the context leaves: tests/runner/test_runner_engine.py and tests/openai)
+    for bad in (0, -4):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="a", sampling=pb.SamplingParams(default_max_tokens=bad))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (f"default_max_tokens must be > 0 when set (leave it unset for the model's "
+                                       f"default, {engine.sampling_defaults.max_tokens}), got {bad}")
+
+
 BAD = {
     "empty text": pb.GenerateRequest(text="", sampling=_greedy(2)),
     "no prompt": pb.GenerateRequest(sampling=_greedy(2)),
@@ -109,6 +131,7 @@ BAD = {
     "negative token id": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-3]), sampling=_greedy(2)),
     "prompt longer than the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 200), sampling=_greedy(2)),
     "max_tokens < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=-1)),
+    "default_max_tokens 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(default_max_tokens=0)),
     "max_tokens beyond the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 100),
                                                         sampling=pb.SamplingParams(max_tokens=100_000_000)),
     "temperature < 0": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-0.5)),
