@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     cache = serve.add_mutually_exclusive_group()
     cache.add_argument("--kernel-cache", default=None, metavar="ADDR", help="kernel-cache service address")
     cache.add_argument("--kernel-cache-dir", default=None, metavar="DIR", help="local kernel-cache directory")
+    serve.add_argument("--kernel-cache-token-file", default=None, metavar="F",
+                       help="file holding the bearer token of the kernel-cache service (one started with "
+                            "--token-file needs it to publish and claim builds); --token-file is this runner's own")
     serve.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="compute and KV-cache dtype (default auto: bf16 on a CPU with AVX512-BF16 or AMX, "
                             "else f32)")

@@ -69,6 +69,26 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
     return Path(path), StartupPhase("sidecar", time.perf_counter() - t0, detail)
 
 
+def kernel_cache_from_args(args):
+    """What the engine's programs use as their kernel cache (see
+    :func:`runner_service.programs.open_kernel_cache`): ``--kernel-cache ADDR`` (a client carrying
+    ``--kernel-cache-token-file``'s token when given and not empty), else ``--kernel-cache-dir``,
+    else ``None``.
+    Raises ``InvalidArgument`` for a token file without ``--kernel-cache`` or one that is absent
+    or empty."""
+    from services.bootstrap import read_token_file
+    from services.errors import InvalidArgument
+
+    token_file = getattr(args, "kernel_cache_token_file", None)
+    if not token_file:  # absent, or "" (a manifest's way to say none)
+        return args.kernel_cache or args.kernel_cache_dir
+    if not args.kernel_cache:
+        raise InvalidArgument("--kernel-cache-token-file needs --kernel-cache ADDR (a directory takes no token)")
+    from kernel_cache_service.client import KernelCacheClient
+
+    return KernelCacheClient(args.kernel_cache, token=read_token_file(token_file))
+
+
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
     from services.bootstrap import ServiceServer, config_from_args, ensure_bindable
@@ -81,7 +101,7 @@ def serve_from_args(args) -> int:
     config = engine_config_from_args(args)
     server_config = config_from_args(args, "runner")
     ensure_bindable(server_config)  # a busy port fails now, not after the model is loaded
-    kernel_cache = args.kernel_cache or args.kernel_cache_dir
+    kernel_cache = kernel_cache_from_args(args)
 
     def build() -> LLMEngine:
         # one line per slow phase: a launcher waiting on this runner shows the latest (warmserve up)

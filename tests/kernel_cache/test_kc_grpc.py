@@ -287,3 +287,28 @@ def test_sigterm_lets_an_in_flight_fetch_finish(daemon, tmp_path):
     assert d.proc.wait(timeout=30) == 0
     channel.close()
     assert '"msg": "stopped"' in Path(d.log).read_text()
+
+
+def test_a_runner_given_the_kernel_cache_token_file_can_publish_to_a_protected_daemon(grpc_cache, tmp_path):
+    """`runner serve --kernel-cache-token-file F`: the runner's programs talk to a token-protected
+    kernel cache with that token (its own --token-file guards its Generation service instead)."""
+    from runner_service.daemon import kernel_cache_from_args
+    from runner_service.programs import open_kernel_cache
+    from warmserve.cli import build_parser
+
+    cache = grpc_cache(token="s3cret")
+    (tmp_path / "kc-token").write_text("s3cret\n")
+    (tmp_path / "a").write_bytes(b"data")
+    parse = build_parser().parse_args
+    base = ["runner", "serve", "--model", "m", "--kernel-cache", cache.address]
+    with_token = kernel_cache_from_args(parse([*base, "--kernel-cache-token-file", str(tmp_path / "kc-token")]))
+    assert open_kernel_cache(with_token).publish("p", "f", tmp_path / "a") == "PUBLISHED"
+    without = kernel_cache_from_args(parse(base))
+    assert without == cache.address
+    with pytest.raises(Unauthenticated):
+        open_kernel_cache(without).publish("p", "g", tmp_path / "a")
+    with pytest.raises(InvalidArgument, match="needs --kernel-cache ADDR"):
+        kernel_cache_from_args(parse(["runner", "serve", "--model", "m", "--kernel-cache-dir", str(tmp_path),
+                                      "--kernel-cache-token-file", str(tmp_path / "kc-token")]))
+    with pytest.raises(InvalidArgument, match="cannot read token file"):
+        kernel_cache_from_args(parse([*base, "--kernel-cache-token-file", str(tmp_path / "absent")]))
