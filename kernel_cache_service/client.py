@@ -101,21 +101,29 @@ class KernelCacheClient:
     store at ``root`` (default :func:`services.paths.default_kernel_cache_root`; ``max_bytes``:
     its byte budget, 0 = unlimited).
 
+    ``store``: with an embedded store, an ``s3://BUCKET/PREFIX`` to share through (``root`` is
+    then its local tier, see :mod:`kernel_cache_service.s3_store`).
     ``token`` is sent as a bearer token (needed for publish/evict when the daemon has one).
     ``timeout_s`` bounds each unary call (seconds); streams (fetch, publish) have no deadline.
-    Raises ``InvalidArgument`` when both ``address`` and ``root`` are given.
+    Raises ``InvalidArgument`` when both ``address`` and ``root`` (or ``store``) are given, and for
+    a ``store`` that cannot be used (malformed URL, unreachable endpoint, missing bucket, ...).
     """
 
     def __init__(self, address: str | None = None, *, root: str | Path | None = None,
-                 token: str | None = None, max_bytes: int = 0, timeout_s: float = 30.0) -> None:
-        if address is not None and root is not None:
-            raise InvalidArgument("give a daemon address or an embedded store root, not both")
+                 token: str | None = None, max_bytes: int = 0, timeout_s: float = 30.0,
+                 store: str | None = None) -> None:
+        if address is not None and (root is not None or store is not None):
+            raise InvalidArgument("give a daemon address or an embedded store (root, store), not both")
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(token)
         self._store: KernelStore | None = None
         self._channel: grpc.Channel | None = None
-        if address is None:
+        if address is None and store:
+            from kernel_cache_service.s3_store import S3KernelStore
+
+            self._store = S3KernelStore.open_url(store, root or default_kernel_cache_root(), max_bytes=max_bytes)
+        elif address is None:
             self._store = KernelStore(root or default_kernel_cache_root(), max_bytes=max_bytes)
         else:
             self._channel = open_channel(address)

@@ -167,6 +167,18 @@ def empty_artifact(name: str, fingerprint: str) -> InvalidArgument:
                            "nothing was stored")
 
 
+def finish_temp_entry(directory: Path, info: EntryInfo) -> None:
+    """Make ``directory`` (holding the verified ``blob``) a complete entry for ``info``: write
+    its manifest (mtime = ``info.created``: last access = creation, same clock) and give blob,
+    manifest and directory the default modes. Raises ``OSError`` when the disk refuses."""
+    manifest = directory / MANIFEST
+    manifest.write_bytes(info.manifest_bytes())
+    os.utime(manifest, (info.created, info.created))
+    os.chmod(manifest, default_file_mode())
+    os.chmod(directory / BLOB, default_file_mode())
+    os.chmod(directory, default_dir_mode())
+
+
 class PendingPublish:
     """An artifact on its way into the store; get one from :meth:`KernelStore.begin_publish`.
 
@@ -244,12 +256,7 @@ class PendingPublish:
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
                              created=time.time(), producer=self.producer, format=self.fmt)
             try:
-                manifest = self._tmp.path / MANIFEST
-                manifest.write_bytes(info.manifest_bytes())
-                os.utime(manifest, (info.created, info.created))  # last access = creation, same clock
-                os.chmod(manifest, default_file_mode())
-                os.chmod(self._tmp.path / BLOB, default_file_mode())
-                os.chmod(self._tmp.path, default_dir_mode())
+                finish_temp_entry(self._tmp.path, info)
                 return self._store._install(self._tmp.path, info)
             except OSError as e:
                 raise storage_error(e, self._what) from e
@@ -670,27 +677,34 @@ class KernelStore:
         """Make the verified temp entry ``tmp`` visible as ``info``'s key (holding its lock)."""
         name, fp = info.name, info.fingerprint
         with self._lock(name, fp):
-            try:
-                loaded = self._load(name, fp)
-            except _Broken as e:
-                self._quarantine_locked(name, fp, None, str(e))
-                loaded = None
-            if loaded is not None:
+            present = self._present(name, fp)
+            if present is not None:
                 self._lease_file(name, fp).remove()
-                return PublishResult(ALREADY_PRESENT, "", loaded[0])
-            if self.max_bytes:
-                with entry_lock(self.root / "budget.lock"):
-                    if not self._make_room(info.size_bytes, exclude=(name, fp)):
-                        return PublishResult(
-                            REJECTED, f"no room for {info.size_bytes} bytes under the budget of "
-                                      f"{self.max_bytes} bytes: the other entries are being read")
-                    self._place(tmp, name, fp)
-            else:
-                self._place(tmp, name, fp)
+                return PublishResult(ALREADY_PRESENT, "", present)
+            rejected = self._admit(tmp, info)
+            if rejected is not None:
+                return rejected
             self._lease_file(name, fp).remove()  # the build is done: waiters see PUBLISHED
         self._count("publishes")
         log.info("published", extra={"entry": f"{name}/{fp}", "bytes": info.size_bytes, "format": info.format})
         return PublishResult(PUBLISHED, "", EntryInfo(**{**info.to_dict(), "last_access": info.created}))
+
+    def _admit(self, tmp: Path, info: EntryInfo) -> PublishResult | None:
+        """Place the verified temp entry directory ``tmp`` (blob + manifest) as ``info``'s key,
+        evicting least recently used entries to make room under the budget; ``None`` once placed,
+        REJECTED when no room can be made (the other entries are being read). The caller holds
+        the key's lock and has checked that the key is absent."""
+        name, fp = info.name, info.fingerprint
+        if self.max_bytes:
+            with entry_lock(self.root / "budget.lock"):
+                if not self._make_room(info.size_bytes, exclude=(name, fp)):
+                    return PublishResult(
+                        REJECTED, f"no room for {info.size_bytes} bytes under the budget of "
+                                  f"{self.max_bytes} bytes: the other entries are being read")
+                self._place(tmp, name, fp)
+        else:
+            self._place(tmp, name, fp)
+        return None
 
     def _place(self, tmp: Path, name: str, fingerprint: str) -> None:
         (self.root / "entries" / name).mkdir(exist_ok=True)

@@ -9,6 +9,8 @@
 - ``proto/`` — the generated ``warmserve.v1`` stubs; ``protogen.py`` regenerates them;
 - ``generation_client.py`` — the ``Generation`` client (a runner or the router);
 - ``healthcheck.py`` — ``python -m services.healthcheck HOST:PORT``, the gRPC health probe;
+- ``s3.py`` — ``s3://BUCKET/PREFIX`` URLs and the object-store operations (conditional uploads,
+  verified downloads) the kernel cache and the weight service share artifacts through;
 - ``procs.py`` — child-process helpers for benchmarks and tests; ``table.py`` — plain-text tables.
 
 The package layers are listed in :mod:`warmserve`.

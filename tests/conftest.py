@@ -1,9 +1,18 @@
 """Shared fixtures. The real-model fixtures are session-scoped: loading SmolLM2 through
-transformers (the independent reference) costs ~20 s, so it happens once per test run."""
+transformers (the independent reference) costs ~20 s, so it happens once per test run. The
+object-store fixtures run a real S3 server (``moto_server`` from ``moto[server]``, a separate
+process on a free loopback port, once per session) and give each test a fresh bucket."""
 
 from __future__ import annotations
 
 import importlib.util
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -84,3 +93,86 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@dataclass
+class MotoServer:
+    """A running ``moto_server``: its endpoint URL and the AWS environment that points boto3 at it
+    (dummy credentials, a region, no config files of the developer's)."""
+
+    endpoint: str
+    env: dict[str, str] = field(default_factory=dict)
+    client: object = None  # boto3 S3 client on the server (dummy credentials)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """A real S3 API server (moto) on 127.0.0.1 and a free port, stopped at the end of the session."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("moto")
+    log = open(workdir / "moto.log", "wb")  # closed at teardown
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto_server did not start: {(workdir / 'moto.log').read_text()[-2000:]}") from None
+            time.sleep(0.1)
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(workdir / "no-aws-config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "no-aws-credentials")}
+    import boto3
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+        aws_secret_access_key="testing")
+    try:
+        yield MotoServer(endpoint, env, client)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@dataclass
+class S3Bucket:
+    """A fresh bucket on :func:`moto_server`: ``url`` (``s3://BUCKET/team``, what ``--store``
+    takes), ``bucket``, ``prefix``, ``client`` (boto3, for looking behind the services' backs)."""
+
+    url: str
+    bucket: str
+    prefix: str
+    client: object
+    server: MotoServer
+
+    def keys(self) -> list[str]:
+        """Every object key in the bucket, sorted."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+@pytest.fixture
+def s3(moto_server):
+    """A new bucket on the moto server, with this process's environment (inherited by child
+    processes) pointing boto3 at it for the test; restored afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            mp.delenv(name, raising=False)
+        for name, value in moto_server.env.items():
+            mp.setenv(name, value)
+        client = moto_server.client
+        bucket = f"warmserve-{uuid.uuid4().hex[:16]}"
+        client.create_bucket(Bucket=bucket)
+        yield S3Bucket(f"s3://{bucket}/team", bucket, "team", client, moto_server)

@@ -74,6 +74,8 @@ class StackConfig:
     (``None``: ``base_port + 3``, or a free port when ``base_port`` is 0; 0: a free port).
     ``served_model_name``: the model name the router's KServe v2 door and the OpenAI door
     publish (``--served-model-name`` of both; ``None``: derived from the model source).
+    ``store``: an ``s3://BUCKET/PREFIX`` the kernel cache and the weight service share their
+    artifacts through (``--store`` of both; ``None``: the home only).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -106,6 +108,7 @@ class StackConfig:
     openai: bool = False
     openai_port: int | None = None
     served_model_name: str | None = None
+    store: str | None = None
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -124,6 +127,10 @@ class StackConfig:
             raise InvalidArgument(f"--openai-port must be in [0, 65535] (0: a free port), got {self.openai_port}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise InvalidArgument("--served-model-name must not be empty")
+        if self.store is not None:
+            from services.s3 import parse_s3_url
+
+            parse_s3_url(self.store)  # a malformed --store: InvalidArgument naming what is wrong
         if self.runner_threads is not None and self.runner_threads < 1:
             raise InvalidArgument(f"runner threads must be >= 1, got {self.runner_threads}")
         if self.lease_seconds <= 0 or self.health_interval_s <= 0 or self.startup_timeout_s <= 0:
@@ -141,7 +148,7 @@ class StackConfig:
                    compile=args.compile, dtype=args.dtype, weights_dtype=args.weights_dtype,
                    max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching, policy=args.policy,
                    openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None),
-                   served_model_name=getattr(args, "served_model_name", None))
+                   served_model_name=getattr(args, "served_model_name", None), store=getattr(args, "store", None))
 
 
 @dataclass
@@ -237,10 +244,11 @@ class LocalStack:
     def _service_argv(self, name: str) -> list[str]:
         cfg = self.config
         common = ["--host", cfg.host, "--port", str(self.port(name)), "--drain-grace", "5"]
+        store = ["--store", cfg.store] if cfg.store else []
         if name == KERNEL_CACHE:
-            return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *common)
+            return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *store, *common)
         if name == WEIGHTS:
-            return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *common)
+            return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *store, *common)
         named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         if name == OPENAI:
             return self._cli("openai", "serve", "--router", self.router_address, "--host", cfg.host,
@@ -357,13 +365,19 @@ class LocalStack:
         resolve (``InvalidArgument``: no such file, not a checkpoint), the home must be a directory
         if it exists (``InvalidArgument``), and every fixed port must be free (``Unavailable``
         naming each busy port and its service; with ``base_port`` 0, free ones are picked and only
-        the host is checked). Creates nothing."""
+        the host is checked). With a ``store``, its bucket must answer and accept conditional
+        writes (``InvalidArgument`` otherwise, see :meth:`services.s3.ObjectStore.check`). Creates
+        nothing (but the store's probe object, removed at once)."""
         from services.address import bind_problem
         from weight_service.sources import resolve_source
 
         resolve_source(self.config.model)
         if self.home.exists() and not self.home.is_dir():
             raise InvalidArgument(f"the home {self.home} is not a directory (--home / $WARMSERVE_HOME)")
+        if self.config.store:
+            from services.s3 import ObjectStore
+
+            ObjectStore.from_url(self.config.store).check()
         openai = [OPENAI] if self.config.openai else []
         if self.config.base_port == 0:
             problem = bind_problem(self.config.host, 0)

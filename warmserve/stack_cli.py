@@ -71,6 +71,10 @@ def register(subparsers) -> None:
     up.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name the KServe v2 and OpenAI doors publish and accept (default: derived "
                          "from the model source, e.g. smollm2-135m-instruct)")
+    up.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
+                    help="share compiled programs and weight sidecars with other hosts through this S3 bucket "
+                         "(the kernel cache and the weight service get --store; the home stays their local tier). "
+                         "Endpoint and credentials: the AWS environment and config files (AWS_ENDPOINT_URL, ...)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")

@@ -20,6 +20,12 @@ def register(subparsers) -> None:
     wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)
     serve = wsub.add_parser("serve", help="run the Weights gRPC daemon")
     serve.add_argument("--root", default=None, help="sidecar directory (default $WARMSERVE_HOME/sidecars)")
+    serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
+                       help="share sidecars through this S3 bucket: each sidecar packed here is uploaded (every "
+                            "file, with sha256), and a Prepare of a sidecar this host lacks fetches it (verified, "
+                            "then validated like a local one) instead of packing. Endpoint, region and credentials "
+                            "come from the AWS environment and config files (AWS_ENDPOINT_URL for MinIO or another "
+                            "S3-compatible endpoint)")
     add_server_args(serve, default_port=DEFAULT_PORT)
     serve.set_defaults(func=_serve)
 

@@ -1,5 +1,8 @@
 """``warmserve weights serve``: the sidecars under a root directory behind the server bootstrap,
-run from the command-line flags until SIGTERM/SIGINT drains it."""
+run from the command-line flags until SIGTERM/SIGINT drains it; with ``--store s3://BUCKET/PREFIX``
+they are shared through that bucket (:mod:`weight_service.s3_sidecars`). A bad ``--store``
+(malformed URL, unreachable endpoint, missing bucket, denied access) fails before the server
+starts: ``InvalidArgument``, exit 2."""
 
 from __future__ import annotations
 
@@ -17,5 +20,10 @@ def serve_from_args(args) -> None:
     root = Path(args.root).expanduser() if args.root else default_sidecar_root()
     config = config_from_args(args, "weights")
     ensure_bindable(config)  # a busy port fails before the sidecar root is touched
-    server = build_server(config, root)
+    remote = None
+    if getattr(args, "store", None):
+        from weight_service.s3_sidecars import RemoteSidecars
+
+        remote = RemoteSidecars.open_url(args.store)  # a bad --store: InvalidArgument (exit 2) before serving
+    server = build_server(config, root, remote)
     server.serve_forever()

@@ -14,8 +14,17 @@ then finds the published result):
    (:func:`weight_service.sidecar.validate_sidecar`); valid ones are probed for page-cache
    residency: ``>= 0.95`` is HOT; otherwise the cold policy decides: ``accept`` (readahead advice,
    state COLD) or ``reject`` (repack);
-3. pack (:func:`weight_service.packer.pack_sidecar`): BUILT when no sidecar existed, REBUILT when
-   one was stale, invalid, forced or rejected as cold.
+3. with an object store (``remote``, ``weights serve --store s3://...``) and no ``force``: fetch
+   the sidecar another host uploaded for the same checkpoint, dtype and code
+   (:mod:`weight_service.s3_sidecars`: verified file by file, then validated like a local one);
+   its state is then its residency's (HOT or COLD), never BUILT;
+4. pack (:func:`weight_service.packer.pack_sidecar`): BUILT when no sidecar existed, REBUILT when
+   one was stale, invalid, forced or rejected as cold; with an object store, upload it.
+
+The object store is an optimisation, never a dependency: when it cannot be reached, a fetch
+falls back to packing and a failed upload leaves the packed sidecar serving; both are logged
+(warnings). A valid local sidecar the store lacks (packed before ``--store`` was given) is
+uploaded on its next Prepare.
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from model_families import family_for_architecture
 from model_families.family import ModelFamily
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, WarmserveError
 from services.paths import default_sidecar_root
 from weight_service.checkpoint import native_weights_dtype, source_architecture
 from weight_service.packer import pack_sidecar
@@ -46,6 +56,9 @@ from weight_service.sidecar import (
     validate_sidecar,
 )
 from weight_service.sources import ResolvedSource, resolve_source, source_fingerprint
+
+if TYPE_CHECKING:
+    from weight_service.s3_sidecars import RemoteSidecars
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +131,8 @@ def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource,
 
 
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
-            cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None
-            ) -> SidecarHandle:
+            cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None,
+            remote: RemoteSidecars | None = None) -> SidecarHandle:
     """Return a valid sidecar for ``source`` in the weights dtype ``dtype`` (or ``auto``, see
     the module docstring), packing it when needed.
 
@@ -127,6 +140,8 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
     ``root``: the sidecar root (default ``services.paths.default_sidecar_root()``).
     ``force``: repack even when valid. ``cold_policy``: ``"accept"`` or ``"reject"``.
     ``progress``: called with :class:`ProgressEvent` s (at least one "validate" event).
+    ``remote``: an object store to fetch the sidecar from instead of packing it, and to upload
+    what is packed to (see the module docstring).
 
     Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint
     (or one the dtype's layout cannot hold, e.g. int4 of a matrix whose width is not a multiple
@@ -164,13 +179,57 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
                 if state == "HOT" or cold_policy == "accept":
                     if state == "COLD":
                         advise_willneed(directory / WEIGHTS_FILE)
+                    if remote is not None:
+                        _share(remote, family, dtype, info, only_if_missing=True)
                     return SidecarHandle.from_info(info, residency=residency, state=state,
                                                    seconds=time.perf_counter() - start)
                 emit(ProgressEvent("validate", message=f"repacking: cold (residency {residency})"))
 
+        if remote is not None and not force:
+            info = _fetch_remote(remote, family, dtype, directory, source_fingerprint(src), emit)
+            if info is not None:
+                residency = probe_residency(directory / WEIGHTS_FILE)
+                return SidecarHandle.from_info(info, residency=residency, state=residency_state(residency),
+                                               seconds=time.perf_counter() - start)
+
         pack_sidecar(src, family, dtype, directory, emit)
         emit(ProgressEvent("validate", message="validating the new sidecar"))
         info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
+        log.info("packed sidecar", extra={"sidecar": str(directory), "dtype": dtype, "bytes": info.size_bytes})
+        if remote is not None:
+            _share(remote, family, dtype, info, only_if_missing=False)
         residency = probe_residency(directory / WEIGHTS_FILE)
         return SidecarHandle.from_info(info, residency=residency, state="REBUILT" if existed else "BUILT",
                                        seconds=time.perf_counter() - start)
+
+
+def _fetch_remote(remote: RemoteSidecars, family: ModelFamily, dtype: str, directory: Path, source_fp: str,
+                  emit: Callable[[ProgressEvent], None]) -> SidecarInfo | None:
+    """The sidecar fetched from ``remote`` into ``directory`` (validated), or ``None`` when the
+    store has none, it was corrupt or invalid, or the store cannot be reached (logged; the
+    caller packs)."""
+    key = remote.key(directory, family, dtype, source_fp)
+    emit(ProgressEvent("fetch", message=f"looking for the sidecar in {remote.url}"))
+    try:
+        info = remote.fetch(key, directory, source_fingerprint=source_fp)
+    except (WarmserveError, OSError) as e:
+        log.warning("could not fetch the sidecar from the object store; packing it here",
+                    extra={"sidecar": directory.name, "error": str(e)})
+        return None
+    if info is not None:
+        emit(ProgressEvent("fetch", message=f"fetched from {remote.url}"))
+    return info
+
+
+def _share(remote: RemoteSidecars, family: ModelFamily, dtype: str, info: SidecarInfo, *,
+           only_if_missing: bool) -> None:
+    """Upload ``info`` to ``remote`` (``only_if_missing``: after a HEAD says the store lacks it).
+    Best effort: a failure is logged and the local sidecar serves anyway."""
+    key = remote.key(info.path, family, dtype, info.metadata["warmserve.source_fingerprint"])
+    try:
+        if only_if_missing and remote.has(key):
+            return
+        remote.upload(key, info)
+    except (WarmserveError, OSError) as e:
+        log.warning("could not upload the sidecar to the object store; it serves from this host only",
+                    extra={"sidecar": info.path.name, "error": str(e)})

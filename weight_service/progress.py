@@ -8,7 +8,8 @@ from typing import TextIO
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One step of a Prepare. ``phase`` is ``"read"``, ``"pack"``, ``"write"`` or ``"validate"``;
+    """One step of a Prepare. ``phase`` is ``"read"``, ``"pack"``, ``"write"``, ``"validate"`` or
+    ``"fetch"`` (from an object store);
     ``layers_done``/``layers_total`` count packed layers; ``bytes_written`` counts bytes of
     tensor data written so far; ``message`` is a short human line."""
 

@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
@@ -25,6 +26,9 @@ from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, resid
 from weight_service.residency import probe_residency
 from weight_service.sidecar import WEIGHTS_FILE, InvalidSidecar, SidecarInfo, validate_sidecar
 from weight_service.sources import source_fingerprint
+
+if TYPE_CHECKING:
+    from weight_service.s3_sidecars import RemoteSidecars
 
 SERVICE_NAME = "warmserve.v1.Weights"
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -38,10 +42,13 @@ def _current_handle(info: SidecarInfo) -> SidecarHandle:
 
 
 class WeightsServicer(weights_pb2_grpc.WeightsServicer):
-    """Serves the sidecars under ``root`` (a directory; created on first Prepare)."""
+    """Serves the sidecars under ``root`` (a directory; created on first Prepare). ``remote``: an
+    object store Prepare fetches sidecars from instead of packing, and uploads packs to
+    (:mod:`weight_service.s3_sidecars`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, remote: RemoteSidecars | None = None) -> None:
         self.root = Path(root)
+        self.remote = remote
         self._sha_cache: dict[tuple, str] = {}
         self._sha_lock = threading.Lock()
 
@@ -54,7 +61,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         def work() -> None:
             try:
                 handle = prepare(request.source, dtype=dtype, root=self.root, force=request.force,
-                                 cold_policy=cold_policy, progress=events.put)
+                                 cold_policy=cold_policy, progress=events.put, remote=self.remote)
                 events.put((_DONE, handle))
             except WarmserveError as e:
                 events.put((_DONE, e))
@@ -125,8 +132,9 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 
 
-def build_server(config: ServerConfig, root: Path) -> ServiceServer:
-    """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root``."""
-    servicer = WeightsServicer(root)
+def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None) -> ServiceServer:
+    """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root`` (shared
+    through ``remote`` when given)."""
+    servicer = WeightsServicer(root, remote)
     return ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)])
 

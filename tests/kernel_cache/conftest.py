@@ -19,9 +19,15 @@ from services.procs import wait_for_log_record
 WORKERS = Path(__file__).with_name("kc_workers.py")
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> KernelStore:
-    return KernelStore(tmp_path / "root")
+@pytest.fixture(params=["disk", "s3"])
+def store(request, tmp_path: Path) -> KernelStore:
+    """The store under test: the disk store at ``tmp_path/root``, or (``s3``) the S3-backed store
+    on a fresh bucket with its local tier there; the contract tests run against both."""
+    if request.param == "disk":
+        return KernelStore(tmp_path / "root")
+    from kernel_cache_service.s3_store import S3KernelStore
+
+    return S3KernelStore.open_url(request.getfixturevalue("s3").url, tmp_path / "root")
 
 
 @dataclass
@@ -33,12 +39,20 @@ class InProcessCache:
 
 @pytest.fixture
 def grpc_cache(tmp_path: Path):
-    """Factory: ``grpc_cache(token=None, max_bytes=0)`` starts a KernelCache server on a free
-    loopback port in this process; every server started is stopped at teardown."""
+    """Factory: ``grpc_cache(token=None, max_bytes=0, root=None, store=None)`` starts a KernelCache
+    server on a free loopback port in this process (``store``: an ``s3://`` URL to serve an
+    S3-backed store with its local tier at ``root``); every server started is stopped at teardown."""
     started = []
 
-    def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None) -> InProcessCache:
-        store = KernelStore(root or tmp_path / f"grpc-root-{len(started)}", max_bytes=max_bytes)
+    def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None,
+              store: str | None = None) -> InProcessCache:
+        root = root or tmp_path / f"grpc-root-{len(started)}"
+        if store:
+            from kernel_cache_service.s3_store import S3KernelStore
+
+            store = S3KernelStore.open_url(store, root, max_bytes=max_bytes)
+        else:
+            store = KernelStore(root, max_bytes=max_bytes)
         from kernel_cache_service.servicer import PROTECTED_METHODS
 
         cfg = ServerConfig(service="kernel-cache-test", token=token, protected_methods=PROTECTED_METHODS)

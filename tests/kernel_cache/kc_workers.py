@@ -56,11 +56,16 @@ def make_artifact(path: Path, tag: str, *, as_dir: bool, size: int = 64 * 1024) 
 
 
 def race_worker(idx: int, target: dict, rounds: int, barrier, queue, workdir: str) -> None:
-    """Publish one key per round at the same moment as the other workers, then fetch it back."""
+    """Publish one key per round at the same moment as the other workers, then fetch it back.
+    ``target``: ``{"address": ...}`` (a daemon), or ``{"root": ...}`` (an embedded store; a
+    ``{worker}`` in it gives each worker its own root, i.e. its own host) with an optional
+    ``"store": "s3://..."`` the embedded stores share."""
     from kernel_cache_service.client import KernelCacheClient
 
     work = Path(workdir)
-    client = KernelCacheClient(target.get("address"), root=target.get("root"))
+    root = target.get("root")
+    client = KernelCacheClient(target.get("address"), root=root.format(worker=idx) if root else None,
+                               store=target.get("store"))
     results = []
     try:
         for r in range(rounds):

@@ -1,5 +1,8 @@
 """The embedded store: round trips, keys, publish verification, integrity and quarantine, LRU
-eviction under a byte budget with read leases."""
+eviction under a byte budget with read leases. Every test taking the ``store`` fixture runs
+against the disk store and the S3-backed store (``disk`` / ``s3``, see ``conftest.py``); damage is
+done where each keeps its bytes for good (``_damage``). The budget and read-lease tests are about
+the disk tier itself (its LRU in front of S3 is tested in ``test_kc_s3.py``)."""
 
 from __future__ import annotations
 
@@ -39,6 +42,44 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 def _blob(store: KernelStore, name: str, fp: str) -> Path:
     return store.root / "entries" / name / fp / "blob"
+
+
+def _s3_object(store, name: str, fp: str) -> tuple[object, str, str]:
+    """``(boto3 client, bucket, key)`` of an S3-backed store's object for ``name``/``fp``."""
+    from kernel_cache_service.s3_store import entry_key
+
+    objects = store.objects
+    return objects.client, objects.location.bucket, objects.location.key(entry_key(name, fp))
+
+
+def _damage(store, name: str, fp: str, damage) -> None:
+    """Apply ``damage(path)`` to the bytes the store keeps for good: the disk store's blob; for
+    the S3-backed store, the object in the bucket, rewritten behind the store's back with its
+    metadata kept, after the local tier's copy is dropped (so the next read goes to the bucket,
+    as it does on another host)."""
+    if isinstance(store, KernelStore):
+        damage(_blob(store, name, fp))
+        return
+    client, bucket, key = _s3_object(store, name, fp)
+    meta = client.head_object(Bucket=bucket, Key=key)["Metadata"]
+    path = store.root.parent / "damaged-object"
+    path.write_bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    damage(path)
+    client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes(), Metadata=meta)
+    store.local.evict(name, fp)
+
+
+def _garble_manifest(store, name: str, fp: str) -> None:
+    """Make the entry's manifest unreadable: the disk store's ``manifest.json``; the S3 object's
+    metadata (rewritten, the local copy dropped)."""
+    if isinstance(store, KernelStore):
+        (store.root / "entries" / name / fp / "manifest.json").write_text("{not json")
+        return
+    client, bucket, key = _s3_object(store, name, fp)
+    meta = client.head_object(Bucket=bucket, Key=key)["Metadata"]
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={**meta, "sha256": "{not json"})
+    store.local.evict(name, fp)
 
 
 def test_file_round_trip(store, tmp_path):
@@ -180,7 +221,7 @@ def test_publish_of_a_missing_path_is_invalid_argument(store, tmp_path):
 def test_flipped_byte_is_quarantined_and_reported_as_miss(store, tmp_path):
     data = os.urandom(200_000)
     store.publish("p", "f", _file(tmp_path, "a", data))
-    _flip_byte(_blob(store, "p", "f"), 123_456)
+    _damage(store, "p", "f", lambda blob: _flip_byte(blob, 123_456))
     out = tmp_path / "out"
     assert store.fetch("p", "f", out) is None
     assert not out.exists()
@@ -203,10 +244,13 @@ def test_flipped_byte_in_a_directory_artifact_is_caught(store, tmp_path, where):
     data = os.urandom(30_000)
     (src / "k.so").write_bytes(data)
     store.publish("p", "d", src)
-    blob = _blob(store, "p", "d")
-    start = blob.read_bytes().find(data[:64])
-    assert start > 0
-    _flip_byte(blob, 100 if where == "tar-header" else start + 15_000)
+
+    def flip(blob: Path) -> None:
+        start = blob.read_bytes().find(data[:64])
+        assert start > 0
+        _flip_byte(blob, 100 if where == "tar-header" else start + 15_000)
+
+    _damage(store, "p", "d", flip)
     assert store.fetch("p", "d", tmp_path / "out") is None
     assert not (tmp_path / "out").exists()
     assert store.stat()["quarantined"] == 1
@@ -216,9 +260,9 @@ def test_flipped_byte_in_a_directory_artifact_is_caught(store, tmp_path, where):
 def test_truncated_blob_or_bad_manifest_is_quarantined_on_lookup(store, tmp_path, damage):
     store.publish("p", "f", _file(tmp_path, "a", b"0123456789"))
     if damage == "truncate":
-        os.truncate(_blob(store, "p", "f"), 4)
+        _damage(store, "p", "f", lambda blob: os.truncate(blob, 4))
     else:
-        (store.root / "entries/p/f/manifest.json").write_text("{not json")
+        _garble_manifest(store, "p", "f")
     assert store.lookup("p", "f") is None
     assert store.stat()["quarantined"] == 1
     assert not (store.root / "entries/p/f").exists()
