@@ -82,6 +82,18 @@ def smollm2_int8_sidecar(tmp_path_factory, smollm2_gguf: Path) -> Path:
     return prepare(str(smollm2_gguf), dtype="int8", root=tmp_path_factory.mktemp("sidecars-int8")).path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():
+    """Give every test module the torch thread count it started with back: an in-process engine
+    sets it process-wide (``EngineConfig.num_threads``), and a program key includes it, so a
+    count left behind by one module would change another module's keys."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a test module's torch ops on one thread (restored afterwards): on this shared 2-core

@@ -98,6 +98,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("programs")
     runner = make_runner()
     report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work")
+    (root / "threads").write_text(str(torch.get_num_threads()))  # part of the key: a warm launch uses the same
     return root, runner, report
 
 
@@ -221,6 +222,7 @@ WARM_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {here!r}]
     import torch
     import torch._inductor.cpp_builder as cpp_builder
+    torch.set_num_threads({threads})  # as the cold build: the thread count is part of the program key
 
     calls = []
     def refuse(self, *a, **k):
@@ -251,7 +253,8 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
     env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}",
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor-cache"))
     env.pop("CXX", None)
-    script = WARM_SCRIPT.format(tests=str(TESTS_DIR), here=str(Path(__file__).resolve().parent), kc=str(root / "kc"), work=str(tmp_path / "work"))
+    script = WARM_SCRIPT.format(tests=str(TESTS_DIR), here=str(Path(__file__).resolve().parent), kc=str(root / "kc"), work=str(tmp_path / "work"),
+                                threads=int((root / "threads").read_text()))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -101,6 +101,12 @@ def test_a_second_host_fetches_the_sidecar_and_packs_nothing(tmp_path, s3, host,
     assert s3.keys() == keys  # nothing uploaded twice
 
 
+def _records(caplog, logger: str) -> list[logging.LogRecord]:
+    """The captured records of ``logger`` at WARNING or above: other loggers (botocore's INFO
+    lines, when an earlier test left the root logger at INFO) are not what these tests check."""
+    return [r for r in caplog.records if r.name == logger and r.levelno >= logging.WARNING]
+
+
 def test_a_corrupt_remote_sidecar_is_dropped_and_packed_again(tmp_path, s3, host, ckpt, packs, caplog):
     client_a, _ = host("host-a")
     handle_a = client_a.prepare(str(ckpt), dtype="f32")
@@ -113,8 +119,9 @@ def test_a_corrupt_remote_sidecar_is_dropped_and_packed_again(tmp_path, s3, host
     client_c, root_c = host("host-c")
     with caplog.at_level(logging.WARNING, logger="weight_service.s3_sidecars"):
         handle_c = client_c.prepare(str(ckpt), dtype="f32")
-    assert [r.getMessage() for r in caplog.records] == ["dropped a corrupt remote sidecar; packing instead"]
-    assert "model.safetensors" in caplog.records[0].reason and "metadata says" in caplog.records[0].reason
+    records = _records(caplog, "weight_service.s3_sidecars")
+    assert [r.getMessage() for r in records] == ["dropped a corrupt remote sidecar; packing instead"]
+    assert "model.safetensors" in records[0].reason and "metadata says" in records[0].reason
     assert handle_c.state == "BUILT" and packs == ["host-a", "host-c"]  # never served the corrupt bytes
     assert _digests(handle_c.path) == _digests(handle_a.path)
     assert weights not in s3.keys()  # the corrupt upload is gone; host C's own replaced it
@@ -148,10 +155,11 @@ def test_an_unreachable_bucket_costs_a_pack_not_the_prepare(tmp_path, s3, ckpt, 
     with caplog.at_level(logging.WARNING, logger="weight_service.prepare"):
         handle = prepare_module.prepare(str(ckpt), dtype="f32", root=tmp_path / "root", remote=remote)
     assert handle.state == "BUILT" and packs == ["root"]
-    assert [r.getMessage() for r in caplog.records] == [
+    records = _records(caplog, "weight_service.prepare")
+    assert [r.getMessage() for r in records] == [
         "could not fetch the sidecar from the object store; packing it here",
         "could not upload the sidecar to the object store; it serves from this host only"]
-    assert "127.0.0.1:1" in caplog.records[0].error
+    assert "127.0.0.1:1" in records[0].error
 
 
 def test_weights_serve_refuses_a_missing_bucket_with_exit_2(tmp_path, s3):
