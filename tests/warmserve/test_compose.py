@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import openai
@@ -128,23 +129,47 @@ class ComposeOnLoopback:
 def test_compose_file_shape() -> None:
     compose = _load()
     services = compose["services"]
+    # docker-compose 1.29 rejects a top-level `name:` (the project name is `-p`); Compose v2 reads both
+    assert set(compose) == {"services", "volumes"} | {k for k in compose if k.startswith("x-")}
     assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router", "openai"}
     assert set(compose["volumes"]) == {"kernel-cache", "sidecars"}
     for name, svc in services.items():
-        assert svc["build"] == "." and "--host" in svc["command"], name
+        assert svc["build"] == {"context": ".", "args": {"BASE_IMAGE": "${WARMSERVE_BASE_IMAGE:-python:3.11-slim}"}}
+        assert svc["image"] == "warmserve:latest" and "--host" in svc["command"], name
+        # a crashed process is restarted (deploy/compose/compose_test.py kills one and watches)
+        assert svc["restart"] == "unless-stopped", name
         assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
         probe = "openai_service.healthcheck" if name == "openai" else "services.healthcheck"  # HTTP / gRPC
         assert svc["healthcheck"]["test"][1:4] == ["python", "-m", probe], name
         assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name  # published on loopback only
-    assert services["router"]["ports"] == ["127.0.0.1:50050:50050"]
-    assert services["openai"]["ports"] == ["127.0.0.1:50053:50053"]
+    assert services["router"]["ports"] == ["127.0.0.1:${WARMSERVE_ROUTER_PORT:-50050}:50050"]
+    assert services["openai"]["ports"] == ["127.0.0.1:${WARMSERVE_OPENAI_PORT:-50053}:50053"]
     assert services["openai"]["command"][3:7] == ["openai", "serve", "--router", "router:50050"]
     for runner in ("runner-0", "runner-1"):
         assert "sidecars:/var/lib/warmserve/sidecars" in services[runner]["volumes"]
     assert "sidecars:/var/lib/warmserve/sidecars" in services["weights"]["volumes"]
     assert "kernel-cache:/var/lib/warmserve/kernel-cache" in services["kernel-cache"]["volumes"]
+
+
+def test_dockerfile_builds_from_the_wheelhouse() -> None:
+    """The base is a build argument (python:3.11-slim by default); every Python package comes
+    from the wheelhouse in the build context, no index is named; the image gets every package
+    pyproject.toml ships (the source is copied package by package, the wheelhouse left out)."""
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in dockerfile and "make install" in dockerfile
+    lines = [line.strip() for line in dockerfile.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[0] == "ARG BASE_IMAGE=python:3.11-slim"
+    assert [line for line in lines if line.startswith("FROM")] == [
+        "FROM ${BASE_IMAGE} AS base", "FROM base AS deps", "FROM base"]
+    assert "make install" in dockerfile and "--no-index" in dockerfile
+    assert "http" not in "\n".join(lines) and "--index-url" not in dockerfile
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.removesuffix("*") for p in include}
+    copied = {line.split()[1].rstrip("/") for line in lines if line.startswith("COPY ") and "--from" not in line}
+    assert packages <= copied, packages - copied
+    assert "." not in copied and ".wheelhouse/" not in {line.split()[1] for line in lines[lines.index("FROM base"):]
+                                                        if line.startswith("COPY ")}
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv*", "**/node_modules"} <= set(ignored) and ".wheelhouse" not in ignored
 
 
 def test_compose_services_run_on_loopback_and_serve_a_request(tmp_path: Path) -> None:
