@@ -122,17 +122,20 @@ def test_one_stream_over_the_cap_is_unavailable_and_control_calls_still_answer()
 def test_80_streams_leave_the_runners_lease_alive_and_all_finish() -> None:
     """The review's repro, scaled down in time: more streams than the old pool (64) through a
     router whose runner holds a short lease renewed by heartbeat."""
-    router = RouterServer(RouterConfig(min_lease_s=0.3, default_lease_s=1.0, health_interval_s=0.2),
+    router = RouterServer(RouterConfig(min_lease_s=0.3, default_lease_s=2.0, health_interval_s=0.5),
                           ServerConfig(service="router"))
     router.start()
-    runner = FakeRunner("r0", FakeBehaviour(delay_s=0.03))
+    runner = FakeRunner("r0", FakeBehaviour(delay_s=0.06))
+    # A 2 s lease renewed every ~0.7 s: slack for a busy test process (router, runner and 80
+    # clients share one GIL), yet far shorter than the streams, which a starved pool would
+    # make the heartbeats wait for.
     reg = RunnerRegistration(router.address, runner_id="r0", address=runner.address, model="fake",
-                             max_num_seqs=128, load_fn=lambda: {}, lease_seconds=0.6)
+                             max_num_seqs=128, load_fn=lambda: {}, lease_seconds=2.0)
     try:
         reg.start()
         assert reg.registered.wait(5)
         router.router.wait_ready(1, 10)
-        n, tokens = 80, 60  # each stream lasts ~1.8 s: three leases
+        n, tokens = 80, 100  # each stream lasts ~6 s: three leases
         out: list = [None] * n
         threads = [threading.Thread(target=_stream, args=(router.address, tokens, out, i)) for i in range(n)]
         for t in threads:
