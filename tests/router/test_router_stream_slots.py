@@ -122,8 +122,10 @@ def test_one_stream_over_the_cap_is_unavailable_and_control_calls_still_answer()
 def test_80_streams_leave_the_runners_lease_alive_and_all_finish() -> None:
     """The review's repro, scaled down in time: more streams than the old pool (64) through a
     router whose runner holds a short lease renewed by heartbeat."""
-    router = RouterServer(RouterConfig(min_lease_s=0.3, default_lease_s=2.0, health_interval_s=0.5),
-                          ServerConfig(service="router"))
+    # Health checks get a 5 s deadline: router, runner and 80 clients share this process's GIL,
+    # and what is under test is the lease, not how fast one busy process answers a check.
+    router = RouterServer(RouterConfig(min_lease_s=0.3, default_lease_s=2.0, health_interval_s=0.5,
+                                       health_timeout_s=5.0), ServerConfig(service="router"))
     router.start()
     runner = FakeRunner("r0", FakeBehaviour(delay_s=0.06))
     # A 2 s lease renewed every ~0.7 s: slack for a busy test process (router, runner and 80
