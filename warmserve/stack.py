@@ -216,10 +216,18 @@ class LocalStack:
                 offset = RUNNER_PORT_OFFSET + int(name.removeprefix("runner-"))
             base = self.config.base_port
             if name == OPENAI and self.config.openai_port is not None:
-                self._ports[name] = self.config.openai_port or _free_port(self.config.host)
+                self._ports[name] = self.config.openai_port or self._unused_free_port()
             else:
-                self._ports[name] = _free_port(self.config.host) if base == 0 else base + offset
+                self._ports[name] = self._unused_free_port() if base == 0 else base + offset
         return self._ports[name]
+
+    def _unused_free_port(self) -> int:
+        """A free port no other service of this stack was given: the kernel hands a port it just
+        freed out again, so two services could otherwise be told the same one."""
+        port = _free_port(self.config.host)
+        while port in self._ports.values():
+            port = _free_port(self.config.host)
+        return port
 
     def address(self, name: str) -> str:
         """``host:port`` of ``router``, ``kernel-cache``, ``weights`` or ``runner-I``."""

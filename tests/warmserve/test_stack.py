@@ -249,3 +249,15 @@ def test_a_home_that_cannot_be_one_is_bad_input(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=r"cannot create the home .*file/home"):
         under_a_file.start()
     assert not stack.services and not under_a_file.services
+
+
+def test_free_ports_are_never_given_twice_in_one_stack(tmp_path, monkeypatch):
+    """The kernel hands a just-freed port out again: two services told the same port would have
+    one answer the other's health check (a flake seen in CI)."""
+    import warmserve.stack as stack_module
+
+    handed = iter([41000, 41000, 41000, 41001, 41001, 41002])
+    monkeypatch.setattr(stack_module, "_free_port", lambda host: next(handed))
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path, openai=True), progress=None)
+    ports = [stack.port(name) for name in ("kernel-cache", "weights", "router")]
+    assert ports == [41000, 41001, 41002]
