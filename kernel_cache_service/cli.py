@@ -28,9 +28,9 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from services.bootstrap import add_server_args, int_at_least, read_token_file
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.ports import DEFAULT_PORTS, KERNEL_CACHE
 from services.table import format_table
 
-DEFAULT_PORT = 50051
 ADDR_ENV = "WARMSERVE_KERNEL_CACHE_ADDR"
 
 
@@ -53,7 +53,7 @@ def register(subparsers) -> None:
                             "Build leases stay in this daemon: single flight holds among this host's runners, and hosts "
                             "racing cold may each build a program once (one copy is kept); why: "
                             "docs/architecture.md section 6.1")
-    add_server_args(serve, default_port=DEFAULT_PORT)
+    add_server_args(serve, default_port=DEFAULT_PORTS[KERNEL_CACHE])
     serve.set_defaults(func=_cmd_serve)
 
     put = sub.add_parser("put", help="publish a file or a directory under NAME FINGERPRINT")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
-
-DEFAULT_PORT = 50050
+from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, ROUTER
 
 
 def register(subparsers) -> None:
@@ -23,7 +22,7 @@ def register(subparsers) -> None:
     serve = sub.add_parser("serve", help="run the router daemon")
     from services.bootstrap import add_server_args
 
-    add_server_args(serve, default_port=DEFAULT_PORT)
+    add_server_args(serve, default_port=DEFAULT_PORTS[ROUTER])
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
                        help="a static runner host:port (repeatable); runners may also register themselves")
     serve.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
@@ -46,7 +45,7 @@ def register(subparsers) -> None:
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")
     drain.add_argument("runner_id")
-    drain.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="router address")
+    drain.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
     drain.set_defaults(func=_drain)
 
 

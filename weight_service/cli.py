@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_PORT = 50052
+from services.ports import DEFAULT_PORTS, WEIGHTS
 
 
 def register(subparsers) -> None:
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
                             "then validated like a local one) instead of packing. Endpoint, region and credentials "
                             "come from the AWS environment and config files (AWS_ENDPOINT_URL for MinIO or another "
                             "S3-compatible endpoint)")
-    add_server_args(serve, default_port=DEFAULT_PORT)
+    add_server_args(serve, default_port=DEFAULT_PORTS[WEIGHTS])
     serve.set_defaults(func=_serve)
 
     prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from services.generation_client import GenerationClient, chat_request, sampling_params
-from warmserve.stack import _free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ class ComposeOnLoopback:
 
     def __init__(self, compose: dict, tmp: Path) -> None:
         self.services = compose["services"]
-        self.ports = {name: _free_port("127.0.0.1") for name in self.services}
+        self.ports = {name: free_port("127.0.0.1") for name in self.services}
         self.mounts: dict[str, str] = {}
         for svc in self.services.values():
             for vol in svc.get("volumes", []):

@@ -16,9 +16,11 @@ from weights_tiny import write_tiny_checkpoint, write_word_tokenizer
 from kernel_cache_service.client import KernelCacheClient
 from services.errors import InvalidArgument
 from services.generation_client import GenerationClient
+from services.ports import KERNEL_CACHE, ROUTER, WEIGHTS
 from services.proto import generation_pb2 as pb
 from warmserve.cli import build_parser
-from warmserve.stack import KERNEL_CACHE, ROUTER, WEIGHTS, LocalStack, StackConfig
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
 
 VOCAB = 96
 PROGRAMS = ("llama.decode.aoti", "llama.prefill.aoti")
