@@ -27,8 +27,7 @@ def register(subparsers) -> None:
     serve.add_argument("--port", type=int, default=DEFAULT_PORTS[OPENAI],
                        help=f"HTTP port, 0 = a free one (default {DEFAULT_PORTS[OPENAI]})")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model id clients use (default: the router's model source's name, e.g. "
-                            "smollm2-135m-instruct, or a checkpoint path's last component)")
+                       help="the model id clients use (default: derived from the router's model source)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                        help="log level (default INFO; DEBUG adds an access log)")
     serve.set_defaults(func=_serve)

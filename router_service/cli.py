@@ -34,13 +34,10 @@ def register(subparsers) -> None:
     serve.add_argument("--eject-after", type=int, default=3,
                        help="consecutive failed health checks before a runner is ejected (default 3)")
     serve.add_argument("--first-token-timeout", type=float, default=30.0,
-                       help="seconds a runner has to stream a request's first token before the request is "
-                            "retried elsewhere and the runner ejected (default 30; 0: off)")
+                       help="seconds to a request's first token before it is retried elsewhere (default 30; 0: off)")
     serve.add_argument("--served-model-name", default="", metavar="NAME",
-                       help="the model name KServe v2 / Triton clients use (inference.GRPCInferenceService on "
-                            "this port; requests may also give the runners' --model source); default: the "
-                            "source's last path component without .gguf/.safetensors, e.g. "
-                            "smollm2-135m-instruct")
+                       help="the model name KServe v2 / Triton clients use (default: derived from the runners' "
+                            "model source, e.g. smollm2-135m-instruct)")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")

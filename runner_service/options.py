@@ -2,7 +2,8 @@
 
 :data:`RUNNER_OPTIONS` generates ``runner serve``'s flags (:func:`add_serve_options`), the
 ``up``/``demo`` flags that reach every runner (:func:`add_forwarded_options`), a stack's runner
-command line (:func:`runner_argv`) and :class:`runner_service.config.EngineConfig`'s defaults.
+command line (:func:`runner_argv`), :class:`runner_service.config.EngineConfig`'s defaults and
+the engine config of parsed flags (:func:`engine_fields`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     serve``'s defaults."""
     groups: dict[str, object] = {}
     for opt in RUNNER_OPTIONS:
-        target = groups.setdefault(opt.group, parser.add_mutually_exclusive_group()) if opt.group else parser
+        if opt.group and opt.group not in groups:
+            groups[opt.group] = parser.add_mutually_exclusive_group()
+        target = groups[opt.group] if opt.group else parser
         shown = opt.help if opt.kind == "off" else _with_default(opt.help, opt.serve_default)
         opt.add_to(target, default=opt.serve_default, help=shown)
 
@@ -180,3 +183,9 @@ def runner_argv(values: Mapping[str, object]) -> list[str]:
     if unknown:
         raise KeyError(f"no runner option has dest {sorted(unknown)}")
     return [word for o in RUNNER_OPTIONS if o.dest in values for word in o.argv(values[o.dest])]
+
+
+def engine_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The :class:`~runner_service.config.EngineConfig` fields ``runner serve``'s parsed flags set
+    (field -> value)."""
+    return {o.field: getattr(args, o.dest) for o in RUNNER_OPTIONS if o.field}
