@@ -3,6 +3,7 @@
 - ``cli.py`` — the ``warmserve`` dispatcher (each package's ``cli`` module adds its commands);
 - ``stack.py`` — :class:`~warmserve.stack.LocalStack`, every service as a child process;
 - ``stack_cli.py`` — ``warmserve up | generate | chat | status | demo``;
+- ``chat.py`` — the ``warmserve chat`` loop (history, ``/reset``, ``/help``);
 - ``demo.py`` — ``warmserve demo`` (``make run``), the main job end to end.
 
 Packages depend on each other in one direction only, downward in this list (a package may import
