@@ -19,13 +19,10 @@ import grpc
 from services.channel import open_channel
 from services.errors import InvalidArgument, from_rpc_error
 from services.proto import generation_pb2, generation_pb2_grpc
+from services.sampling_keys import FLOAT32_MAX
 
 #: The full name of the ``Generation`` service, which runners and the router both serve.
 GENERATION_SERVICE = "warmserve.v1.Generation"
-
-
-#: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def sampling_params(*, max_tokens: int | None = None, temperature: float | None = None,
