@@ -236,10 +236,10 @@ def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: 
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute; per-token wall
     time direct, through the router natively, and through each front door on the router."""
+    from kserve_service.door import router_server
     from openai_service.config import OpenAIConfig
     from openai_service.daemon import OpenAIServer
     from router_service.config import RouterConfig
-    from router_service.servicer import RouterServer
     from services.bootstrap import ServerConfig, ServiceServer
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 
@@ -258,7 +258,7 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     runner = ServiceServer(ServerConfig(service="instant", port=0), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, Instant(), "warmserve.v1.Generation")])
     runner.start()
-    router = RouterServer(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2,
+    router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2,
                                        served_model_name="instant"), ServerConfig(service="router", port=0))
     router.start()
     door = OpenAIServer(OpenAIConfig(router=router.address, port=0, served_model_name="instant"), log_level="WARNING")

@@ -32,12 +32,13 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -130,6 +131,32 @@ def _final(messages: list[generation_pb2.GenerateResponse]) -> generation_pb2.Ge
     if not messages or not messages[-1].finish_reason:
         raise OpenAIError(502, "the router's stream ended without a final message")
     return messages[-1]
+
+
+async def _events(call: _Call, first: generation_pb2.GenerateResponse, *, chunk: Callable[..., BaseModel],
+                  choice: Callable[[generation_pb2.GenerateResponse, str | None], BaseModel], include_usage: bool,
+                  opening: list | None = None) -> AsyncIterator[str]:
+    """A stream's server-sent events, from its ``first`` message on: the ``opening`` choices'
+    chunk when given, one chunk per message with text, logprobs or a finish reason
+    (``chunk([choice(msg, reason)])``), the usage chunk when ``include_usage``, an error event
+    for an :class:`OpenAIError` raised meanwhile, then ``[DONE]``."""
+    skip = None if include_usage else {"usage"}
+    msg, final = first, None
+    try:
+        if opening is not None:
+            yield event(chunk(opening).model_dump_json(exclude=skip))
+        while msg is not None:
+            reason = finish_reason(msg)
+            if msg.text or msg.logprobs or reason:
+                yield event(chunk([choice(msg, reason)]).model_dump_json(exclude=skip))
+            if reason:
+                final = msg
+            msg = await call.next()
+        if include_usage and final is not None:
+            yield event(chunk([], usage=usage(final)).model_dump_json())
+    except OpenAIError as e:
+        yield event(e.body())
+    yield DONE
 
 
 def create_app(config: OpenAIConfig) -> FastAPI:
@@ -231,28 +258,14 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         if first is None:
             return Response(status_code=CLIENT_CLOSED)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        skip = None if include_usage else {"usage"}
+        builder = CompletionLogprobsBuilder(top_n) if top_n is not None else None
 
-        async def events() -> AsyncIterator[str]:
-            builder = CompletionLogprobsBuilder(top_n) if top_n is not None else None
-            msg, final = first, None
-            try:
-                while msg is not None:
-                    reason = finish_reason(msg)
-                    if msg.text or msg.logprobs or reason:
-                        logprobs = builder.add(msg.logprobs) if builder is not None else None
-                        yield event(chunk([CompletionChoice(text=msg.text, logprobs=logprobs, finish_reason=reason)])
-                                    .model_dump_json(exclude=skip))
-                    if reason:
-                        final = msg
-                    msg = await call.next()
-                if include_usage and final is not None:
-                    yield event(chunk([], usage=usage(final)).model_dump_json())
-            except OpenAIError as e:
-                yield event(e.body())
-            yield DONE
+        def stream_choice(msg: generation_pb2.GenerateResponse, reason: str | None) -> CompletionChoice:
+            logprobs = builder.add(msg.logprobs) if builder is not None else None
+            return CompletionChoice(text=msg.text, logprobs=logprobs, finish_reason=reason)
 
-        return EventStream(events(), on_close=call.cancel)
+        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage)
+        return EventStream(events, on_close=call.cancel)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -282,31 +295,16 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         if first is None:
             return Response(status_code=CLIENT_CLOSED)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        skip = None if include_usage else {"usage"}
 
         def chunk(choices, **kw) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **kw)
 
-        async def events() -> AsyncIterator[str]:
-            msg, final = first, None
-            try:
-                yield event(chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-                            .model_dump_json(exclude=skip))
-                while msg is not None:
-                    reason = finish_reason(msg)
-                    if msg.text or msg.logprobs or reason:
-                        yield event(chunk([ChatChunkChoice(delta=DeltaMessage(content=msg.text),
-                                                           logprobs=logprobs_of([msg]), finish_reason=reason)])
-                                    .model_dump_json(exclude=skip))
-                    if reason:
-                        final = msg
-                    msg = await call.next()
-                if include_usage and final is not None:
-                    yield event(chunk([], usage=usage(final)).model_dump_json())
-            except OpenAIError as e:
-                yield event(e.body())
-            yield DONE
+        def stream_choice(msg: generation_pb2.GenerateResponse, reason: str | None) -> ChatChunkChoice:
+            return ChatChunkChoice(delta=DeltaMessage(content=msg.text), logprobs=logprobs_of([msg]),
+                                   finish_reason=reason)
 
-        return EventStream(events(), on_close=call.cancel)
+        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage,
+                         opening=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+        return EventStream(events, on_close=call.cancel)
 
     return app

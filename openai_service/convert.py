@@ -35,7 +35,9 @@ from openai_service.protocol import (
     TopLogprob,
     Usage,
 )
+from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.sampling_keys import sampling_from_dict
 
 #: The lowest logprob sent (``-inf`` is not JSON; vLLM and OpenAI send this instead).
 MIN_LOGPROB = -9999.0
@@ -80,16 +82,20 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
     """The request's sampling fields; ``None`` ones stay unset (the model's defaults apply).
     ``max_tokens``: tokens to generate at most (``None``: ``default_max_tokens`` when given, else
     the model's default, either capped by the runner to what the context leaves); ``logprobs``:
-    top-n per token for the runner (0: none). vLLM's ``top_k = -1`` means off, the runner's 0.
+    top-n per token for the runner (0: none). The vLLM keys go through
+    :func:`services.sampling_keys.sampling_from_dict` (``top_k = -1`` means off, the runner's 0).
     Raises :class:`OpenAIError` (400) for an empty stop string."""
-    fields: dict = {"stop": _stop_list(req.stop), "logprobs": logprobs, "ignore_eos": req.ignore_eos,
-                    "stop_token_ids": list(req.stop_token_ids or ())}
-    for name, value in (("max_tokens", max_tokens), ("default_max_tokens", default_max_tokens),
-                        ("temperature", req.temperature), ("top_p", req.top_p),
-                        ("seed", req.seed), ("top_k", None if req.top_k is None else max(req.top_k, 0))):
-        if value is not None:
-            fields[name] = value
-    return generation_pb2.SamplingParams(**fields)
+    keys = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "seed": req.seed, "stop": _stop_list(req.stop), "stop_token_ids": list(req.stop_token_ids or ()),
+            "ignore_eos": req.ignore_eos}
+    try:
+        out = sampling_from_dict(keys)
+    except InvalidArgument as e:  # pydantic has checked the ranges already; a stray value is still a 400
+        raise bad_request(str(e)) from None
+    out.logprobs = logprobs
+    if default_max_tokens is not None:
+        out.default_max_tokens = default_max_tokens
+    return out
 
 
 def _prompt(prompt: str | list) -> dict:

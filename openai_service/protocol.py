@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from services.generation_client import FLOAT32_MAX
+from services.sampling_keys import FLOAT32_MAX
 
 #: Exclusive bound of the wire's 32-bit integers (token counts, token ids, top-k).
 INT32_END = 2**31

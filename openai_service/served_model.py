@@ -1,10 +1,10 @@
 """The one model an OpenAI door publishes, and which names a request may give for it.
 
-The id is ``--served-model-name`` when given, else :func:`services.model_name.served_model_name`
-of the model source the router's runners report (``ModelInfoResponse.model``). A request's
-``model`` may be that id, the source itself, or left out (vLLM accepts a missing ``model``
-too); anything else is a 404 ``model_not_found``. The router's ``ModelInfo`` is asked once and
-reused for ``ttl_s`` seconds.
+The id is :func:`services.served_model.published_name`: ``--served-model-name`` when given, else
+the default of the model source the router's runners report (``ModelInfoResponse.model``). A
+request's ``model`` may be that id, the source itself, or left out (vLLM accepts a missing
+``model`` too); anything else is a 404 ``model_not_found``. The router's ``ModelInfo`` is asked
+once and reused for ``ttl_s`` seconds (:class:`services.served_model.CachedModelInfo`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 
 from openai_service.errors import model_not_found
 from openai_service.router_client import RouterClient
-from services.model_name import names_model, served_model_name
+from services.model_name import names_model
 from services.proto import generation_pb2
+from services.served_model import CachedModelInfo, published_name
 
 
 class ServedModel:
@@ -24,26 +25,24 @@ class ServedModel:
     def __init__(self, client: RouterClient, name: str | None = None, *, ttl_s: float = 30.0) -> None:
         self._client = client
         self._name = name
-        self._ttl_s = ttl_s
-        self._info: generation_pb2.ModelInfoResponse | None = None
-        self._fetched_at = 0.0
+        self._cache = CachedModelInfo(ttl_s)
         #: Unix seconds when the door first learned its model (``GET /v1/models``' ``created``).
         self.created = int(time.time())
 
     async def info(self) -> generation_pb2.ModelInfoResponse:
         """The router's ``ModelInfo`` (cached for the TTL). Raises ``OpenAIError`` (503 when no
         runner is ready)."""
-        now = time.monotonic()
-        if self._info is None or now - self._fetched_at > self._ttl_s:
-            self._info = await self._client.model_info()
-            self._fetched_at = now
-        return self._info
+        info = self._cache.fresh()
+        if info is None:
+            info = await self._client.model_info()
+            self._cache.store(info)
+        return info
 
     async def name(self) -> str:
         """The published model id."""
         if self._name is not None:
             return self._name
-        return served_model_name((await self.info()).model)
+        return published_name(None, (await self.info()).model)
 
     async def check(self, requested: str | None) -> str:
         """The published id, after checking that ``requested`` (a request's ``model``) names it.

@@ -17,6 +17,7 @@ from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, ROUTER
 def register(subparsers) -> None:
     """Add ``router`` and its subcommands to the ``warmserve`` parser."""
     router = subparsers.add_parser("router", help="the request router (one endpoint for many runners)")
+    router.set_defaults(doors=())  # the front doors `serve` adds: a layer above sets them (kserve_service.cli)
     sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
 
     serve = sub.add_parser("serve", help="run the router daemon")
@@ -49,7 +50,7 @@ def register(subparsers) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from router_service.daemon import serve_from_args
 
-    serve_from_args(args)
+    serve_from_args(args, args.doors)
     return 0
 
 

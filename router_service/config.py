@@ -35,7 +35,7 @@ class RouterConfig:
     - ``prefix_block_tokens`` / ``prefix_block_bytes``: how much of the prompt keys prefix affinity
       (token ids, or UTF-8 bytes of text / rendered chat); ``ring_replicas``: virtual nodes per
       runner on the consistent-hash ring.
-    - ``served_model_name``: the model name the KServe v2 door (:mod:`router_service.kserve`)
+    - ``served_model_name``: the model name the KServe v2 door (:mod:`kserve_service`)
       answers to, as vLLM's ``--served-model-name``; ``""`` derives it from the runners' model
       source (:func:`services.model_name.served_model_name`). Requests may also name the source.
     """

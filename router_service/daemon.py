@@ -1,16 +1,20 @@
 """``warmserve router serve``: a :class:`~router_service.servicer.RouterServer` built from the
-command-line flags, run until SIGTERM/SIGINT drains it."""
+command-line flags, run until SIGTERM/SIGINT drains it. The front doors it serves beside
+``warmserve.v1`` come from the layer above (``args.doors``, set by :mod:`kserve_service.cli`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from router_service.config import RouterConfig
-from router_service.servicer import RouterServer
+from router_service.servicer import Door, RouterServer
 from services.bootstrap import config_from_args
 from services.log import configure_logging
 
 
-def serve_from_args(args) -> None:
-    """Entry point of ``warmserve router serve``: run until SIGTERM/SIGINT, then drain."""
+def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
+    """Entry point of ``warmserve router serve``: run until SIGTERM/SIGINT, then drain; ``doors``
+    are served on the router's port (:data:`router_service.servicer.Door`)."""
     configure_logging("router", args.log_level)
     config = RouterConfig(
         static_runners=tuple(args.runner),
@@ -21,6 +25,6 @@ def serve_from_args(args) -> None:
         first_token_timeout_s=args.first_token_timeout,
         served_model_name=args.served_model_name,
     )
-    server = RouterServer(config, config_from_args(args, "router"))
+    server = RouterServer(config, config_from_args(args, "router"), doors)
     server.start()
     server.serve_forever()

@@ -34,22 +34,10 @@ import grpc
 
 from router_service.channels import ChannelPool
 from router_service.registry import Chooser, Runner, RunnerRegistry
-from services.errors import Unavailable, WarmserveError, from_rpc_error
+from services.errors import Cancelled, DeadlineExceeded, Unavailable, WarmserveError, from_rpc_error
 from services.proto import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-class DeadlineExceeded(WarmserveError):
-    """The request's deadline passed (gRPC ``DEADLINE_EXCEEDED``)."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Cancelled(WarmserveError):
-    """The client cancelled the request (gRPC ``CANCELLED``)."""
-
-    code = grpc.StatusCode.CANCELLED
 
 
 def upstream_error(err: grpc.RpcError, runner: Runner) -> WarmserveError:

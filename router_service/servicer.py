@@ -4,30 +4,32 @@ behind the server bootstrap.
 The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
 and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
 behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
-drain) and exports per-runner gauges; on the same port it serves the KServe v2 / Triton door,
-``inference.GRPCInferenceService`` (:mod:`router_service.kserve`).
+drain) and exports per-runner gauges; on the same port it serves the doors a layer above passes
+in (:data:`Door`: ``warmserve router serve`` adds the KServe v2 / Triton door, :mod:`kserve_service`).
 """
 
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Callable, Sequence
 
 from prometheus_client.core import GaugeMetricFamily
 
 from router_service.config import RouterConfig
 from router_service.convert import load_from_proto, runner_to_proto
 from router_service.deadline import time_left
-from router_service.kserve import SERVICE_NAME as KSERVE_SERVICE
-from router_service.kserve import KServeServicer
 from router_service.registry import RunnerState
 from router_service.router import Router
 from services.address import format_address, parse_address
-from services.bootstrap import ServerConfig, ServiceServer
+from services.bootstrap import Registration, ServerConfig, ServiceServer
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
-from services.proto.triton import grpc_service_pb2_grpc as kserve_pb2_grpc
 from services.stream_slots import StreamSlots
+
+#: A front door served on the router's port beside ``warmserve.v1``: given the router's core and
+#: the stream cap every door shares, the servicer to register (``(add_fn, servicer, service name)``).
+Door = Callable[[Router, StreamSlots], Registration]
 
 #: Hosts that mean "every interface": a runner bound there is dialled at the host it called from.
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -145,7 +147,8 @@ class RouterServer:
     the server, then stops the router; ``stop()`` stops both at once (tests).
     """
 
-    def __init__(self, config: RouterConfig, server_config: ServerConfig) -> None:
+    def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = ()) -> None:
+        """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``."""
         self.router = Router(config)
         #: One cap for every door's streams (:mod:`services.stream_slots`).
         self.slots = StreamSlots(server_config.max_streams, "the router")
@@ -154,8 +157,7 @@ class RouterServer:
              GENERATION_SERVICE),
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
-            (kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServeServicer(self.router, self.slots),
-             KSERVE_SERVICE),
+            *(door(self.router, self.slots) for door in doors),
         ])
         self.server.registry.register(_RunnerGauges(self.router))
 

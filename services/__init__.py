@@ -9,6 +9,8 @@
   reflection, auth, metrics, drain) and the daemons' common flags;
 - ``proto/`` — the generated ``warmserve.v1`` stubs; ``protogen.py`` regenerates them;
 - ``generation_client.py`` — the ``Generation`` client (a runner or the router);
+- ``sampling_keys.py``, ``served_model.py`` — what both front doors share: vLLM sampling keys ->
+  ``SamplingParams`` (and the wire's float32/int32 limits), the published model name and ``ModelInfo`` cache;
 - ``healthcheck.py`` — ``python -m services.healthcheck HOST:PORT``, the gRPC health probe;
 - ``s3.py`` — ``s3://BUCKET/PREFIX`` URLs and the object-store operations (conditional uploads,
   verified downloads) the kernel cache and the weight service share artifacts through;

@@ -54,6 +54,24 @@ class Unauthenticated(WarmserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class DeadlineExceeded(WarmserveError):
+    """The request's deadline passed (gRPC ``DEADLINE_EXCEEDED``)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(WarmserveError):
+    """The client cancelled the request (gRPC ``CANCELLED``)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Internal(WarmserveError):
+    """A server failed doing the request, e.g. a generation failed inside the runner (gRPC ``INTERNAL``)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 def abort_with(context: grpc.ServicerContext, err: WarmserveError) -> None:
     """Abort the RPC with ``err``'s status code and message. Never returns (raises)."""
     context.abort(err.code, str(err))

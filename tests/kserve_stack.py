@@ -9,8 +9,8 @@ from pathlib import Path
 
 from weights_tiny import write_tiny_checkpoint
 
+from kserve_service.door import router_server
 from router_service.config import RouterConfig
-from router_service.servicer import RouterServer
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine
 from runner_service.servicer import GenerationServicer
@@ -39,7 +39,7 @@ class TinyStack:
             (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.engine, "runner-0"),
              GENERATION_SERVICE)])
         self.runner.start()
-        self.server = RouterServer(
+        self.server = router_server(
             RouterConfig(static_runners=(self.runner.address,), health_interval_s=0.1, health_timeout_s=1.0,
                          served_model_name=served_model_name),
             ServerConfig(service="router", port=0))

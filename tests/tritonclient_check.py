@@ -2,7 +2,7 @@
 a client of a vLLM model on Triton uses it, and print what it saw as one JSON object (test helper).
 
 Run it with the interpreter of the ``.venv-tritonclient`` venv (``make tritonclient``), never the
-project's: it imports nothing from warmserve. ``tests/router/test_router_tritonclient.py``
+project's: it imports nothing from warmserve. ``tests/kserve/test_kserve_tritonclient.py``
 checks the JSON against the warmserve.v1 ``Generate`` path.
 
     .venv-tritonclient/bin/python tests/tritonclient_check.py --url 127.0.0.1:50050 \\

@@ -6,6 +6,7 @@
 - ``stack_state.py`` — ``HOME/stack.json``; ``stack_report.py`` — start-up reports and status tables;
 - ``up.py`` — ``warmserve up``'s foreground loop;
 - ``stack_cli.py`` — ``warmserve up | generate | chat | status | demo``;
+- ``chat.py`` — the ``warmserve chat`` loop (history, ``/reset``, ``/help``);
 - ``demo.py`` — ``warmserve demo`` (``make run``), the main job end to end.
 
 Packages depend on each other in one direction only, downward in this list (a package may import
@@ -13,8 +14,9 @@ itself and the packages below it, never one above it or beside it; lazy, functio
 included). ``tests/test_imports.py`` checks it against :data:`LAYERS`::
 
     warmserve             the tools: CLI dispatcher, local stack, demo
-    router_service        the router: one Generation endpoint in front of many runners
+    kserve_service        the KServe v2 / Triton door, served in the router's process
       openai_service      beside it: the OpenAI-compatible HTTP door, a gRPC client of the router
+    router_service        the router: one Generation endpoint in front of many runners (routing only)
     runner_service        the runner: engine, model, KV cache, Generation servicer, registration
     kernel_cache_service  compiled-program store     weight_service  weight sidecars
     model_families        per-family model code (config, pack layout, forward) for weights and runner
@@ -24,9 +26,14 @@ included). ``tests/test_imports.py`` checks it against :data:`LAYERS`::
 So ``services`` imports no other package of the project; ``model_families`` only ``services``;
 ``kernel_cache_service`` and ``weight_service`` only those two; ``runner_service`` uses everything
 below it (and registers itself with a router through the RouterControl stubs, not through
-``router_service``); ``router_service`` relays to runners through the Generation stubs;
-``openai_service``, beside it (neither imports the other), calls the router through the same stubs
-and imports only ``services``; ``warmserve`` launches them all. (A layer whose package is absent constrains nothing.)
+``router_service``); ``router_service`` relays to runners through the Generation stubs and serves, on its port, the
+front doors handed to it (``RouterServer(..., doors)``, :data:`router_service.servicer.Door`);
+the doors sit one layer above it: ``kserve_service`` calls the router's core as its
+``Generation`` servicer does, and composes the router process (``kserve_service.door``, wired
+into ``warmserve router serve`` by ``kserve_service.cli``); ``openai_service``, beside it (neither
+imports the other), calls the router over gRPC and imports only ``services``. What both doors
+share (the served-model cache, the vLLM sampling keys) lives in ``services``. ``warmserve``
+launches them all. (A layer whose package is absent constrains nothing.)
 """
 
 #: The package layers, lowest first; a package may import only its own layer's package and lower layers.
@@ -35,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model_families",),
     ("kernel_cache_service", "weight_service"),
     ("runner_service",),
-    ("router_service", "openai_service"),
+    ("router_service",),
+    ("kserve_service", "openai_service"),
     ("warmserve",),
 )

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "weight_service.cli",
     "runner_service.cli",
     "router_service.cli",
+    "kserve_service.cli",
     "openai_service.cli",
     "warmserve.stack_cli",
 )

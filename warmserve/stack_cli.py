@@ -72,7 +72,7 @@ def register(subparsers) -> None:
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
 
-    from services.generation_client import CHAT_COMMANDS
+    from warmserve.chat import CHAT_COMMANDS
 
     chat = subparsers.add_parser(
         "chat", help="interactive chat (reads stdin, keeps history)",
@@ -173,7 +173,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from services.generation_client import GenerationClient, interactive_chat
+    from services.generation_client import GenerationClient
+    from warmserve.chat import interactive_chat
 
     with GenerationClient(args.addr, fail_fast=True) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,

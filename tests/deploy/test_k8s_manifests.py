@@ -98,8 +98,8 @@ def registered(tmp_path_factory) -> dict[str, set[str]]:
     the whole server, included), from servers built the way their daemons build them."""
     from kernel_cache_service.servicer import build_server as kernel_cache_server
     from kernel_cache_service.store import KernelStore
+    from kserve_service.door import router_server
     from router_service.config import RouterConfig
-    from router_service.servicer import RouterServer
     from services.bootstrap import ServerConfig
     from weight_service.servicer import build_server as weights_server
 
@@ -107,7 +107,7 @@ def registered(tmp_path_factory) -> dict[str, set[str]]:
     names = {
         "kernel-cache": kernel_cache_server(KernelStore(tmp / "kc"), ServerConfig(service="kernel-cache")).service_names,
         "weights": weights_server(ServerConfig(service="weights"), tmp / "sidecars").service_names,
-        "router": RouterServer(RouterConfig(), ServerConfig(service="router")).server.service_names,
+        "router": router_server(RouterConfig(), ServerConfig(service="router")).server.service_names,
         # runner_service.daemon registers exactly this one (a real runner needs a model)
         "runner": [GENERATION_SERVICE],
     }

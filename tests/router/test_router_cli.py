@@ -15,11 +15,11 @@ import pytest
 from fake_runner import FakeRunner
 
 from services.generation_client import GenerationClient, sampling_params
-from services.generation_client import interactive_chat as chat_loop
 from services.healthcheck import check_health
 from services.healthcheck import main as probe_main
 from services.ports import free_port
 from warmserve import cli
+from warmserve.chat import interactive_chat as chat_loop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,7 +116,7 @@ def test_interactive_chat_keeps_history() -> None:
 
 
 def test_chat_commands_are_never_sent_to_the_model_and_a_terminal_gets_a_banner(capsys) -> None:
-    from services.generation_client import CHAT_COMMANDS, chat_banner
+    from warmserve.chat import CHAT_COMMANDS, chat_banner
 
     runner = FakeRunner("fake-chat")
     try:

@@ -56,7 +56,7 @@ KSERVE_UNIMPLEMENTED = {
 
 
 def test_the_kserve_door_serves_every_other_triton_rpc() -> None:
-    from router_service.kserve import UNIMPLEMENTED_RPCS, KServeServicer
+    from kserve_service.servicer import UNIMPLEMENTED_RPCS, KServeServicer
     from services.proto.triton import grpc_service_pb2
 
     assert UNIMPLEMENTED_RPCS == KSERVE_UNIMPLEMENTED
@@ -83,7 +83,7 @@ def test_the_kserve_door_serves_every_other_triton_rpc() -> None:
 @pytest.mark.parametrize("servicer_path", [
     "kernel_cache_service.servicer:KernelCacheServicer", "weight_service.servicer:WeightsServicer",
     "runner_service.servicer:GenerationServicer", "router_service.servicer:GenerationServicer",
-    "router_service.servicer:RouterControlServicer", "router_service.kserve:KServeServicer",
+    "router_service.servicer:RouterControlServicer", "kserve_service.servicer:KServeServicer",
 ])
 def test_every_rpc_is_implemented_by_its_servicer(servicer_path):
     """The generated base classes answer every RPC with NotImplementedError (grpc_tools' output,

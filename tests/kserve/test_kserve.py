@@ -22,9 +22,10 @@ from fake_runner import FakeRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kserve_stack import MODEL_DIR, TinyStack
 
-from router_service import kserve_convert
+from kserve_service import convert as kserve_convert
+from kserve_service import tensors as kserve_tensors
+from kserve_service.door import router_server
 from router_service.config import RouterConfig
-from router_service.servicer import RouterServer
 from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument
 from services.healthcheck import check_health
@@ -386,7 +387,7 @@ def test_a_half_closed_stream_still_gets_its_answers(stub, reference) -> None:
 
 def test_no_runner_means_not_ready_and_unavailable() -> None:
     for served in ("", "named"):
-        server = RouterServer(RouterConfig(served_model_name=served), ServerConfig(service="router", port=0))
+        server = router_server(RouterConfig(served_model_name=served), ServerConfig(service="router", port=0))
         server.start()
         try:
             with grpc.insecure_channel(server.address) as channel:
@@ -409,7 +410,7 @@ def test_the_served_name_comes_from_a_registered_runners_source_or_the_config() 
     servers = []
     try:
         for served, expected in (("", "SmolLM2.Q4_1"), ("my-model", "my-model")):
-            server = RouterServer(RouterConfig(health_interval_s=0.1, served_model_name=served),
+            server = router_server(RouterConfig(health_interval_s=0.1, served_model_name=served),
                                   ServerConfig(service="router", port=0))
             servers.append(server)
             server.start()
@@ -488,8 +489,8 @@ def test_sampling_parameters_map_to_warmserve_sampling_params() -> None:
 
 def test_bytes_tensors_round_trip_and_truncation_is_refused() -> None:
     raw = _length_prefixed(b"", "h\u00e9".encode(), b"x" * 300)
-    assert kserve_convert.deserialize_bytes(raw, "t") == [b"", "h\u00e9".encode(), b"x" * 300]
-    assert kserve_convert.serialize_bytes([b"", b"ab"]) == b"\x00\x00\x00\x00\x02\x00\x00\x00ab"
+    assert kserve_tensors.deserialize_bytes(raw, "t") == [b"", "h\u00e9".encode(), b"x" * 300]
+    assert kserve_tensors.serialize_bytes([b"", b"ab"]) == b"\x00\x00\x00\x00\x02\x00\x00\x00ab"
     for cut in (raw[:2], raw[:-1]):
         with pytest.raises(InvalidArgument):
-            kserve_convert.deserialize_bytes(cut, "t")
+            kserve_tensors.deserialize_bytes(cut, "t")

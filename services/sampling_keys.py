@@ -1,0 +1,133 @@
+"""vLLM ``SamplingParams`` keys -> warmserve ``SamplingParams``, the one parser both doors use:
+Triton's vLLM backend's ``sampling_parameters`` JSON (:mod:`kserve_service.convert`) and the
+OpenAI body's sampling fields (:mod:`openai_service.convert`). See ``docs/architecture.md`` §10.
+
+Keys: ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 = off, as vLLM), ``seed``,
+``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``; a vLLM key warmserve
+has no use for is accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). Numbers may be
+JSON numbers or strings (``"0.1"``, ``"100"``), as the vLLM backend converts each value with the
+field's type. Every function raises :class:`services.errors.InvalidArgument` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from services.errors import InvalidArgument
+from services.proto import generation_pb2
+
+#: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
+FLOAT32_MAX = 3.4028234663852886e38
+#: The largest int32: the proto's token counts, token ids and ``top_k``.
+INT32_MAX = 2**31 - 1
+
+#: vLLM sampling keys warmserve accepts only at the value that changes nothing (vLLM's default).
+NEUTRAL_SAMPLING: Mapping[str, object] = {
+    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "min_tokens": 0, "detokenize": True, "include_stop_str_in_output": False,
+    "logprobs": None, "prompt_logprobs": None,
+}
+
+def _int(key: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"sampling parameter '{key}' must be an integer, got {json.dumps(value)}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise InvalidArgument(f"sampling parameter '{key}' must be an integer, got {json.dumps(value)}")
+
+
+def _float(key: str, value: object) -> float:
+    out: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            out = None
+    if out is None or not math.isfinite(out) or abs(out) > FLOAT32_MAX:
+        raise InvalidArgument(f"sampling parameter '{key}' must be a finite number, got {json.dumps(value)}")
+    return out
+
+
+def _bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise InvalidArgument(f"sampling parameter '{key}' must be true or false, got {json.dumps(value)}")
+
+
+def _in_range(key: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidArgument(f"sampling parameter '{key}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingParams:
+    """warmserve ``SamplingParams`` from vLLM sampling keys (see the module docstring); a key
+    whose value is ``None`` (JSON ``null``) is left unset. Raises ``InvalidArgument`` naming the
+    key for an unknown key, a value of the wrong type or out of range, ``lora_name``, or a
+    :data:`NEUTRAL_SAMPLING` key at another value."""
+    out = generation_pb2.SamplingParams()
+    for key, value in params.items():
+        if value is None and key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                     "stop_token_ids", "ignore_eos", *NEUTRAL_SAMPLING):
+            continue
+        if key == "max_tokens":
+            out.max_tokens = _in_range(key, _int(key, value), 1, INT32_MAX)
+        elif key == "temperature":
+            out.temperature = _float(key, value)
+        elif key == "top_p":
+            out.top_p = _float(key, value)
+        elif key == "top_k":
+            top_k = _int(key, value)
+            out.top_k = 0 if top_k == -1 else _in_range(key, top_k, 0, INT32_MAX)  # vLLM: -1 = off
+        elif key == "seed":
+            out.seed = _in_range(key, _int(key, value), 0, 2**64 - 1)
+        elif key == "stop":
+            stops = [value] if isinstance(value, str) else value
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise InvalidArgument(f"sampling parameter 'stop' must be a string or a list of strings, "
+                                      f"got {json.dumps(value)}")
+            out.stop.extend(stops)
+        elif key == "stop_token_ids":
+            if not isinstance(value, list):
+                raise InvalidArgument(f"sampling parameter 'stop_token_ids' must be a list of integers, "
+                                      f"got {json.dumps(value)}")
+            out.stop_token_ids.extend(_in_range(key, _int(key, v), 0, INT32_MAX) for v in value)
+        elif key == "ignore_eos":
+            out.ignore_eos = _bool(key, value)
+        elif key == "lora_name":
+            raise InvalidArgument("sampling parameter 'lora_name': LoRA adapters are not supported")
+        elif key in NEUTRAL_SAMPLING:
+            _check_neutral(key, value)
+        else:
+            raise InvalidArgument(f"unknown sampling parameter '{key}' (supported: max_tokens, temperature, top_p, "
+                                  f"top_k, seed, stop, stop_token_ids, ignore_eos, and at their defaults "
+                                  f"{', '.join(NEUTRAL_SAMPLING)})")
+    return out
+
+
+def _check_neutral(key: str, value: object) -> None:
+    neutral = NEUTRAL_SAMPLING[key]
+    if neutral is None:
+        same = False
+    elif isinstance(neutral, bool):
+        same = _bool(key, value) == neutral
+    elif isinstance(neutral, int):
+        same = _int(key, value) == neutral
+    else:
+        same = _float(key, value) == neutral
+    if not same:
+        raise InvalidArgument(f"sampling parameter '{key}' = {json.dumps(value)} is not supported "
+                              f"(only its default, {json.dumps(neutral)})")
