@@ -16,7 +16,11 @@ NODE_CLIENT := clients/node
 # apt-get as root, else through sudo (Node.js from Debian packages when absent).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto test lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test kubectl
+# The packages that ship (tests/, bench/ and the generated stubs aside): what `make lint` checks for duplicates.
+PRODUCT_PACKAGES := services model_families kernel_cache_service weight_service runner_service router_service \
+	openai_service warmserve
+
+.PHONY: install proto test check lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test kubectl
 
 install: $(STAMP)
 
@@ -63,8 +67,14 @@ protolint: node
 	npx --no-install buf lint
 	npx --no-install buf breaking --against protos/baseline/v1.0.0.binpb
 
+# ruff, then pylint's duplicate-code check over the product packages (pyproject.toml [tool.pylint]).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pylint --score=n $(PRODUCT_PACKAGES)
+
+# The inner loop (a few minutes): lint and every test not marked slow. `make test` runs everything.
+check: install lint
+	$(PY) -m pytest -q -m "not slow" tests
 
 test: install lint node tritonclient kubectl
 	$(PY) -m pytest -q tests

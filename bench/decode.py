@@ -76,6 +76,7 @@ import torch  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
 from model_families.block_layout import BlockLayout  # noqa: E402
+from model_families.dtypes import COMPUTE_DTYPES, WEIGHTS_DTYPES  # noqa: E402
 from runner_service.config import EngineConfig  # noqa: E402
 from runner_service.decode_buffers import DecodeBuffers  # noqa: E402
 from runner_service.engine import LLMEngine  # noqa: E402
@@ -473,8 +474,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per sequence (default 32)")
     parser.add_argument("--runs", type=int, default=3, help="runs per median (default 3)")
-    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="compute dtype (default f32)")
-    parser.add_argument("--weights-dtype", choices=("f32", "bf16", "int8", "int4"), default="f32",
+    parser.add_argument("--dtype", choices=COMPUTE_DTYPES, default="f32", help="compute dtype (default f32)")
+    parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="f32",
                         help="warmserve's sidecar dtype (default f32)")
     parser.add_argument("--sidecar-dir", default=None, help="sidecar root (default: a temp dir)")
     parser.add_argument("--kernel-cache-dir", default=None, help="kernel cache for compiled programs")

@@ -59,7 +59,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,6 +78,7 @@ import peers_install  # noqa: E402
 from peers_install import Unavailable  # noqa: E402
 from prompts import PROMPTS  # noqa: E402
 
+from services.ports import free_port  # noqa: E402
 from services.procs import stop_process  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
@@ -93,12 +93,6 @@ def log(msg: str) -> None:
     """A progress line on stderr."""
     print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def prompts(n: int) -> list[str]:
@@ -195,7 +189,7 @@ class Server(ABC):
         self.label = label
         self.args = args
         self.log_path = log_dir / f"{label.replace(' ', '_').replace('@', '-')}.log"
-        self.port = free_port()
+        self.port = free_port(HOST)
         self.proc: subprocess.Popen | None = None
         self.launched_at = 0.0
 
@@ -214,7 +208,7 @@ class Server(ABC):
 
     def launch(self, timeout_s: float) -> float:
         """Start the process and wait until :meth:`ready`; returns seconds from ``Popen``."""
-        self.port = free_port()  # a fresh port per launch: the previous one may linger in TIME_WAIT
+        self.port = free_port(HOST)  # a fresh port per launch: the previous one may linger in TIME_WAIT
         cmd, extra_env, cwd = self.command()
         env = dict(os.environ, OMP_NUM_THREADS=str(self.args.threads), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", **extra_env)

@@ -162,7 +162,8 @@ def _aligned_gaps(a: list[float], b: list[float], max_shift: int = 3) -> tuple[i
 
 
 def bench_real(tokens: int, rounds: int, home: Path) -> dict:
-    from warmserve.stack import LocalStack, StackConfig
+    from warmserve.stack import LocalStack
+    from warmserve.stack_config import StackConfig
 
     cfg = StackConfig(runners=1, base_port=0, home=home, compile="off", max_num_seqs=8, openai=True)
     request = generation_pb2.GenerateRequest(

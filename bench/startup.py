@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,16 +56,12 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from services.ports import free_port  # noqa: E402
 from services.procs import stop_process  # noqa: E402
 from services.proto import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def warmserve_command() -> list[str]:

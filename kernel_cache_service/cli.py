@@ -28,9 +28,9 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from services.bootstrap import add_server_args, int_at_least, read_token_file
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.ports import DEFAULT_PORTS, KERNEL_CACHE
 from services.table import format_table
 
-DEFAULT_PORT = 50051
 ADDR_ENV = "WARMSERVE_KERNEL_CACHE_ADDR"
 
 
@@ -42,18 +42,11 @@ def register(subparsers) -> None:
     serve = sub.add_parser("serve", help="run the KernelCache gRPC daemon")
     serve.add_argument("--root", required=True, help="store directory (created if absent)")
     serve.add_argument("--max-bytes", type=int_at_least(0), default=0,
-                       help="byte budget; least recently used entries are evicted (0 = unlimited); with --store "
-                            "it bounds the local tier")
+                       help="byte budget of --root, least recently used evicted first (0 = unlimited)")
     serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
-                       help="share the programs through this S3 bucket (hosts that share no disk share artifacts); "
-                            "--root becomes the local tier in front of it (read-through, LRU under --max-bytes). "
-                            "Endpoint, region and credentials come from the AWS environment and config files "
-                            "(AWS_ENDPOINT_URL for MinIO or another S3-compatible endpoint). A publish is one "
-                            "conditional PUT (exactly one racing publisher wins); corrupt objects are never served. "
-                            "Build leases stay in this daemon: single flight holds among this host's runners, and hosts "
-                            "racing cold may each build a program once (one copy is kept); why: "
-                            "docs/architecture.md section 6.1")
-    add_server_args(serve, default_port=DEFAULT_PORT)
+                       help="share the programs through this S3 bucket, --root its local tier (AWS environment "
+                            "for endpoint and credentials; docs/architecture.md section 6.1)")
+    add_server_args(serve, default_port=DEFAULT_PORTS[KERNEL_CACHE])
     serve.set_defaults(func=_cmd_serve)
 
     put = sub.add_parser("put", help="publish a file or a directory under NAME FINGERPRINT")

@@ -54,7 +54,7 @@ Slot ``s`` of a pool is row
 ``s % block_size`` of block ``s // block_size``; block 0 is the runner's scratch block (padding
 rows write there and padding block-table entries point at it).
 
-Weights dtypes (:data:`WEIGHTS_DTYPES`): the sidecar of a float dtype (``f32``, ``bf16``) holds
+Weights dtypes (:data:`model_families.dtypes.WEIGHTS_DTYPES`): the sidecar of a float dtype (``f32``, ``bf16``) holds
 every tensor in it; a quantized one (``int8``, ``int4``) holds the matrices the family chooses as
 weight-only quantized parts (``NAME.qweight``, ``NAME.scales``, ``NAME.zeros``: the formats of
 :mod:`model_families.quant`) and the rest in the float dtypes its layout states (Llama:
@@ -81,8 +81,6 @@ from model_families.block_layout import BlockLayout
 from model_families.ops import QuantizedWeight
 from services.errors import InvalidArgument
 
-#: Sidecar weights dtypes: float ones, then weight-only quantized ones.
-WEIGHTS_DTYPES = ("f32", "bf16", "int8", "int4")
 #: The float weights dtypes and their torch dtypes.
 FLOAT_WEIGHTS: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -330,7 +328,7 @@ class ModelFamily(ABC):
     ``architectures`` (HF architecture names it serves), ``pack_version`` (changes whenever the
     sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
     ``config_class`` (a :class:`FamilyConfig` subclass), ``weights_dtypes`` (the sidecar weights
-    dtypes it packs, a subset of :data:`WEIGHTS_DTYPES`; float-only by default),
+    dtypes it packs, a subset of :data:`~model_families.dtypes.WEIGHTS_DTYPES`; float-only by default),
     ``stacked_prefixes`` (names whose first dim is a stack index; ``("layers.",)`` by default) and
     ``extra_prefixes`` (what :meth:`extra_specs` names may start with; none by default).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from openai_service.config import DEFAULT_PORT, DEFAULT_ROUTER
+from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, OPENAI
 
 #: uvicorn's and the JSON log's levels.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -24,10 +24,10 @@ def register(subparsers) -> None:
     serve.add_argument("--router", default=DEFAULT_ROUTER,
                        help=f"the router's (or a runner's) Generation address, host:port (default {DEFAULT_ROUTER})")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port, 0 = a free one (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORTS[OPENAI],
+                       help=f"HTTP port, 0 = a free one (default {DEFAULT_PORTS[OPENAI]})")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model id clients use (default: the router's model source's name, e.g. "
-                            "smollm2-135m-instruct, or a checkpoint path's last component)")
+                       help="the model id clients use (default: derived from the router's model source)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                        help="log level (default INFO; DEBUG adds an access log)")
     serve.set_defaults(func=_serve)

@@ -6,11 +6,7 @@ from dataclasses import dataclass
 
 from services.address import format_address, parse_address
 from services.errors import InvalidArgument
-
-#: The router of a default ``warmserve up`` stack.
-DEFAULT_ROUTER = "127.0.0.1:50050"
-#: The door's default port: a default ``warmserve up`` puts it at its base port (50050) + 3.
-DEFAULT_PORT = 50053
+from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, OPENAI
 
 
 @dataclass(frozen=True)
@@ -27,7 +23,7 @@ class OpenAIConfig:
 
     router: str = DEFAULT_ROUTER
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = DEFAULT_PORTS[OPENAI]
     served_model_name: str | None = None
     model_info_ttl_s: float = 30.0
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
-
-DEFAULT_PORT = 50050
+from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, ROUTER
 
 
 def register(subparsers) -> None:
@@ -23,7 +22,7 @@ def register(subparsers) -> None:
     serve = sub.add_parser("serve", help="run the router daemon")
     from services.bootstrap import add_server_args
 
-    add_server_args(serve, default_port=DEFAULT_PORT)
+    add_server_args(serve, default_port=DEFAULT_PORTS[ROUTER])
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
                        help="a static runner host:port (repeatable); runners may also register themselves")
     serve.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
@@ -35,18 +34,15 @@ def register(subparsers) -> None:
     serve.add_argument("--eject-after", type=int, default=3,
                        help="consecutive failed health checks before a runner is ejected (default 3)")
     serve.add_argument("--first-token-timeout", type=float, default=30.0,
-                       help="seconds a runner has to stream a request's first token before the request is "
-                            "retried elsewhere and the runner ejected (default 30; 0: off)")
+                       help="seconds to a request's first token before it is retried elsewhere (default 30; 0: off)")
     serve.add_argument("--served-model-name", default="", metavar="NAME",
-                       help="the model name KServe v2 / Triton clients use (inference.GRPCInferenceService on "
-                            "this port; requests may also give the runners' --model source); default: the "
-                            "source's last path component without .gguf/.safetensors, e.g. "
-                            "smollm2-135m-instruct")
+                       help="the model name KServe v2 / Triton clients use (default: derived from the runners' "
+                            "model source, e.g. smollm2-135m-instruct)")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")
     drain.add_argument("runner_id")
-    drain.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="router address")
+    drain.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
     drain.set_defaults(func=_drain)
 
 

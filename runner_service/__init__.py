@@ -5,6 +5,6 @@ compiled programs) do the work; around them, the same file roles as every servic
 ``convert.py`` (messages <-> engine objects), ``servicer.py`` (the thin ``Generation`` adapter),
 ``daemon.py`` (``warmserve runner serve``: sidecar, engine, server, registration),
 ``registration.py`` (the runner's side of the router's ``RouterControl``: register and
-heartbeat) and ``cli.py``. Clients use :mod:`services.generation_client` (the router serves the
+heartbeat), ``options.py`` (every ``runner serve`` option, declared once) and ``cli.py``. Clients use :mod:`services.generation_client` (the router serves the
 same contract).
 """

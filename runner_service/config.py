@@ -9,24 +9,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kernel_cache_service.leases import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
+from runner_service import options as opt
 from runner_service.sampling_params import check_default_max_tokens
 from services.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from model_families.family import FamilyConfig
 
-#: ``--compile`` choices: eager, ``torch.compile`` with Inductor, AOTInductor packages.
-COMPILE_MODES = ("off", "inductor", "aoti")
-#: ``--dtype`` choices (compute and KV dtype; ``auto``: :func:`runner_service.device.resolve_dtype`).
-DTYPES = ("auto", "f32", "bf16")
-#: ``--weights-dtype`` choices (the sidecar's; ``auto``: the checkpoint's own, see
-#: :mod:`weight_service.prepare`).
-WEIGHTS_DTYPES = ("auto", "f32", "bf16", "int8", "int4")
-
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Serving limits of one engine; validated at construction.
+    """Serving limits of one engine; validated at construction. The defaults and choices of the
+    fields a ``runner serve`` flag sets are that flag's (:mod:`runner_service.options`).
 
     - ``max_num_seqs``: sequences resident at once (decode batch size at most).
     - ``max_num_batched_tokens``: tokens one scheduler step may compute (prefill chunk budget);
@@ -58,22 +52,22 @@ class EngineConfig:
       it after this long and a waiter takes the build over).
     """
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
+    max_num_seqs: int = opt.MAX_NUM_SEQS.default
+    max_num_batched_tokens: int | None = opt.MAX_NUM_BATCHED_TOKENS.default
+    max_model_len: int | None = opt.MAX_MODEL_LEN.default
+    block_size: int = opt.BLOCK_SIZE.default
+    kv_cache_bytes: int | None = opt.KV_CACHE_BYTES.default
     kv_cache_memory_fraction: float = 0.25
-    dtype: str = "f32"
-    compile: str = "off"
-    device: str = "auto"
+    dtype: str = opt.DTYPE.default
+    compile: str = opt.COMPILE.default
+    device: str = opt.DEVICE.default
     default_max_tokens: int = 64
     runner_id: str = "runner-0"
     warmup: bool = True
-    num_threads: int | None = None
-    enable_prefix_caching: bool = True
-    background_compile: bool = False
-    build_lease_s: float = 30.0
+    num_threads: int | None = opt.THREADS.default
+    enable_prefix_caching: bool = opt.PREFIX_CACHING.default
+    background_compile: bool = opt.COMPILE_IN_BACKGROUND.default
+    build_lease_s: float = opt.BUILD_LEASE_TTL.default
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,10 +83,10 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise InvalidArgument(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.compile not in COMPILE_MODES:
-            raise InvalidArgument(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.dtype not in opt.DTYPES:
+            raise InvalidArgument(f"dtype must be one of {opt.DTYPES}, got {self.dtype!r}")
+        if self.compile not in opt.COMPILE_MODES:
+            raise InvalidArgument(f"compile must be one of {opt.COMPILE_MODES}, got {self.compile!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
         if not MIN_LEASE_TTL_S <= self.build_lease_s <= MAX_LEASE_TTL_S:

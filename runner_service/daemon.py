@@ -19,6 +19,7 @@ from pathlib import Path
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine, StartupPhase
+from runner_service.options import engine_fields
 from services.paths import default_sidecar_root
 
 log = logging.getLogger(__name__)
@@ -26,21 +27,7 @@ log = logging.getLogger(__name__)
 
 def engine_config_from_args(args) -> EngineConfig:
     """The :class:`EngineConfig` of ``runner serve`` flags (raises ``InvalidArgument``)."""
-    return EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        dtype=args.dtype,
-        compile=args.compile,
-        device=args.device,
-        num_threads=args.threads,
-        enable_prefix_caching=args.prefix_caching,
-        background_compile=args.compile_in_background,
-        build_lease_s=args.build_lease_ttl,
-        runner_id=args.runner_id or "runner",
-    )
+    return EngineConfig(**engine_fields(args), runner_id=args.runner_id or "runner")
 
 
 def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidecar_dir: str | None,

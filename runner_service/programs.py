@@ -104,7 +104,7 @@ import torch
 from torch import nn
 
 from model_families import kv_write as _kv_write  # noqa: F401  (registers torch.ops.warmserve.kv_write_)
-from runner_service.config import COMPILE_MODES
+from runner_service.options import COMPILE_MODES
 from services.address import parse_address
 from services.errors import InvalidArgument, WarmserveError
 
@@ -116,7 +116,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The compiling modes of :data:`runner_service.config.COMPILE_MODES` (all but ``off``).
+#: The compiling modes of :data:`runner_service.options.COMPILE_MODES` (all but ``off``).
 MODES = tuple(m for m in COMPILE_MODES if m != "off")
 
 #: Inductor options the AOTI package is built with (part of the fingerprint).

@@ -3,7 +3,8 @@
 - ``errors.py`` — :class:`WarmserveError` and its subclasses (gRPC status, CLI exit code);
 - ``log.py`` — JSON-lines logging; ``paths.py`` — default locations under ``$WARMSERVE_HOME``;
 - ``fsmode.py`` — file modes for atomically published files;
-- ``address.py`` — ``host:port`` parsing and formatting;
+- ``address.py`` — ``host:port`` parsing and formatting; ``ports.py`` — every daemon's default
+  port, the local stack's port plan and :func:`~services.ports.free_port`;
 - ``channel.py`` — client channels; ``bootstrap.py`` — the one server bootstrap (health,
   reflection, auth, metrics, drain) and the daemons' common flags;
 - ``proto/`` — the generated ``warmserve.v1`` stubs; ``protogen.py`` regenerates them;

@@ -6,7 +6,6 @@ process on a free loopback port, once per session) and give each test a fresh bu
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from services.ports import free_port
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -120,9 +121,7 @@ class MotoServer:
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
     """A real S3 API server (moto) on 127.0.0.1 and a free port, stopped at the end of the session."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     workdir = tmp_path_factory.mktemp("moto")
     log = open(workdir / "moto.log", "wb")  # closed at teardown
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

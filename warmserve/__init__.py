@@ -1,7 +1,10 @@
 """warmserve: the tools on top of the services: the ``warmserve`` command line and the local stack.
 
 - ``cli.py`` — the ``warmserve`` dispatcher (each package's ``cli`` module adds its commands);
-- ``stack.py`` — :class:`~warmserve.stack.LocalStack`, every service as a child process;
+- ``stack_config.py`` — what a local stack launches, on which ports, with which command lines;
+- ``stack.py`` — :class:`~warmserve.stack.LocalStack`, the supervisor of every service as a child process;
+- ``stack_state.py`` — ``HOME/stack.json``; ``stack_report.py`` — start-up reports and status tables;
+- ``up.py`` — ``warmserve up``'s foreground loop;
 - ``stack_cli.py`` — ``warmserve up | generate | chat | status | demo``;
 - ``demo.py`` — ``warmserve demo`` (``make run``), the main job end to end.
 

@@ -30,7 +30,9 @@ from typing import TextIO
 
 from services.errors import InvalidArgument
 from services.generation_client import GenerationClient, chat_request, sampling_params
-from warmserve.stack import LocalStack, StackConfig, format_startup_report, print_status, programs_took_over
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
+from warmserve.stack_report import format_startup_report, print_status, programs_took_over
 
 DEMO_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",

@@ -1,7 +1,7 @@
 """``warmserve up | generate | chat | status | demo``: the local stack and its clients.
 
 ``up`` starts kernel-cache, weights, N runners, the router and the OpenAI-compatible HTTP door as
-child processes (see :class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a
+child processes (:class:`warmserve.stack.LocalStack`); ``generate``/``chat`` stream text from a
 Generation endpoint (the router by default); ``status`` shows the router's runners and the health
 of each service; ``demo`` is the main job (``make run``). Heavy imports happen inside the handlers.
 """
@@ -11,33 +11,23 @@ from __future__ import annotations
 import argparse
 
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
-from runner_service.config import COMPILE_MODES, DTYPES, WEIGHTS_DTYPES
-from services.address import format_address
+from runner_service.options import add_forwarded_options
 from services.bootstrap import positive_seconds
-from warmserve.stack import DEFAULT_BASE_PORT
+from services.ports import DEFAULT_BASE_PORT, DEFAULT_ROUTER
 from weight_service.sources import BUNDLED_SMOLLM2
 
-DEFAULT_ROUTER = format_address("127.0.0.1", DEFAULT_BASE_PORT)
 DEFAULT_MODEL = BUNDLED_SMOLLM2
 
 
 def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int, home_help: str,
-                    compile_mode: str | None = None, max_num_seqs: int | None = None) -> None:
+                    runner_defaults: dict[str, object] | None = None) -> None:
     p.add_argument("--runners", type=int, default=runners, help=f"number of runners (default {runners})")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model source (default {DEFAULT_MODEL}, bundled)")
     p.add_argument("--base-port", type=int, default=base_port,
-                   help=f"router port; kernel-cache +1, weights +2, the OpenAI API +3 (up), runner i at +11+i; "
-                        f"0 = free ports (default {base_port})")
+                   help=f"router port, the others above it (docs/architecture.md §1); 0 = free ports "
+                        f"(default {base_port})")
     p.add_argument("--home", default=None, help=home_help)
-    p.add_argument("--compile", choices=COMPILE_MODES, default=compile_mode,
-                   help=f"runner compile mode (default {compile_mode or 'the runner default'})")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="runner compute dtype (default: the runner's)")
-    p.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default=None,
-                   help="runner weight-sidecar dtype (default: the runner's)")
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
-                   help=f"runner batch size (default {max_num_seqs or 'the runner default'})")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="runners do not reuse KV blocks across requests sharing a prompt prefix")
+    add_forwarded_options(p, runner_defaults)
     p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help=f"router policy (default {DEFAULT_POLICY})")
 
@@ -47,8 +37,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     # Unset sampling flags stay unset on the wire: the runner applies the model's defaults
     # (its generation_config.json), else its own.
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="tokens to generate at most, within what the context leaves (more is refused); default: "
-                        "the model's max_new_tokens, else the runner's 64, capped to what the context leaves")
+                   help="tokens to generate at most (default: the model's max_new_tokens, else the runner's)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; default: the model's generation_config.json, else greedy")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, 0 = off; default: the model's, else off")
@@ -64,25 +53,21 @@ def register(subparsers) -> None:
     _add_stack_args(up, runners=2, base_port=DEFAULT_BASE_PORT,
                     home_help="state directory (default $WARMSERVE_HOME, else ~/.cache/warmserve)")
     up.add_argument("--openai-port", type=int, default=None,
-                    help="port of the OpenAI-compatible HTTP API over the router (default: base port + 3, i.e. "
-                         "50053; 0 = a free port)")
+                    help="port of the OpenAI-compatible HTTP API (default: base port + 3; 0 = a free port)")
     up.add_argument("--no-openai", dest="openai", action="store_false",
                     help="do not start the OpenAI-compatible HTTP API")
     up.add_argument("--served-model-name", default=None, metavar="NAME",
-                    help="the model name the KServe v2 and OpenAI doors publish and accept (default: derived "
-                         "from the model source, e.g. smollm2-135m-instruct)")
+                    help="the model name both doors publish (default: derived from the model source)")
     up.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
-                    help="share compiled programs and weight sidecars with other hosts through this S3 bucket "
-                         "(the kernel cache and the weight service get --store; the home stays their local tier). "
-                         "Endpoint and credentials: the AWS environment and config files (AWS_ENDPOINT_URL, ...)")
+                    help="share programs and sidecars with other hosts through this S3 bucket (AWS environment "
+                         "for endpoint and credentials)")
     up.set_defaults(func=_up)
 
     gen = subparsers.add_parser("generate", help="stream a completion for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send plain text, without the chat template")
     gen.add_argument("--allow-special-tokens", action="store_true",
-                     help="with --raw: special-token text in the prompt (e.g. <|im_end|>) becomes the control "
-                          "token; by default it is plain text, and chat messages are always plain text")
+                     help="with --raw: special-token text in the prompt (e.g. <|im_end|>) is the control token")
     gen.add_argument("--system", default=None, help="system message (chat mode)")
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
@@ -103,16 +88,15 @@ def register(subparsers) -> None:
     status.add_argument("--service", action="append", default=[], metavar="NAME=ADDR",
                         help="another service to health-check (repeatable), e.g. weights=127.0.0.1:50052")
     status.add_argument("--home", default=None,
-                        help="the home of the `warmserve up` whose services and restarts to report too "
-                             "(default $WARMSERVE_HOME, else ~/.cache/warmserve)")
+                        help="report the services and restarts of the `warmserve up` of this home too "
+                             "(default $WARMSERVE_HOME)")
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
     # The demo shows what a warm launch saves, so it compiles (AOTInductor): the cold launch
     # builds the program and publishes it to the kernel cache, the warm one loads it.
-    _add_stack_args(demo, runners=1, base_port=0, compile_mode="aoti", max_num_seqs=8,
-                    home_help="state directory, kept for the next run (default $WARMSERVE_HOME, i.e. "
-                              "~/.cache/warmserve): the second run finds the sidecar and programs there (warm)")
+    _add_stack_args(demo, runners=1, base_port=0, runner_defaults={"compile": "aoti", "max_num_seqs": 8},
+                    home_help="state directory, kept for the next (warm) run (default $WARMSERVE_HOME)")
     demo.add_argument("--fresh", action="store_true",
                       help="a deliberately cold run: a new temporary home, removed at the end")
     demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
@@ -120,13 +104,13 @@ def register(subparsers) -> None:
 
 
 def _stack_config(args: argparse.Namespace):
-    from warmserve.stack import StackConfig
+    from warmserve.stack_config import StackConfig
 
     return StackConfig.from_args(args)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from warmserve.stack import run_up
+    from warmserve.up import run_up
 
     return run_up(_stack_config(args))
 
@@ -199,7 +183,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import sys
 
-    from warmserve.stack import print_status
+    from warmserve.stack_report import print_status
 
     services = {}
     for item in args.service:
@@ -213,7 +197,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from services.address import parse_address
     from services.paths import warmserve_home
-    from warmserve.stack import read_state, stack_services
+    from warmserve.stack_state import read_state, stack_services
 
     parse_address(args.addr, what="--addr")
     home = Path(args.home).expanduser() if args.home else warmserve_home()

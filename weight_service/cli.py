@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_PORT = 50052
+from services.ports import DEFAULT_PORTS, WEIGHTS
 
 
 def register(subparsers) -> None:
@@ -21,20 +21,16 @@ def register(subparsers) -> None:
     serve = wsub.add_parser("serve", help="run the Weights gRPC daemon")
     serve.add_argument("--root", default=None, help="sidecar directory (default $WARMSERVE_HOME/sidecars)")
     serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
-                       help="share sidecars through this S3 bucket: each sidecar packed here is uploaded (every "
-                            "file, with sha256), and a Prepare of a sidecar this host lacks fetches it (verified, "
-                            "then validated like a local one) instead of packing. Endpoint, region and credentials "
-                            "come from the AWS environment and config files (AWS_ENDPOINT_URL for MinIO or another "
-                            "S3-compatible endpoint)")
-    add_server_args(serve, default_port=DEFAULT_PORT)
+                       help="share sidecars through this S3 bucket: upload those packed here, fetch those missing "
+                            "(AWS environment for endpoint and credentials)")
+    add_server_args(serve, default_port=DEFAULT_PORTS[WEIGHTS])
     serve.set_defaults(func=_serve)
 
     prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")
     prepack.add_argument("source", metavar="SOURCE",
                          help="a safetensors directory, a .gguf file, or smollm2-135m-instruct")
     prepack.add_argument("--weights-dtype", "--dtype", dest="dtype", choices=DTYPE_CHOICES, default="auto",
-                         help="packed weights dtype; int4/int8 keep the matrices quantized (default auto: the "
-                              "checkpoint's own, int4 for a Q4_0/Q4_1 GGUF, as `runner serve` asks for)")
+                         help="packed weights dtype; int4/int8 stay quantized (default auto: the checkpoint's own)")
     prepack.add_argument("--out", default=None, help="sidecar root directory (default $WARMSERVE_HOME/sidecars)")
     prepack.add_argument("--force", action="store_true", help="repack even when a valid sidecar exists")
     prepack.add_argument("--cold-policy", choices=("accept", "reject"), default="accept",

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from model_families import get_family
-from model_families.family import WEIGHTS_DTYPES, FamilyConfig, TensorSpec
+from model_families.dtypes import WEIGHTS_DTYPES
+from model_families.family import FamilyConfig, TensorSpec
 from services.errors import FailedPrecondition, InvalidArgument
 from services.fsmode import default_file_mode
 from weight_service.sources import GENERATION_CONFIG

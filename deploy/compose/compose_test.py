@@ -64,6 +64,8 @@ sys.path.insert(0, str(REPO))  # the project's own client code (run with the pro
 
 import wheelhouse  # noqa: E402  (deploy/compose/wheelhouse.py, beside this script)
 
+from services.ports import free_port  # noqa: E402
+
 PROJECT = "warmserve-compose-test"
 LOCAL_BASE = "warmserve-base:bookworm"
 IMAGE = "warmserve:latest"  # compose.yaml's image:
@@ -255,11 +257,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Stack:
     """The compose project on this engine, reached from the host on loopback."""
@@ -269,8 +266,8 @@ class Stack:
         import yaml
 
         self.services = list(yaml.safe_load((REPO / "compose.yaml").read_text())["services"])
-        self.router_port = 50050 if _port_free(50050) else _free_port()
-        self.openai_port = 50053 if _port_free(50053) else _free_port()
+        self.router_port = 50050 if _port_free(50050) else free_port()
+        self.openai_port = 50053 if _port_free(50053) else free_port()
         self.env = {"WARMSERVE_BASE_IMAGE": base, "WARMSERVE_ROUTER_PORT": str(self.router_port),
                     "WARMSERVE_OPENAI_PORT": str(self.openai_port)}
         self.router = f"127.0.0.1:{self.router_port}"
@@ -472,7 +469,7 @@ def crash_and_restart(stack: Stack) -> None:
 
 
 def check_warm(stack: Stack, cold: dict) -> None:
-    from warmserve.stack import format_startup_report
+    from warmserve.stack_report import format_startup_report
 
     stat = run([*stack.engine.docker, "exec", stack.container("kernel-cache"), "python", "-m", "warmserve.cli",
                 "cache", "stat", "--addr", "127.0.0.1:50051"], capture=True).stdout.decode()
@@ -552,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             requests_through_the_doors(stack)
         with phases("cold programs"):
             cold = wait_programs(stack)
-            from warmserve.stack import format_startup_report
+            from warmserve.stack_report import format_startup_report
 
             say(format_startup_report(cold["runner-0"], "cold start-up report of runner-0"))
         with phases("crash"):

@@ -36,6 +36,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from cli_flags import parse_command_line
 
 from services.generation_client import GENERATION_SERVICE
 
@@ -218,18 +219,17 @@ def expand(words: list[str], env: dict[str, str], where: str) -> list[str]:
 
 
 def parsed_args(objects, workload: dict, container: dict):
-    """The container's ``warmserve`` arguments, expanded and parsed by warmserve's own parser."""
-    from warmserve.cli import build_parser
-
+    """The container's ``warmserve`` arguments, expanded and parsed by warmserve's own parser: every
+    flag a real option of its command, spelled in full, with a value that parser accepts."""
     where = f"{workload['metadata']['name']}/{container['name']}"
     argv = expand(container["args"], environment(objects, workload, container), where)
     if "--store" in argv and not cli_has_store(tuple(argv[:2])):  # until the S3 store lands (see below)
         i = argv.index("--store")
         argv = argv[:i] + argv[i + 2:]
     try:
-        return build_parser().parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"{where}: warmserve does not accept its command line {shlex.join(argv)}")
+        return parse_command_line(argv)
+    except AssertionError as e:
+        pytest.fail(f"{where}: warmserve does not accept its command line {shlex.join(argv)}: {e}")
 
 
 @functools.cache

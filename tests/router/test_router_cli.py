@@ -18,8 +18,8 @@ from services.generation_client import GenerationClient, sampling_params
 from services.generation_client import interactive_chat as chat_loop
 from services.healthcheck import check_health
 from services.healthcheck import main as probe_main
+from services.ports import free_port
 from warmserve import cli
-from warmserve.stack import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def router_process() -> Iterator[tuple[str, FakeRunner, subprocess.Popen]]:
     runner = FakeRunner("fake-0")
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "warmserve.cli", "router", "serve", "--port", str(port), "--runner", runner.address,
          "--health-interval", "0.1", "--drain-grace", "2"],

@@ -28,11 +28,11 @@ from router_service.servicer import RouterServer
 from services.bootstrap import ServerConfig
 from services.errors import InvalidArgument
 from services.healthcheck import check_health
+from services.ports import free_port
 from services.proto import generation_pb2, router_pb2, router_pb2_grpc
 from services.proto.triton import grpc_service_pb2 as kpb
 from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 from services.proto.triton import model_config_pb2 as mpb
-from warmserve.stack import _free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -433,7 +433,7 @@ def test_the_served_name_comes_from_a_registered_runners_source_or_the_config() 
 
 def test_router_serve_takes_served_model_name() -> None:
     runner = FakeRunner("fake-0")
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "warmserve.cli", "router", "serve", "--port", str(port),
                              "--runner", runner.address, "--health-interval", "0.1", "--served-model-name", "smol"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

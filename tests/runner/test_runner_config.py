@@ -71,3 +71,16 @@ def test_device_selection_on_a_cpu_host():
     assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype("f32") is torch.float32
     with pytest.raises(InvalidArgument):
         torch_dtype("int8")
+
+
+def test_engine_config_defaults_are_the_declared_library_defaults():
+    """Each option that sets an EngineConfig field declares that field's default (the library's;
+    `runner serve` may differ on purpose: compile aoti, dtype auto, background compile on)."""
+    import dataclasses
+
+    from runner_service.options import COMPILE, DTYPE, RUNNER_OPTIONS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    fielded = [o for o in RUNNER_OPTIONS if o.field]
+    assert fielded and all(defaults[o.field] == o.default for o in fielded)
+    assert (COMPILE.default, COMPILE.serve_default, DTYPE.default, DTYPE.serve_default) == ("off", "aoti", "f32", "auto")

@@ -17,9 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from cli_flags import parse_command_line
 
 from services.generation_client import GenerationClient, chat_request, sampling_params
-from warmserve.stack import _free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ class ComposeOnLoopback:
 
     def __init__(self, compose: dict, tmp: Path) -> None:
         self.services = compose["services"]
-        self.ports = {name: _free_port("127.0.0.1") for name in self.services}
+        self.ports = {name: free_port("127.0.0.1") for name in self.services}
         self.mounts: dict[str, str] = {}
         for svc in self.services.values():
             for vol in svc.get("volumes", []):
@@ -149,6 +150,21 @@ def test_compose_file_shape() -> None:
         assert "sidecars:/var/lib/warmserve/sidecars" in services[runner]["volumes"]
     assert "sidecars:/var/lib/warmserve/sidecars" in services["weights"]["volumes"]
     assert "kernel-cache:/var/lib/warmserve/kernel-cache" in services["kernel-cache"]["volumes"]
+
+
+def test_every_compose_command_is_real_options_with_valid_values() -> None:
+    """Each service's command uses only options of its command, spelled in full, with values the
+    real parser accepts; a runner's flags are declared runner options (or the server's)."""
+    from runner_service.options import RUNNER_OPTIONS
+
+    declared = {o.flag for o in RUNNER_OPTIONS} | {"--host", "--port"}
+    for name, svc in _load()["services"].items():
+        command = svc["command"]
+        assert command[:3] == ["python", "-m", "warmserve.cli"], name
+        args = parse_command_line(command[3:])
+        assert args.host == "0.0.0.0", name
+        if command[3:5] == ["runner", "serve"]:
+            assert {w for w in command if w.startswith("--")} <= declared, name
 
 
 def test_dockerfile_builds_from_the_wheelhouse() -> None:

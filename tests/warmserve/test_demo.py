@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from weights_tiny import write_tiny_checkpoint
 
 from warmserve.demo import run_demo
-from warmserve.stack import StackConfig
+from warmserve.stack_config import StackConfig
 
 pytestmark = pytest.mark.slow
 VOCAB = 128

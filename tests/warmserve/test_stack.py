@@ -14,15 +14,11 @@ import pytest
 from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
-from warmserve.stack import (
-    ChildProcess,
-    LocalStack,
-    StackConfig,
-    format_startup_report,
-    read_state,
-    ready_hint,
-    stack_services,
-)
+from warmserve.stack import ChildProcess, LocalStack
+from warmserve.stack_config import StackConfig
+from warmserve.stack_report import format_startup_report
+from warmserve.stack_state import read_state, stack_services
+from warmserve.up import ready_hint
 
 
 def test_config_is_validated() -> None:
@@ -254,10 +250,10 @@ def test_a_home_that_cannot_be_one_is_bad_input(tmp_path: Path) -> None:
 def test_free_ports_are_never_given_twice_in_one_stack(tmp_path, monkeypatch):
     """The kernel hands a just-freed port out again: two services told the same port would have
     one answer the other's health check (a flake seen in CI)."""
-    import warmserve.stack as stack_module
+    import services.ports as ports_module
 
     handed = iter([41000, 41000, 41000, 41001, 41001, 41002])
-    monkeypatch.setattr(stack_module, "_free_port", lambda host: next(handed))
+    monkeypatch.setattr(ports_module, "free_port", lambda host: next(handed))
     stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path, openai=True), progress=None)
     ports = [stack.port(name) for name in ("kernel-cache", "weights", "router")]
     assert ports == [41000, 41001, 41002]

@@ -13,7 +13,8 @@ import torch
 from runner_service.tokenizer import Tokenizer
 from services.generation_client import GenerationClient, text_request
 from services.proto import generation_pb2
-from warmserve.stack import LocalStack, StackConfig
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
 
 pytestmark = pytest.mark.slow
 

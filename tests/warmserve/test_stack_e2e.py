@@ -24,7 +24,10 @@ from services.errors import Unavailable
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
-from warmserve.stack import LocalStack, StackConfig, print_status, read_state
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
+from warmserve.stack_report import print_status
+from warmserve.stack_state import read_state
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ import pytest
 from services.errors import WarmserveError
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.proto import generation_pb2
-from warmserve.stack import LocalStack, StackConfig
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
 
 pytestmark = pytest.mark.slow
 

@@ -14,20 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from openai_service.config import DEFAULT_PORT
 from openai_service.healthcheck import check_http_health
 from services.errors import InvalidArgument, Unavailable
+from services.ports import DEFAULT_BASE_PORT, DEFAULT_PORTS, OPENAI, ROUTER
 from warmserve.cli import build_parser
-from warmserve.stack import (
-    DEFAULT_BASE_PORT,
-    OPENAI,
-    ROUTER,
-    LocalStack,
-    StackConfig,
-    print_status,
-    ready_hint,
-    stack_services,
-)
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
+from warmserve.stack_report import print_status
+from warmserve.stack_state import stack_services
+from warmserve.up import ready_hint
 
 
 def test_up_starts_the_door_unless_told_not_to_and_the_demo_does_not() -> None:
@@ -41,10 +36,10 @@ def test_up_starts_the_door_unless_told_not_to_and_the_demo_does_not() -> None:
 
 
 def test_the_doors_port_and_command_line(tmp_path: Path) -> None:
-    assert DEFAULT_BASE_PORT + 3 == DEFAULT_PORT  # `warmserve openai serve`'s default is the default stack's door
+    assert DEFAULT_BASE_PORT + 3 == DEFAULT_PORTS[OPENAI]  # `warmserve openai serve`'s default is the default stack's door
     stack = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True), progress=None)
     assert stack.address(OPENAI) == "127.0.0.1:50103"
-    assert stack._service_argv(OPENAI)[1:] == ["-m", "warmserve.cli", "openai", "serve", "--router", "127.0.0.1:50100",
+    assert stack.commands.service(OPENAI)[1:] == ["-m", "warmserve.cli", "openai", "serve", "--router", "127.0.0.1:50100",
                                                "--host", "127.0.0.1", "--port", "50103"]
     assert LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=8123),
                       progress=None).address(OPENAI) == "127.0.0.1:8123"
@@ -57,10 +52,10 @@ def test_one_served_model_name_reaches_both_doors(tmp_path: Path) -> None:
     args = build_parser().parse_args(["up", "--served-model-name", "smol", "--base-port", "50100"])
     stack = LocalStack(StackConfig.from_args(args), progress=None)
     for name in (OPENAI, ROUTER):
-        argv = stack._service_argv(name)
+        argv = stack.commands.service(name)
         assert argv[argv.index("--served-model-name") + 1] == "smol", name
     plain = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True), progress=None)
-    assert all("--served-model-name" not in plain._service_argv(n) for n in (OPENAI, ROUTER))
+    assert all("--served-model-name" not in plain.commands.service(n) for n in (OPENAI, ROUTER))
     with pytest.raises(InvalidArgument, match="--served-model-name must not be empty"):
         StackConfig(served_model_name=" ")
 

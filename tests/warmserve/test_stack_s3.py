@@ -16,9 +16,11 @@ from weights_tiny import write_tiny_checkpoint, write_word_tokenizer
 from kernel_cache_service.client import KernelCacheClient
 from services.errors import InvalidArgument
 from services.generation_client import GenerationClient
+from services.ports import KERNEL_CACHE, ROUTER, WEIGHTS
 from services.proto import generation_pb2 as pb
 from warmserve.cli import build_parser
-from warmserve.stack import KERNEL_CACHE, ROUTER, WEIGHTS, LocalStack, StackConfig
+from warmserve.stack import LocalStack
+from warmserve.stack_config import StackConfig
 
 VOCAB = 96
 PROGRAMS = ("llama.decode.aoti", "llama.prefill.aoti")
@@ -56,9 +58,9 @@ def test_up_store_reaches_both_daemons_and_a_bad_one_stops_the_launch(tmp_path, 
     assert config.store == s3.url
     stack = LocalStack(StackConfig(runners=1, base_port=0, home=tmp_path, store=config.store), progress=None)
     for name, command in ((KERNEL_CACHE, ["cache", "serve"]), (WEIGHTS, ["weights", "serve"])):
-        argv = stack._service_argv(name)
+        argv = stack.commands.service(name)
         assert argv[3:5] == command and argv[argv.index("--store") + 1] == s3.url
-    assert "--store" not in stack._service_argv(ROUTER) and "--store" not in stack.runner_argv(0)
+    assert "--store" not in stack.commands.service(ROUTER) and "--store" not in stack.runner_argv(0)
     stack.preflight()  # the bucket answers and honours conditional writes
     with pytest.raises(InvalidArgument, match="not a valid S3 bucket name"):
         StackConfig(store="s3://Not_A_Bucket/team")

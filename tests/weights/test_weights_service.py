@@ -195,11 +195,9 @@ def test_progress_bar_redraws_one_line_only_on_a_terminal():
 
 
 def test_cli_weights_serve_runs_the_daemon(ckpt, tmp_path):
-    import socket
+    from services.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "warmserve.cli", "weights", "serve", "--root",
                              str(tmp_path / "root"), "--port", str(port), "--drain-grace", "1"],
                             cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,0 +1,191 @@
+"""The runner's options, each declared once (``docs/architecture.md`` §1, "The local stack").
+
+:data:`RUNNER_OPTIONS` generates ``runner serve``'s flags (:func:`add_serve_options`), the
+``up``/``demo`` flags that reach every runner (:func:`add_forwarded_options`), a stack's runner
+command line (:func:`runner_argv`), :class:`runner_service.config.EngineConfig`'s defaults and
+the engine config of parsed flags (:func:`engine_fields`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from model_families.dtypes import COMPUTE_DTYPES
+from model_families.dtypes import WEIGHTS_DTYPES as SIDECAR_DTYPES
+from services.bootstrap import int_at_least
+from services.errors import InvalidArgument
+
+#: ``--compile`` choices: eager, ``torch.compile`` with Inductor, AOTInductor packages.
+COMPILE_MODES = ("off", "inductor", "aoti")
+#: ``--dtype`` choices (``auto``: :func:`runner_service.device.resolve_dtype`).
+DTYPES = ("auto", *COMPUTE_DTYPES)
+#: ``--weights-dtype`` choices (``auto``: the checkpoint's own, see :mod:`weight_service.prepare`).
+WEIGHTS_DTYPES = ("auto", *SIDECAR_DTYPES)
+
+_positive_int = int_at_least(1)
+_SAME = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``runner serve`` flag.
+
+    ``kind``: ``value`` (takes one value), ``switch`` (``--x`` / ``--no-x``) or ``off`` (a
+    ``--no-x`` flag that sets ``dest`` to ``False``). ``default`` is the library's
+    (:class:`~runner_service.config.EngineConfig`'s where ``field`` names its field);
+    ``cli_default`` is ``runner serve``'s where it differs on purpose. ``forwarded``: ``up`` and
+    ``demo`` take the flag and pass it to every runner. ``group``: flags sharing one are
+    mutually exclusive.
+    """
+
+    flag: str
+    help: str
+    default: object = None
+    cli_default: object = _SAME
+    type: Callable[[str], object] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    kind: str = "value"
+    dest: str = ""
+    field: str | None = None
+    required: bool = False
+    forwarded: bool = False
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.dest:
+            object.__setattr__(self, "dest", self.flag.removeprefix("--").replace("-", "_"))
+
+    @property
+    def serve_default(self) -> object:
+        """``runner serve``'s default."""
+        return self.default if self.cli_default is _SAME else self.cli_default
+
+    def add_to(self, parser, *, default: object, help: str) -> None:
+        """Add this flag to an ``argparse`` parser (or group) with ``default`` and ``help``."""
+        if self.kind == "off":
+            parser.add_argument(self.flag, dest=self.dest, action="store_false", help=help)
+            return
+        if self.kind == "switch":
+            parser.add_argument(self.flag, dest=self.dest, action=argparse.BooleanOptionalAction,
+                                default=default, help=help)
+            return
+        extra = {"required": True} if self.required else {"default": default}
+        parser.add_argument(self.flag, dest=self.dest, type=self.type, choices=self.choices, metavar=self.metavar,
+                            help=help, **extra)
+
+    def argv(self, value: object) -> list[str]:
+        """The words that give ``value`` to ``runner serve``: ``[]`` for ``None`` (and for an
+        ``off`` flag's ``True``)."""
+        if value is None:
+            return []
+        if self.kind == "off":
+            return [] if value else [self.flag]
+        if self.kind == "switch":
+            return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
+        return [self.flag, str(value)]
+
+    def validate(self, value: object) -> None:
+        """``InvalidArgument`` naming the flag when ``value`` (not ``None``) is not one it takes."""
+        if value is None or self.kind != "value":
+            return
+        if self.choices is not None and value not in self.choices:
+            raise InvalidArgument(f"{self.flag} must be one of {', '.join(self.choices)}, got {value!r}")
+        if self.type is not None:
+            try:
+                self.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise InvalidArgument(f"{self.flag}: {e}") from None
+
+
+def _with_default(text: str, value: object) -> str:
+    if value is None or "default" in text:
+        return text
+    shown = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    return f"{text} (default {shown:g})" if isinstance(shown, float) else f"{text} (default {shown})"
+
+
+MODEL = Option("--model", "model source: a GGUF file or an HF checkpoint dir", required=True)
+WEIGHTS = Option("--weights", "weight-sidecar service address (default: prepare the sidecar here)", metavar="ADDR")
+KERNEL_CACHE = Option("--kernel-cache", "kernel-cache service address", metavar="ADDR", group="cache")
+KERNEL_CACHE_DIR = Option("--kernel-cache-dir", "local kernel-cache directory", metavar="DIR", group="cache")
+KERNEL_CACHE_TOKEN_FILE = Option("--kernel-cache-token-file", metavar="F",
+                                 help="file holding the kernel-cache service's bearer token (to publish and claim)")
+DTYPE = Option("--dtype", "compute and KV-cache dtype (auto: bf16 where the CPU has AVX512-BF16 or AMX, else f32)",
+               default="f32", cli_default="auto", choices=DTYPES, field="dtype", forwarded=True)
+WEIGHTS_DTYPE = Option("--weights-dtype", "the sidecar's dtype; int4/int8 stay quantized (auto: the checkpoint's own)",
+                       default="auto", choices=WEIGHTS_DTYPES, forwarded=True)
+COMPILE = Option("--compile", "compiled decode and prefill programs, through the kernel cache (off: eager)",
+                 default="off", cli_default="aoti", choices=COMPILE_MODES, field="compile", forwarded=True)
+COMPILE_IN_BACKGROUND = Option("--compile-in-background", kind="switch", default=False, cli_default=True,
+                               field="background_compile",
+                               help="with --compile aoti: serve eager until the programs are fetched or built")
+BUILD_LEASE_TTL = Option("--build-lease-ttl", "seconds a kernel-cache build lease outlives a runner that dies",
+                         default=30.0, type=float, metavar="SECONDS", field="build_lease_s")
+MAX_NUM_SEQS = Option("--max-num-seqs", "sequences decoded together at most", default=32, type=_positive_int,
+                      field="max_num_seqs", forwarded=True)
+MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "tokens per scheduler step at most (default "
+                                "max(2048, max-model-len))", type=_positive_int, field="max_num_batched_tokens")
+MAX_MODEL_LEN = Option("--max-model-len", "context length in tokens (default: the model's, capped at 2048)",
+                       type=_positive_int, field="max_model_len")
+BLOCK_SIZE = Option("--block-size", "tokens per KV block", default=16, type=_positive_int, field="block_size")
+KV_CACHE_BYTES = Option("--kv-cache-bytes", "KV cache size in bytes (default: a fraction of free memory)",
+                        type=_positive_int, field="kv_cache_bytes")
+SIDECAR_DIR = Option("--sidecar-dir", "where sidecars are prepared or fetched to (default $WARMSERVE_HOME/sidecars)",
+                     metavar="DIR")
+RUNNER_ID = Option("--runner-id", "name reported to clients and the router")
+ROUTER = Option("--router", "register with this router", metavar="ADDR")
+DEVICE = Option("--device", "auto | cpu | cuda[:N] | npu[:N]", default="auto", field="device")
+PREFIX_CACHING = Option("--no-prefix-caching", "do not reuse KV blocks across requests sharing a prompt prefix",
+                        kind="off", dest="prefix_caching", default=True, field="enable_prefix_caching",
+                        forwarded=True)
+THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
+                 field="num_threads")
+
+#: Every ``runner serve`` flag but the server ones (:func:`services.bootstrap.add_server_args`).
+RUNNER_OPTIONS: tuple[Option, ...] = (
+    MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, KERNEL_CACHE_TOKEN_FILE, DTYPE, WEIGHTS_DTYPE, COMPILE,
+    COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
+    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS)
+#: The options ``up`` and ``demo`` take and pass to every runner.
+FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """Add every option of :data:`RUNNER_OPTIONS` to ``runner serve``'s parser, at ``runner
+    serve``'s defaults."""
+    groups: dict[str, object] = {}
+    for opt in RUNNER_OPTIONS:
+        if opt.group and opt.group not in groups:
+            groups[opt.group] = parser.add_mutually_exclusive_group()
+        target = groups[opt.group] if opt.group else parser
+        shown = opt.help if opt.kind == "off" else _with_default(opt.help, opt.serve_default)
+        opt.add_to(target, default=opt.serve_default, help=shown)
+
+
+def add_forwarded_options(parser: argparse.ArgumentParser, defaults: Mapping[str, object] | None = None) -> None:
+    """Add :data:`FORWARDED_OPTIONS` to ``up``/``demo``'s parser; ``defaults`` (dest -> value)
+    overrides the runner's own default, which is otherwise left to the runner (``None``)."""
+    defaults = defaults or {}
+    for opt in FORWARDED_OPTIONS:
+        default = defaults.get(opt.dest)
+        shown = default if default is not None else "the runner's"
+        opt.add_to(parser, default=default, help=f"runners: {opt.help}" + ("" if opt.kind == "off" else
+                                                                            f" (default {shown})"))
+
+
+def runner_argv(values: Mapping[str, object]) -> list[str]:
+    """``runner serve``'s words for ``values`` (dest -> value; ``None`` leaves the runner's
+    default), in :data:`RUNNER_OPTIONS` order; ``KeyError`` for a dest no option declares."""
+    unknown = set(values) - {o.dest for o in RUNNER_OPTIONS}
+    if unknown:
+        raise KeyError(f"no runner option has dest {sorted(unknown)}")
+    return [word for o in RUNNER_OPTIONS if o.dest in values for word in o.argv(values[o.dest])]
+
+
+def engine_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The :class:`~runner_service.config.EngineConfig` fields ``runner serve``'s parsed flags set
+    (field -> value)."""
+    return {o.field: getattr(args, o.dest) for o in RUNNER_OPTIONS if o.field}
