@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache_service.leases import MAX_LEASE_TTL_S, MIN_LEASE_TTL_S
 from runner_service import options as opt
+from runner_service.sampling_params import check_default_max_tokens
 from services.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -91,8 +92,7 @@ class EngineConfig:
         if not MIN_LEASE_TTL_S <= self.build_lease_s <= MAX_LEASE_TTL_S:
             raise InvalidArgument(f"build_lease_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
                                   f"got {self.build_lease_s}")
-        if self.default_max_tokens < 1:
-            raise InvalidArgument(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        check_default_max_tokens(self.default_max_tokens)
 
     def resolved_max_model_len(self, args: FamilyConfig) -> int:
         """Context length in tokens for the model ``args``; raises ``InvalidArgument`` past its

@@ -7,41 +7,36 @@ import math
 from collections.abc import Callable
 from functools import lru_cache
 
-from runner_service.engine import RequestOutput, StartupReport
+from runner_service.engine import StartupReport
+from runner_service.output_processor import RequestOutput
 from runner_service.sampling_params import SamplingDefaults, SamplingParams
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
 
 
-def sampling_from_proto(sp: generation_pb2.SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
     """Map the proto's conventions and validate: ``max_tokens``, ``temperature``, ``top_k`` and
-    ``top_p`` left unset take ``defaults`` (the model's generation config, else the runner's);
-    a field set is used as given, except ``max_tokens`` 0 (the default) and ``top_p`` 0 (1.0,
-    off). ``default_max_tokens``, when set, replaces the model's ``max_tokens`` default for this
-    request (capped like it to what the context leaves). Raises ``InvalidArgument``."""
-    default_max_tokens = sp.default_max_tokens if sp.HasField("default_max_tokens") else None
-    if default_max_tokens is not None and default_max_tokens < 1:
-        raise InvalidArgument(f"default_max_tokens must be > 0 when set (leave it unset for the model's default, "
-                              f"{defaults.max_tokens}), got {default_max_tokens}")
+    ``top_p`` left unset stay ``None`` (the engine's defaults, :meth:`SamplingDefaults.resolve`);
+    a field set is used as given, except ``max_tokens`` 0 (unset) and ``top_p`` 0 (1.0, off).
+    Raises ``InvalidArgument``."""
     max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 0
     if max_tokens < 0:
-        raise InvalidArgument(f"max_tokens must be >= 0 (0 = the default "
-                              f"{default_max_tokens or defaults.max_tokens}), got {max_tokens}")
-    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
-    top_p = sp.top_p if sp.HasField("top_p") else defaults.top_p
-    if not math.isfinite(temperature) or not math.isfinite(top_p):
+        raise InvalidArgument(f"max_tokens must be >= 0 (0: the default), got {max_tokens}")
+    temperature = sp.temperature if sp.HasField("temperature") else None
+    top_p = sp.top_p if sp.HasField("top_p") else None
+    if not all(math.isfinite(v) for v in (temperature, top_p) if v is not None):
         raise InvalidArgument("temperature and top_p must be finite numbers")
     return SamplingParams(
-        max_tokens=max_tokens or None,  # the default, capped to the context by LLMEngine.add_request
+        max_tokens=max_tokens or None,
         temperature=temperature,
-        top_k=sp.top_k if sp.HasField("top_k") else defaults.top_k,
-        top_p=top_p if top_p != 0 else 1.0,
+        top_k=sp.top_k if sp.HasField("top_k") else None,
+        top_p=1.0 if top_p == 0 else top_p,
         seed=sp.seed if sp.HasField("seed") else None,
         stop=tuple(sp.stop),
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
-        default_max_tokens=default_max_tokens,
+        default_max_tokens=sp.default_max_tokens if sp.HasField("default_max_tokens") else None,
     )
 
 

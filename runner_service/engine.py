@@ -1,36 +1,24 @@
-"""The engine: the runner's core object (no gRPC in here).
+"""The engine: the runner's core object, no gRPC in here (``docs/architecture.md`` §8, §11).
 
-``LLMEngine`` turns requests into sequences, runs scheduler steps on the model runner, samples,
-detokenizes, checks stop conditions and streams :class:`RequestOutput` deltas into per-request
-queues. It can be driven by hand (:meth:`LLMEngine.step`, for tests) or by its background loop
-thread (:meth:`LLMEngine.start`), which sleeps when there is no work.
-
-Thread model: any thread may call :meth:`add_request` / :meth:`abort` (they validate, then post
-to an inbox); only the stepping thread touches the scheduler, the sequences and the runner. A
-server builds its engine with :meth:`LLMEngine.launch`, so that the thread that loads the weights
-and warms up is the one that steps: every parallel region of the process then has one OpenMP
-master. With a second master (say, the main thread loaded and a loop thread steps), libgomp
-manages more threads than there are CPUs and throttles its spin-waits to almost nothing, so its
-workers sleep between the hundreds of parallel regions of a step: measured on this 2-core host,
-a decode step took 13.2 ms instead of 7.7 ms (int4 weights, bf16, AOTI, batch 1, 2 threads).
-
-Start-up (:meth:`LLMEngine.from_sidecar` and the constructor) is timed phase by phase —
-``weights``, ``kv_cache``, ``programs``, ``warmup`` — in :attr:`LLMEngine.startup_report`,
-logged as one line and returned by ``ModelInfo``.
+``LLMEngine`` turns requests into sequences and steps them: scheduler, model runner, sampler,
+then the output processor (:mod:`runner_service.output_processor`), which streams the deltas.
+Any thread may add or abort requests (posted to an inbox); only the stepping thread touches the
+scheduler, the sequences and the runner. A server builds its engine with :meth:`LLMEngine.launch`
+so that one thread loads, warms up and steps (one OpenMP master, §8). Start-up is timed phase by
+phase in :attr:`LLMEngine.startup_report`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,12 +27,12 @@ from model_families import family_for_config, get_family
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
 from runner_service.block_manager import BlockManager
 from runner_service.config import EngineConfig
-from runner_service.detokenizer import IncrementalDetokenizer
 from runner_service.device import free_memory_bytes, resolve_dtype, select_device, torch_dtype
 from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.model_runner import ModelRunner
-from runner_service.sampler import Sampler, TokenLogprobs
+from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
+from runner_service.sampler import Sampler
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch, Scheduler
 from runner_service.sequence import FinishReason
@@ -85,70 +73,6 @@ class StartupReport:
         return " | ".join([*parts, f"total {self.total_seconds:.3f}s"])
 
 
-@dataclass
-class RequestOutput:
-    """A streamed delta (or, from :meth:`RequestStream.result`, the whole output).
-
-    ``token_ids``/``text``/``logprobs`` are new since the previous delta; ``finish_reason`` is set
-    on the last delta only, with the usage counts (tokens).
-    """
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class RequestStream:
-    """The consumer side of one request: iterate its deltas, or :meth:`cancel` it."""
-
-    def __init__(self, engine: LLMEngine, request_id: str, prompt_tokens: int) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.queue: queue.Queue[RequestOutput] = queue.Queue()
-        self.finished = False
-
-    def get(self, timeout: float | None = None) -> RequestOutput:
-        """Next delta; raises ``queue.Empty`` after ``timeout`` seconds."""
-        out = self.queue.get(timeout=timeout)
-        if out.finish_reason is not None:
-            self.finished = True
-        return out
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while not self.finished:
-            yield self.get()
-
-    def cancel(self) -> None:
-        """Abort the request; its blocks are freed and a final CANCELLED delta is sent."""
-        self._engine.abort(self.request_id)
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """Wait for the end and merge all deltas (needs the engine loop running, or steps
-        driven by another thread)."""
-        total = RequestOutput(self.request_id, prompt_tokens=self.prompt_tokens)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.finished:
-            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            total.token_ids += out.token_ids
-            total.text += out.text
-            total.logprobs += out.logprobs
-            total.finish_reason = out.finish_reason
-            total.completion_tokens = out.completion_tokens
-        return total
-
-
-@dataclass
-class _Live:
-    seq: Seq
-    stream: RequestStream
-    detok: IncrementalDetokenizer
-
-
 def _lower_thread_priority(step: int = 10) -> None:
     """Raise the calling thread's nice value by ``step`` (Linux: a thread's own priority, which
     the processes it starts, e.g. the C++ compiler, inherit). Elsewhere nothing: ``PRIO_PROCESS``
@@ -183,8 +107,9 @@ class LLMEngine:
     ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
     device), ``dtype`` its torch dtype. ``eos_token_ids`` are the tokens that end a sequence
     (unless ``ignore_eos``): ``args.eos_token_ids`` then the generation config's, each once.
-    ``sampling_defaults`` is what a request's unset sampling fields become
-    (:meth:`GenerationConfig.sampling_defaults` over ``config.default_max_tokens``).
+    ``sampling_defaults`` resolves a request's unset sampling fields (:class:`SamplingDefaults
+    <runner_service.sampling_params.SamplingDefaults>`: :meth:`GenerationConfig.sampling_defaults`
+    over ``config.default_max_tokens``). ``output`` is the :class:`OutputProcessor`.
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, config: EngineConfig,
@@ -198,7 +123,7 @@ class LLMEngine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[str, object]] = []
         self._ids: set[str] = set()   # in-flight request ids (guarded by _lock)
-        self._live: dict[str, _Live] = {}  # stepping thread only
+        self.output = OutputProcessor(tokenizer)  # stepping thread only
         self._thread: threading.Thread | None = None
         self._compiler: threading.Thread | None = None  # background compile, if any
         #: Compiled programs: one of :data:`PROGRAM_STATES`; ``program_detail`` what was (or is
@@ -433,23 +358,6 @@ class LLMEngine:
                                   "(at least one must be left to generate)")
         return ids
 
-    def _fit_max_tokens(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
-        """``params`` with ``max_tokens`` resolved against the context: unset (``None``) becomes
-        the default (the request's ``default_max_tokens``, else the model's) capped to what the
-        context leaves after ``prompt_tokens``; a value above that is ``InvalidArgument`` (as
-        vLLM and the OpenAI API refuse it, rather than silently generating fewer tokens than
-        asked)."""
-        left = self.max_model_len - prompt_tokens
-        default = params.default_max_tokens or self.sampling_defaults.max_tokens
-        if params.max_tokens is None:
-            return replace(params, max_tokens=min(default, left))
-        if params.max_tokens > left:
-            raise InvalidArgument(
-                f"max_tokens {params.max_tokens} is more than the context leaves: the prompt has {prompt_tokens} "
-                f"of the {self.max_model_len}-token context, so at most {left} can be generated; ask for at most "
-                f"{left}, or leave max_tokens unset (the default, {default}, is capped to what the context leaves)")
-        return params
-
     def add_request(self, params: SamplingParams, *, text: str | None = None,
                     messages: Sequence[dict] | None = None, token_ids: Sequence[int] | None = None,
                     request_id: str | None = None, allow_special_tokens: bool = False) -> RequestStream:
@@ -459,7 +367,7 @@ class LLMEngine:
         ``ResourceExhausted`` (the request can never fit the KV cache)."""
         ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
                             allow_special_tokens=allow_special_tokens)
-        params = self._fit_max_tokens(params, len(ids))
+        params = self.sampling_defaults.resolve(params, len(ids), self.max_model_len)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
         if bad:
             raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
@@ -469,15 +377,14 @@ class LLMEngine:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         seq = Seq(rid, ids, params, self.max_model_len, gen)
         self.scheduler.check_fits(seq)
-        stream = RequestStream(self, rid, len(ids))
-        live = _Live(seq, stream, IncrementalDetokenizer(self.tokenizer, params.stop))
+        stream = RequestStream(rid, len(ids), self.abort)
         with self._lock:
             if self._stopping:
                 raise FailedPrecondition("the engine is shutting down")
             if rid in self._ids:
                 raise InvalidArgument(f"request id {rid!r} is already in flight")
             self._ids.add(rid)
-            self._inbox.append(("add", live))
+            self._inbox.append(("add", (seq, stream)))
             self._wake.notify()
         return stream
 
@@ -500,12 +407,10 @@ class LLMEngine:
             if kind == "call":
                 item()
             elif kind == "add":
-                self._live[item.seq.request_id] = item
-                self.scheduler.add(item.seq)
-            else:
-                live = self._live.get(item)
-                if live is not None:
-                    self._finish(live, FinishReason.CANCELLED)
+                self.output.add(*item)
+                self.scheduler.add(item[0])
+            elif (seq := self.output.seq(item)) is not None:
+                self._finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> int:
         """Apply queued adds/aborts and run one scheduler step. Returns the sequences stepped."""
@@ -517,10 +422,9 @@ class LLMEngine:
             self._run(batch)
         except Exception:
             log.exception("step failed; aborting its sequences")
-            for seq in list(batch.seqs):
-                live = self._live.get(seq.request_id)
-                if live is not None:
-                    self._finish(live, FinishReason.ABORTED)
+            for seq in batch.seqs:
+                if self.output.seq(seq.request_id) is seq:  # its final delta not queued yet
+                    self._finish(seq, FinishReason.ABORTED)
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:
@@ -531,33 +435,20 @@ class LLMEngine:
             return
         sampling = [batch.seqs[i] for i in rows]
         tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        self.scheduler.postprocess(batch, tokens, self._stop_string)
+        self.scheduler.postprocess(batch, tokens)
         self.generated_tokens_total += len(tokens)
-        for seq, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            live = self._live[seq.request_id]
-            out = RequestOutput(seq.request_id, [token], live.detok.delta(), [lp] if lp is not None else [],
-                                prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens)
-            if seq.is_finished:
-                self._finish(live, seq.finish_reason, out)
+        for seq, out in zip(sampling, self.output.process(sampling, logprobs), strict=True):
+            if out.finish_reason is None:
+                self.output.publish(out)
             else:
-                live.stream.queue.put(out)
+                self._finish(seq, out.finish_reason, out)
 
-    def _stop_string(self, seq: Seq, token: int) -> bool:
-        """The scheduler's stop-string check: feed ``token`` to the request's detokenizer."""
-        return self._live[seq.request_id].detok.push(token)
-
-    def _finish(self, live: _Live, reason: FinishReason, out: RequestOutput | None = None) -> None:
-        seq = live.seq
-        self.scheduler.finish(seq, reason)  # no-op when postprocess finished it already
-        if out is None:
-            out = RequestOutput(seq.request_id, prompt_tokens=seq.num_prompt_tokens)
-        out.text += live.detok.flush()
-        out.finish_reason = reason
-        out.completion_tokens = seq.num_completion_tokens
-        self._live.pop(seq.request_id, None)
+    def _finish(self, seq: Seq, reason: FinishReason, out: RequestOutput | None = None) -> None:
+        """Free ``seq``'s blocks (no-op when the scheduler did already), then queue its final delta."""
+        self.scheduler.finish(seq, reason)
+        self.output.finish(seq, reason, out)
         with self._lock:
             self._ids.discard(seq.request_id)
-        live.stream.queue.put(out)
 
     def run_until_done(self, max_steps: int | None = None) -> int:
         """Step (in this thread) until no work is left; returns the steps taken. For tests and
@@ -623,8 +514,8 @@ class LLMEngine:
                 self.step()
             except Exception:  # a scheduler bug must not kill the loop: fail what is in flight
                 log.exception("engine step failed outside the model; aborting all requests")
-                for live in list(self._live.values()):
-                    self._finish(live, FinishReason.ABORTED)
+                for seq in self.output.seqs():
+                    self._finish(seq, FinishReason.ABORTED)
 
     @property
     def compile_in_flight(self) -> bool:
@@ -640,8 +531,8 @@ class LLMEngine:
             self._thread.join()
             self._thread = None
         self._drain_inbox()
-        for live in list(self._live.values()):
-            self._finish(live, FinishReason.ABORTED)
+        for seq in self.output.seqs():
+            self._finish(seq, FinishReason.ABORTED)
         self.runner.close()
 
     def __enter__(self) -> LLMEngine:

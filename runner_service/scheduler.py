@@ -16,9 +16,10 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
 After the model ran a batch and the engine sampled, :meth:`Scheduler.postprocess` is the one
 place a sequence is updated (nano-vllm's ``Scheduler.postprocess``, vLLM's
 ``update_from_output``): computed tokens advance (blocks they fill join the prefix cache), a
-completed prefill starts running, the
-sampled token is appended, and stop token / EOS / stop string / length finish the sequence and
-free its blocks.
+completed prefill starts running, the sampled token is appended, and a stop token, EOS or the
+length limit finishes the sequence and frees its blocks. The scheduler never sees text: stop
+strings are the output processor's (:mod:`runner_service.output_processor`), and the engine
+finishes a sequence one matched through :meth:`Scheduler.finish`.
 
 No deadlock: a request is admitted only if it fits the cache alone
 (:meth:`Scheduler.check_fits`); when nothing can be scheduled, sequences holding blocks behind
@@ -31,7 +32,6 @@ which reads constants only and may be called from any thread (request validation
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -241,15 +241,12 @@ class Scheduler:
                 self.running.append(seq)
         return sampling
 
-    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int],
-                    stop_string: Callable[[Sequence, int], bool] | None = None) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int]) -> list[Sequence]:
         """Apply one step's result: :meth:`on_step_done`, then append ``tokens[k]`` to the k-th
         sampling sequence and finish it (blocks freed) on, in this order: a stop token or EOS
-        (``STOP``; the token is not shown to ``stop_string``), ``stop_string(seq, token)`` true
-        (``STOP``; the engine's detokenizer matched a stop string), or the length limit
-        (``LENGTH``). Returns the sampling sequences, in order; finished ones have
-        ``is_finished`` and ``finish_reason`` set. Raises ``ValueError`` when ``tokens`` does not
-        match the sampling rows."""
+        (``STOP``), or the length limit (``LENGTH``). Returns the sampling sequences, in order;
+        finished ones have ``is_finished`` and ``finish_reason`` set. Raises ``ValueError`` when
+        ``tokens`` does not match the sampling rows."""
         sampling = self.on_step_done(batch)
         if len(tokens) != len(sampling):
             raise ValueError(f"{len(tokens)} sampled tokens for {len(sampling)} sampling sequences")
@@ -257,8 +254,6 @@ class Scheduler:
             seq.token_ids.append(token)
             p = seq.params
             if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                self.finish(seq, FinishReason.STOP)
-            elif stop_string is not None and stop_string(seq, token):
                 self.finish(seq, FinishReason.STOP)
             elif seq.num_tokens >= seq.max_total_tokens:
                 self.finish(seq, FinishReason.LENGTH)

@@ -4,8 +4,8 @@ nothing more.
 ``Generate`` turns a ``GenerateRequest`` into an :meth:`LLMEngine.add_request` call and streams
 the engine's deltas back. Bad input is ``INVALID_ARGUMENT`` with one sentence (the runner keeps
 serving); a request that can never fit the KV cache is ``RESOURCE_EXHAUSTED``. When the client
-cancels or its deadline passes, gRPC ends the RPC and the termination callback aborts the
-sequence, which frees its KV blocks.
+cancels, disconnects or its deadline passes, gRPC ends the RPC and its termination callback
+(the one cancellation path) aborts the sequence, which frees its KV blocks.
 
 Metrics (:class:`RunnerCollector`, registered in the ``ServiceServer``'s registry): running and
 waiting sequences, KV blocks used/total, generated tokens (counter) and tokens/s since the last
@@ -15,7 +15,6 @@ and whether it is on.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -35,9 +34,6 @@ from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.proto import generation_pb2, generation_pb2_grpc
 from services.stream_slots import StreamSlots
 
-#: How often (seconds) a streaming RPC wakes up to check that its client is still there.
-_POLL_S = 0.5
-
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``warmserve.v1.Generation`` over one :class:`LLMEngine` (whose loop thread is running)."""
@@ -56,26 +52,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if request.routing not in generation_pb2.RoutingPolicy.values():
                 raise InvalidArgument(f"routing {request.routing} is not a RoutingPolicy value")
             self.slots.take(context)
-            params = sampling_from_proto(request.sampling, self.engine.sampling_defaults)
+            params = sampling_from_proto(request.sampling)
             stream = self.engine.add_request(params, request_id=request.request_id or None,
                                              **prompt_from_proto(request))
         except WarmserveError as e:
             abort_with(context, e)
-        # Runs when the RPC ends (client cancel, deadline, or done); False: it has already ended.
+        # Runs when the RPC ends (client cancel, deadline, disconnect, or done: then a no-op); the
+        # engine then ends the stream with a CANCELLED delta. False: the RPC has already ended.
         if not context.add_callback(stream.cancel):
             stream.cancel()
             return
-        while True:
-            try:
-                out = stream.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not context.is_active():
-                    stream.cancel()
-                    return
-                continue
+        for out in stream:
             yield output_to_proto(out, self.runner_id, self._token_text)
-            if out.finish_reason is not None:
-                return
 
     def ModelInfo(self, request, context):
         """The model, its EOS ids and sampling defaults, the serving limits and the start-up report."""

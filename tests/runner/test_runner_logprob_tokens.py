@@ -11,7 +11,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.convert import output_to_proto, token_text_decoder
-from runner_service.engine import LLMEngine, RequestOutput
+from runner_service.engine import LLMEngine
+from runner_service.output_processor import RequestOutput
 from runner_service.sampler import TokenLogprobs
 from runner_service.servicer import GenerationServicer
 from runner_service.tokenizer import Tokenizer

@@ -1,0 +1,142 @@
+"""Text out of the token stream (vLLM v1's ``OutputProcessor``): per request, detokenize each
+sampled token incrementally, check stop strings, and queue :class:`RequestOutput` deltas and the
+final one (finish reason, usage) for its :class:`RequestStream`. The scheduler stays token-level.
+See ``docs/architecture.md`` §8 and §11.
+
+Threads: :class:`OutputProcessor` is the engine's stepping thread's only; a
+:class:`RequestStream` is read by its consumer.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from runner_service.detokenizer import IncrementalDetokenizer
+from runner_service.sampler import TokenLogprobs
+from runner_service.sequence import FinishReason
+from runner_service.sequence import Sequence as Seq
+from runner_service.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A streamed delta (or, from :meth:`RequestStream.result`, the whole output).
+
+    ``token_ids``/``text``/``logprobs`` are new since the previous delta; ``finish_reason`` is set
+    on the last delta only, with the usage counts (tokens).
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestStream:
+    """The consumer side of one request: iterate its deltas, or :meth:`cancel` it (``abort``:
+    the engine's :meth:`~runner_service.engine.LLMEngine.abort`)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, abort: Callable[[str], None]) -> None:
+        self._abort = abort
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.queue: queue.Queue[RequestOutput] = queue.Queue()
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next delta; raises ``queue.Empty`` after ``timeout`` seconds."""
+        out = self.queue.get(timeout=timeout)
+        if out.finish_reason is not None:
+            self.finished = True
+        return out
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+    def cancel(self) -> None:
+        """Abort the request; its blocks are freed and a final CANCELLED delta is sent."""
+        self._abort(self.request_id)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the end and merge all deltas (needs the engine loop running, or steps
+        driven by another thread)."""
+        total = RequestOutput(self.request_id, prompt_tokens=self.prompt_tokens)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.finished:
+            out = self.get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            total.token_ids += out.token_ids
+            total.text += out.text
+            total.logprobs += out.logprobs
+            total.finish_reason = out.finish_reason
+            total.completion_tokens = out.completion_tokens
+        return total
+
+
+@dataclass
+class _RequestState:
+    seq: Seq
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+
+
+class OutputProcessor:
+    """The in-flight requests' output state. ``tokenizer=None``: outputs carry ids, no text."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    def add(self, seq: Seq, stream: RequestStream) -> None:
+        """Track a request from now on (its stop strings: ``seq.params.stop``)."""
+        self._requests[seq.request_id] = _RequestState(seq, stream, IncrementalDetokenizer(self._tokenizer,
+                                                                                           seq.params.stop))
+
+    def seq(self, request_id: str) -> Seq | None:
+        """The sequence of an in-flight request, ``None`` when unknown or finished."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.seq
+
+    def seqs(self) -> list[Seq]:
+        """The in-flight requests' sequences."""
+        return [state.seq for state in self._requests.values()]
+
+    def process(self, seqs: Sequence[Seq], logprobs: Sequence[TokenLogprobs | None]) -> list[RequestOutput]:
+        """One delta per sampling sequence of a step, after :meth:`Scheduler.postprocess
+        <runner_service.scheduler.Scheduler.postprocess>` appended its token: the token, its new
+        text and logprobs. The token goes to the detokenizer unless a stop token or EOS finished
+        the sequence (``STOP``); a stop string it completes makes the delta's ``finish_reason``
+        ``STOP`` (also over ``LENGTH``), and the caller must then finish the sequence if the
+        scheduler has not. Otherwise ``finish_reason`` is the scheduler's (``None``: running).
+        Queues nothing: hand each delta to :meth:`publish` or :meth:`finish`."""
+        outs = []
+        for seq, lp in zip(seqs, logprobs, strict=True):
+            state = self._requests[seq.request_id]
+            token = seq.last_token
+            reason = seq.finish_reason
+            if reason is not FinishReason.STOP and state.detok.push(token):
+                reason = FinishReason.STOP
+            outs.append(RequestOutput(seq.request_id, [token], state.detok.delta(), [lp] if lp is not None else [],
+                                      reason, seq.num_prompt_tokens, seq.num_completion_tokens))
+        return outs
+
+    def publish(self, out: RequestOutput) -> None:
+        """Queue a delta of a request still running."""
+        self._requests[out.request_id].stream.queue.put(out)
+
+    def finish(self, seq: Seq, reason: FinishReason, out: RequestOutput | None = None) -> None:
+        """Queue the final delta (``out``, else an empty one) with the text held back so far,
+        ``reason`` and the usage counts, and forget the request. Free its blocks first."""
+        state = self._requests.pop(seq.request_id)
+        if out is None:
+            out = RequestOutput(seq.request_id, prompt_tokens=seq.num_prompt_tokens)
+        out.text += state.detok.flush()
+        out.finish_reason = reason
+        out.completion_tokens = seq.num_completion_tokens
+        state.stream.queue.put(out)
