@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from model_families import block_layout as _block_layout
+from model_families import custom_ops, kv_write, linear, prepack, quant, quantized_weights
 from model_families import family as _family
-from model_families import ops
 from model_families.deepseek_v4 import config as _config
 from model_families.deepseek_v4 import model as _model
 from model_families.deepseek_v4 import pack as _pack
@@ -100,7 +100,8 @@ class DeepseekV4Family(ModelFamily):
         return DeepseekV4Model(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, ops, _block_layout, _family]
+        return [_model, _config, _pack, kv_write, linear, quantized_weights, prepack, custom_ops, quant, _block_layout,
+                _family]
 
 
 FAMILY = DeepseekV4Family()
