@@ -12,6 +12,7 @@ import torch
 
 from model_families import (
     attention,
+    block_layout,
     custom_ops,
     kv_write,
     linear,
@@ -69,8 +70,8 @@ class LlamaFamily(ModelFamily):
         return LlamaModel(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, norm_rope, attention, kv_write, linear, quantized_weights, prepack, custom_ops,
-                quant, _family]
+        return [_model, _config, _pack, norm_rope, block_layout, attention, kv_write, linear, quantized_weights,
+                prepack, custom_ops, quant, _family]
 
 
 FAMILY = LlamaFamily()
