@@ -7,7 +7,7 @@ Measured here, with ``--threads`` torch threads (default 2):
   (``--bandwidth-mib``, default 1024), bytes / seconds, best of 7. One decode stream reads
   every weight once per token, so at batch 1 the bound is ``bandwidth / bytes per token``.
 - **matmul FLOP/s**: a float32 and a bf16 ``[M, K] @ [K, N]`` with ``M = N = K = 2048``
-  through oneDNN (:func:`model_families.ops.float_linear`, the serving path's matmul), ``2 M N
+  through oneDNN (:func:`model_families.linear.float_linear`, the serving path's matmul), ``2 M N
   K`` / seconds, best of 7. At batch 32 a step is mostly matmul, so the bound is ``FLOP/s /
   FLOPs per token``.
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from model_families.ops import float_linear  # noqa: E402
+from model_families.linear import float_linear  # noqa: E402
 from weight_service.gguf_reader import GGUFCheckpoint  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 

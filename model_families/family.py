@@ -48,7 +48,7 @@ where ``rows`` is empty (the step wrote its cache entries in place, the default)
 ``[layers, B, *row_shape]`` tensor per pool: the entries the step would write at
 ``slot_mapping`` (or, with :attr:`FamilyModel.decode_row_slots`, at the per-pool ``[B]`` slot
 tensors returned after the rows), which the runner then writes for all layers at once
-(:func:`model_families.ops.write_kv_rows`). A decode that returns its rows only reads the pools,
+(:func:`model_families.kv_write.write_kv_rows`). A decode that returns its rows only reads the pools,
 so its compiled program has no in-place writes (no custom-op call back into Python per layer).
 Slot ``s`` of a pool is row
 ``s % block_size`` of block ``s // block_size``; block 0 is the runner's scratch block (padding
@@ -78,7 +78,7 @@ from torch import nn
 
 from model_families import quant
 from model_families.block_layout import BlockLayout
-from model_families.ops import QuantizedWeight
+from model_families.quantized_weights import QuantizedWeight
 from services.errors import InvalidArgument
 
 #: The float weights dtypes and their torch dtypes.
@@ -205,7 +205,7 @@ class CacheSpec:
 
 class FamilyWeights:
     """Mixin for a family's weights dataclass: tensor fields (``None`` allowed for optional
-    ones) or weight-only quantized matrices (:class:`model_families.ops.QuantizedWeight`).
+    ones) or weight-only quantized matrices (:class:`model_families.quantized_weights.QuantizedWeight`).
     Weights that are one object (a tied head) stay one object through :meth:`to`."""
 
     def entries(self) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -226,7 +226,7 @@ class FamilyWeights:
     def to(self, dtype: torch.dtype, device: torch.device) -> FamilyWeights:
         """A copy with float tensors in ``dtype`` on ``device`` (``self`` when they already
         are); quantized weights keep their codes and convert their scales
-        (:meth:`~model_families.ops.QuantizedWeight.converted`); weights that were one object
+        (:meth:`~model_families.quantized_weights.QuantizedWeight.converted`); weights that were one object
         stay one object."""
         items = self.entries()
         if self.dtype == dtype and all(t.device == device for t in self.tensors().values()):
@@ -296,9 +296,9 @@ class FamilyModel(nn.Module, ABC):
         return (logits,)
 
     def linear_matrices(self) -> list[torch.Tensor]:
-        """The float ``[N, K]`` matrices its matmuls pass to :func:`model_families.ops.linear`
+        """The float ``[N, K]`` matrices its matmuls pass to :func:`model_families.linear.linear`
         (layer views of stacked tensors included), for the runner to prepack once at load
-        (:class:`model_families.ops.PackedMatrices`). Default: none (plain matmuls)."""
+        (:class:`model_families.prepack.PackedMatrices`). Default: none (plain matmuls)."""
         return []
 
 
@@ -441,7 +441,7 @@ class ModelFamily(ABC):
                      device: torch.device, weights_dtype: str = "f32") -> FamilyWeights:
         """The runner's weights, computing in ``dtype``, from the tensors of a ``weights_dtype``
         sidecar (float tensors zero-copy when dtype and device match; quantized matrices built
-        once for the kernels, :func:`model_families.ops.quantized_weight`). Raises
+        once for the kernels, :func:`model_families.quantized_weights.quantized_weight`). Raises
         ``InvalidArgument`` for a missing name or a shape that differs from
         :meth:`tensor_specs`."""
 

@@ -10,12 +10,15 @@ kept as one opaque in-place call on the caller's tensor (Inductor re-inplaces
 effect: ``docs/benchmarks.md``).
 
 Loading an AOTInductor package that calls this op needs the op registered in the process: import
-this module first (:mod:`model_families.ops` and :mod:`runner_service.programs` do).
+this module first (the families and :mod:`runner_service.programs` do). :func:`write_kv` picks
+the op or a plain ``index_copy_``; :func:`write_kv_rows` writes a decode step's returned rows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from model_families.custom_ops import tracing
 
 
 @torch.library.custom_op("warmserve::kv_write_", mutates_args=("cache",))
@@ -34,3 +37,27 @@ def kv_write_(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torc
 @kv_write_.register_fake
 def _kv_write_fake(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
     return None
+
+
+def write_kv(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[layer]`` slots ``slots`` [T] (int64) <- ``values`` [T, *row_shape], in place
+    (``cache`` [layers, num_blocks, block_size, *row_shape]).
+
+    Eager: a plain ``index_copy_``. Under ``torch.compile`` / ``torch.export``: the
+    ``warmserve::kv_write_`` custom op (:func:`kv_write_`), which compilers keep as
+    one in-place call instead of copying the whole pool; eagerly the op's dispatch costs more
+    than the copy, so it is used only when compiling.
+    """
+    if tracing(values):
+        torch.ops.warmserve.kv_write_(cache, layer, slots, values)
+    else:
+        cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, values)
+
+
+def write_kv_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write a decode step's rows into every layer of a pool, in place: ``cache`` [layers,
+    num_blocks, block_size, *row_shape], ``slots`` [B] int64, ``rows`` [layers, B, *row_shape]
+    (row ``b`` of layer ``l`` goes to slot ``slots[b]`` of layer ``l``). One ``index_copy_`` for
+    all layers; runs outside the compiled decode program (see :meth:`FamilyModel.decode
+    <model_families.family.FamilyModel.decode>`)."""
+    cache.view(cache.shape[0], -1, *cache.shape[3:]).index_copy_(1, slots, rows)

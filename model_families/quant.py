@@ -1,6 +1,6 @@
 """Weight-only quantized matrices in the sidecar: the two formats, the rules that produce them
 from float weights, and their reference dequantization. Shared by every family's pack spec
-(which decides *which* matrices are quantized) and by the runner (:mod:`model_families.ops`
+(which decides *which* matrices are quantized) and by the runner (:mod:`model_families.quantized_weights`
 turns the stored parts into what PyTorch's kernels take).
 
 A quantized matrix ``NAME`` of float shape ``[..., N, K]`` (``N`` output rows, ``K`` input

@@ -35,7 +35,8 @@ import torch
 
 from model_families import family_for_config
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
-from model_families.ops import PackedMatrices, write_kv_rows
+from model_families.kv_write import write_kv_rows
+from model_families.prepack import PackedMatrices
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
@@ -110,7 +111,7 @@ class ModelRunner:
         """Write the cache rows of a decode module's (or program's) output ``(logits, *rows)``
         at ``slot_mapping`` [B] (or ``(logits, *rows, *slots)``, each pool at its own slots, for a
         model with :attr:`~model_families.family.FamilyModel.decode_row_slots`; one
-        :func:`~model_families.ops.write_kv_rows` per pool; none when the module wrote in place)
+        :func:`~model_families.kv_write.write_kv_rows` per pool; none when the module wrote in place)
         and return the logits [B, V]."""
         logits, *rows = out
         if rows:

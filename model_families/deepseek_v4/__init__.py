@@ -10,11 +10,13 @@ from typing import Any
 import torch
 
 from model_families import block_layout as _block_layout
+from model_families import custom_ops, kv_write, linear, prepack, quant, quantized_weights
 from model_families import family as _family
-from model_families import ops
+from model_families.deepseek_v4 import checkpoint_names as _checkpoint_names
 from model_families.deepseek_v4 import config as _config
 from model_families.deepseek_v4 import model as _model
 from model_families.deepseek_v4 import pack as _pack
+from model_families.deepseek_v4 import quantized as _quantized
 from model_families.deepseek_v4.config import ARCHITECTURES, DeepseekV4Config
 from model_families.deepseek_v4.model import DeepseekV4Model, DeepseekV4Weights
 from model_families.family import CacheSpec, Checkpoint, ModelFamily, TensorSpec
@@ -100,7 +102,8 @@ class DeepseekV4Family(ModelFamily):
         return DeepseekV4Model(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, ops, _block_layout, _family]
+        return [_model, _config, _pack, _checkpoint_names, _quantized, kv_write, linear, quantized_weights, prepack,
+                custom_ops, quant, _block_layout, _family]
 
 
 FAMILY = DeepseekV4Family()

@@ -52,10 +52,12 @@ import torch
 import torch.nn.functional as F
 
 from model_families.block_layout import RingLayout
+from model_families.custom_ops import grouped_experts, tracing
 from model_families.deepseek_v4.config import CSA, HASH_MOE, HCA, DeepseekV4Config
 from model_families.deepseek_v4.pack import FLOAT32_SUFFIXES, tensor_specs
 from model_families.family import CacheSpec, FamilyModel, FamilyWeights
-from model_families.ops import float_linear, grouped_experts, tracing, write_kv
+from model_families.kv_write import write_kv
+from model_families.linear import float_linear
 from services.errors import InvalidArgument
 
 
@@ -413,7 +415,7 @@ class DeepseekV4Model(FamilyModel):
             self.register_buffer(f"{label}_sin", sin.to(weights.embed.device), persistent=False)
 
     def linear_matrices(self) -> list[torch.Tensor]:
-        """The per-layer float ``[N, K]`` matrices passed to :func:`~model_families.ops.float_linear`
+        """The per-layer float ``[N, K]`` matrices passed to :func:`~model_families.linear.float_linear`
         (views of the stacked tensors) and the head."""
         names = ["wq_a", "wq_b", "wkv", "wo_b", "shared_gate_up", "shared_down", "gate"]
         out = [getattr(self, n)[i] for n in names for i in range(self.config.num_hidden_layers)]
@@ -609,7 +611,7 @@ class DeepseekV4Model(FamilyModel):
         """Layer ``i``'s MoE on ``x`` [T, H] (M: ``DeepseekV4SparseMoeBlock``): router scores,
         top-k by ``scores + gate_bias`` (or ``tid2eid[token]`` in a hash layer), weights from
         the unbiased scores normalised and scaled; each picked expert runs once on the tokens
-        that picked it (:func:`~model_families.ops.grouped_experts`, a custom op in a compiled
+        that picked it (:func:`~model_families.custom_ops.grouped_experts`, a custom op in a compiled
         program), plus the shared expert."""
         c = self.config
         limit = c.swiglu_limit

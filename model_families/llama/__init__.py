@@ -10,8 +10,18 @@ from typing import Any
 
 import torch
 
+from model_families import (
+    attention,
+    block_layout,
+    custom_ops,
+    kv_write,
+    linear,
+    norm_rope,
+    prepack,
+    quant,
+    quantized_weights,
+)
 from model_families import family as _family
-from model_families import kv_write, ops, quant
 from model_families.family import CacheSpec, Checkpoint, ModelFamily, TensorSpec
 from model_families.llama import config as _config
 from model_families.llama import model as _model
@@ -60,7 +70,8 @@ class LlamaFamily(ModelFamily):
         return LlamaModel(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, ops, quant, kv_write, _family]
+        return [_model, _config, _pack, norm_rope, block_layout, attention, kv_write, linear, quantized_weights,
+                prepack, custom_ops, quant, _family]
 
 
 FAMILY = LlamaFamily()

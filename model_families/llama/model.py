@@ -6,7 +6,7 @@ values, so :meth:`LlamaModel.forward` can be exported and compiled as is. Shapes
 
 Math follows transformers' ``modeling_llama.py`` (the reference in the tests):
 
-- RMSNorm in float32 (:func:`model_families.ops.rms_norm`);
+- RMSNorm in float32 (:func:`model_families.norm_rope.rms_norm`);
 - RoPE in the HF ``rotate_half`` convention, cos/sin computed in float32 from
   ``inv_freq = 1 / theta^(2i/hd)`` (optionally rescaled, see :func:`rope_inv_freq`) then cast to
   the compute dtype;
@@ -15,12 +15,12 @@ Math follows transformers' ``modeling_llama.py`` (the reference in the tests):
 
 Paged attention: in ``forward`` (prefill) K/V of the step's tokens are written into the block
 pools in place at ``slot_mapping``, then each sequence's blocks are read through its block-table
-row (:func:`model_families.ops.paged_attention`). ``decode`` only reads the pools: each row's
+row (:func:`model_families.attention.paged_attention`). ``decode`` only reads the pools: each row's
 own K/V stands in for its slot, and the rows are returned for the runner to write after the
 step (one copy per pool for all layers, outside the compiled program).
 
 Matrices are float tensors or weight-only quantized ones (int4 / int8 sidecars): every matmul is
-:func:`model_families.ops.linear`, which dispatches on the weight's kind (Python-level, so the
+:func:`model_families.linear.linear`, which dispatches on the weight's kind (Python-level, so the
 traced graph holds the right kernel).
 """
 
@@ -33,18 +33,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_families.attention import paged_attention
 from model_families.family import FamilyModel, FamilyWeights
+from model_families.kv_write import write_kv
+from model_families.linear import linear
 from model_families.llama.config import LlamaConfig
 from model_families.llama.pack import tensor_shapes, tensor_specs
-from model_families.ops import (
-    QuantizedWeight,
-    apply_rope,
-    linear,
-    paged_attention,
-    quantized_weight,
-    rms_norm,
-    write_kv,
-)
+from model_families.norm_rope import apply_rope, rms_norm
+from model_families.quantized_weights import QuantizedWeight, quantized_weight
 from services.errors import InvalidArgument
 
 Weight = torch.Tensor | QuantizedWeight
@@ -60,7 +56,7 @@ class LlamaWeights(FamilyWeights):
     [L, (nh + 2 nkv) hd, H] (q rows, then k, then v); ``qkv_bias`` [L, (nh + 2 nkv) hd] or None;
     ``o_proj`` [L, H, nh hd]; ``gate_up_proj`` [L, 2 I, H] (gate then up); ``down_proj`` [L, H, I].
     Float tensors in the compute dtype on the compute device; from a quantized sidecar the
-    matrices and tables are :class:`~model_families.ops.QuantizedWeight` s of those shapes.
+    matrices and tables are :class:`~model_families.quantized_weights.QuantizedWeight` s of those shapes.
     """
 
     embed_tokens: Weight
@@ -79,7 +75,7 @@ class LlamaWeights(FamilyWeights):
                      device: torch.device, weights_dtype: str = "f32") -> LlamaWeights:
         """Take the tensors of a ``weights_dtype`` sidecar: float ones zero-copy when dtype and
         device already match (otherwise one converted copy each), quantized matrices converted
-        once for the kernels (:func:`model_families.ops.quantized_weight`). Raises
+        once for the kernels (:func:`model_families.quantized_weights.quantized_weight`). Raises
         ``InvalidArgument`` on a missing name or a wrong shape (or a wrong dtype for a quantized
         part)."""
         specs = tensor_specs(config, weights_dtype)
@@ -180,8 +176,8 @@ class LlamaModel(FamilyModel):
         """One decode token per row (``input_ids``/``positions``/``slot_mapping``/``seq_lens``
         [B], ``block_tables`` [B, nb]) that only reads the caches: returns ``(logits [B, V]
         float32, k_rows, v_rows)``, the rows [L, B, nkv, hd] to write at ``slot_mapping``
-        (:func:`model_families.ops.write_kv_rows`). Attention sees each row's own K/V in place
-        of that slot (:func:`model_families.ops.decode_attention`)."""
+        (:func:`model_families.kv_write.write_kv_rows`). Attention sees each row's own K/V in place
+        of that slot (:func:`model_families.attention.decode_attention`)."""
         return self._step(caches, input_ids[:, None], positions[:, None], None, block_tables, seq_lens,
                           torch.zeros_like(input_ids))
 

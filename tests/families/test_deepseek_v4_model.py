@@ -82,7 +82,7 @@ def _run_chunks(model, kv, ids: list[int], table: list[int], chunk: int) -> dict
 def _run_decode(model, kv, ids: list[int], table: list[int]) -> torch.Tensor:
     """Every position of ``ids`` through the read-only decode step (:meth:`decode`: rows and
     their slots returned, then written as the runner writes them); logits [len(ids), V]."""
-    from model_families.ops import write_kv_rows
+    from model_families.kv_write import write_kv_rows
 
     bt, out = torch.tensor([table]), []
     for p, token in enumerate(ids):

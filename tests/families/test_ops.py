@@ -7,15 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_families import ops as ops_module
-from model_families.ops import (
-    PackedMatrices,
-    _matrix_key,
-    decode_attention,
-    float_linear,
-    paged_attention,
-    write_kv_rows,
-)
+from model_families import prepack as prepack_module
+from model_families.attention import decode_attention, paged_attention
+from model_families.kv_write import write_kv_rows
+from model_families.linear import float_linear
+from model_families.prepack import PackedMatrices, _matrix_key
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -156,8 +152,8 @@ def test_an_exported_linear_reads_whatever_copy_is_registered_when_it_runs():
     doubled = PackedMatrices([stacked[1] * 2], batch_hint=4)  # a copy of 2 W ...
     try:
         key = _matrix_key(stacked[1])
-        ops_module._PACKED[key] = ops_module._PACKED.pop(_matrix_key(doubled._plain[0]))  # ... filed as W's
+        prepack_module._PACKED[key] = prepack_module._PACKED.pop(_matrix_key(doubled._plain[0]))  # ... filed as W's
         torch.testing.assert_close(program(x), 2 * (x @ stacked[1].T), atol=1e-4, rtol=1e-4)
     finally:
-        ops_module._PACKED.pop(key, None)
+        prepack_module._PACKED.pop(key, None)
     torch.testing.assert_close(program(x), x @ stacked[1].T, atol=1e-4, rtol=1e-4)

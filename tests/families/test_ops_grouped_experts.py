@@ -1,4 +1,4 @@
-"""``model_families.ops.grouped_experts`` (the routed experts of an MoE layer, each picked expert
+"""``model_families.custom_ops.grouped_experts`` (the routed experts of an MoE layer, each picked expert
 run once on its tokens) against a per-(token, pick) loop written from the formula."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_families.ops import grouped_experts
+from model_families.custom_ops import grouped_experts
 
 
 def _naive(x, picks, weights, gate_up, down, limit):

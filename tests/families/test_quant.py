@@ -1,5 +1,5 @@
 """Weight-only quantized matrices (model_families/quant.py and the kernels behind
-model_families/ops.linear): the stored formats, the quantization rules against a numpy
+model_families/linear.linear): the stored formats, the quantization rules against a numpy
 reimplementation, and PyTorch's int4/int8 matmuls against a float matmul of the dequantized
 weights."""
 
@@ -11,8 +11,9 @@ import torch
 from runner_tiny import tiny_args
 
 from model_families import quant
+from model_families.linear import linear
 from model_families.llama import FAMILY as LLAMA
-from model_families.ops import Int4GroupWeight, Int4Weight, Int8Weight, linear, quantized_weight
+from model_families.quantized_weights import Int4GroupWeight, Int4Weight, Int8Weight, quantized_weight
 from services.errors import InvalidArgument
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -2,7 +2,7 @@
 
 Each cold compile runs the C++ compiler (~20-30 s on 2 cores), so the tests share one AOTI
 build (module fixture) and compile again only where a MISS is the point of the test. The eager
-decode step they compare against is checked against transformers in test_runner_model.py.
+decode step they compare against is checked against transformers in tests/families/test_llama_model.py.
 """
 
 from __future__ import annotations

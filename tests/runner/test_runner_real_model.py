@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from real_model_prompts import CHATS, TEXT_PROMPTS
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine
@@ -17,22 +18,6 @@ from runner_service.sequence import FinishReason, Sequence
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
-TEXT_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "1, 1, 2, 3, 5, 8,",
-    "Photosynthesis is the process by which",
-]
-CHATS = [
-    [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Name three colors."}],
-    [{"role": "user", "content": "Write a haiku about the ocean."}],
-    [{"role": "user", "content": "Translate 'good morning' to French."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a fun fact about cats."}],
-]
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
 
 

@@ -1,5 +1,5 @@
 """Acceptance: the runner on the bundled SmolLM2's int4 and int8 sidecars against the dequantized
-model (the f32 sidecar, which test_runner_real_model.py checks against transformers).
+model (the f32 sidecar, which tests/runner/test_runner_real_model.py checks against transformers).
 
 Tolerances (last-position logits over TEXT_PROMPTS, max |difference|; measured values in
 docs/quantization.md):
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runner_real_model import CHATS, TEXT_PROMPTS
+from real_model_prompts import CHATS, TEXT_PROMPTS
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine

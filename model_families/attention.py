@@ -1,0 +1,77 @@
+"""Paged attention over a layer's K/V block pools: prefill gathers the rows' blocks and runs
+masked SDPA, decode runs fused float32 reductions over the blocks in place. Pool layout:
+``[num_blocks, block_size, nkv, hd]`` per layer, slot ``block_id * block_size + offset``, block 0
+the scratch block (``docs/architecture.md`` §7).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_tables: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of queries over each sequence's paged K/V.
+
+    ``q`` [B, S, nh, hd]; ``k_pool``/``v_pool`` [num_blocks, block_size, nkv, hd] (one layer);
+    ``block_tables`` [B, nb] int64 block ids (unused entries point at the scratch block);
+    ``positions`` [B, S] int64 absolute position of each query token; ``seq_lens`` [B] int64
+    tokens in the context including this step's. Key ``j`` (position in the block-table row) is
+    visible to a query at position ``p`` iff ``j <= p`` and ``j < seq_len``. GQA: ``nh`` is a
+    multiple of ``nkv``; scale ``1/sqrt(hd)``. Returns [B, S, nh, hd] in ``q``'s dtype.
+
+    Decode (``S == 1``) may pass the step's own ``k_new``/``v_new`` [B, 1, nkv, hd]: they stand
+    in for the pool's entry at each row's position, which the caller writes after the step
+    (the decode program thus only reads the pools). Decode runs :func:`decode_attention`;
+    prefill (``S > 1``) gathers the rows' blocks and runs masked SDPA.
+    """
+    if q.shape[1] == 1:
+        return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
+    if k_new is not None or v_new is not None:
+        raise ValueError("k_new/v_new are for decode steps (one query token per row)")
+    B, nb = block_tables.shape
+    bs, nkv, hd = k_pool.shape[1:]
+    k = k_pool[block_tables].reshape(B, nb * bs, nkv, hd).transpose(1, 2)
+    v = v_pool[block_tables].reshape(B, nb * bs, nkv, hd).transpose(1, 2)
+    key_pos = torch.arange(nb * bs, device=q.device)
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     positions: torch.Tensor, seq_lens: torch.Tensor, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention of one query token per row (arguments as :func:`paged_attention`, ``S``
+    = 1), written as broadcast products and sums in float32 rather than SDPA:
+    ``s[b, t, g] = q[b, g] . k[b, t] / sqrt(hd)``, masked, softmax over ``t``,
+    ``out[b, g] = sum_t p[b, t, g] v[b, t]``, with ``k[b, t]`` = ``k_pool[block_tables[b, t //
+    block_size], t % block_size]`` (``k_new[b]`` at ``t == positions[b]`` when given; ``k_new``
+    and ``v_new`` come together, else ``ValueError``).
+
+    Compiled, Inductor fuses the block-table indexing into the two reductions, so the blocks are
+    read in place (no gathered copy of the rows' K/V) and no ``[B*nh, 1, T]`` batched matmul is
+    dispatched per layer (gain: ``docs/benchmarks.md``).
+    """
+    B, nb = block_tables.shape
+    bs, nkv, hd = k_pool.shape[1:]
+    nh = q.shape[2]
+    g, T = nh // nkv, nb * bs
+    k = k_pool[block_tables].view(B, T, nkv, 1, hd)
+    v = v_pool[block_tables].view(B, T, nkv, 1, hd)
+    key_pos = torch.arange(T, device=q.device)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("give the step's own K and V together (k_new and v_new), or neither")
+    if k_new is not None:
+        own = (key_pos[None, :] == positions)[:, :, None, None, None]  # [B, T, 1, 1, 1]
+        k = torch.where(own, k_new.view(B, 1, nkv, 1, hd), k)
+        v = torch.where(own, v_new.view(B, 1, nkv, 1, hd), v)
+    qf = q.view(B, 1, nkv, g, hd).float() * hd ** -0.5
+    scores = (qf * k.float()).sum(-1)  # [B, T, nkv, g]
+    visible = (key_pos[None, :] <= positions) & (key_pos[None, :] < seq_lens[:, None])
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * v.float()).sum(1)  # [B, nkv, g, hd]
+    return out.view(B, 1, nh, hd).to(q.dtype)

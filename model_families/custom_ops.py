@@ -1,0 +1,102 @@
+"""The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
+on the oneDNN prepacked copy, :mod:`model_families.prepack`) and ``warmserve::grouped_experts``
+(the routed experts of an MoE layer), and :func:`tracing`, which picks the traced path. The KV
+write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
+needs them registered: import this module first. See ``docs/architecture.md`` §7, §9.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from model_families.prepack import onednn_linear
+
+
+def tracing(t: torch.Tensor) -> bool:
+    """Whether ``t`` flows through a trace (Dynamo compiling this code, or ``torch.export``
+    tracing it) rather than eager execution. ``torch.compiler.is_exporting()`` alone is a
+    process-wide flag, true in every thread while any thread exports; a runner that serves eager
+    while its programs compile in the background (``EngineConfig.background_compile``) must not
+    take the traced path, so an export also needs ``t`` to be a fake tensor."""
+    return torch.compiler.is_dynamo_compiling() or (torch.compiler.is_exporting() and is_fake(t))
+
+
+
+#: ``torch.ops.warmserve.linear``, defined with the low-level ``torch.library.Library`` rather than
+#: ``torch.library.custom_op``: the latter wraps the kernel in Dynamo's ``disable``, whose
+#: ``fx_traceback.annotate`` edits process-wide tracing metadata on every call, so a compiled
+#: program calling it while another thread compiles (``EngineConfig.background_compile``) failed
+#: with ``KeyError: 'custom'``. This kernel is called straight from the dispatcher.
+_LIB = torch.library.Library("warmserve", "FRAGMENT")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> [M, N] in ``x``'s dtype, on the prepacked
+    copy of ``weight`` when :class:`~model_families.prepack.PackedMatrices` holds one: the call an
+    exported program makes for every :func:`~model_families.linear.float_linear` (register this
+    op, i.e. import this module, before loading such a program)."""
+    return onednn_linear(x, weight, bias)
+
+
+_LIB.impl("linear", _linear_kernel, "CPU")
+
+
+@torch.library.register_fake("warmserve::linear", lib=_LIB)
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"
+            " -> Tensor")
+
+
+def _grouped_experts_kernel(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer, each picked expert run once on the
+    tokens that picked it (as transformers' per-expert loop, e.g. ``DeepseekV4Experts``).
+
+    ``x`` [T, H]; ``picks`` [T, k] int64 expert ids (distinct per token); ``weights`` [T, k] their
+    weights; ``gate_up`` [E, 2I, H] (gate rows, then up); ``down`` [E, H, I]; ``limit``: the
+    SwiGLU clamp (gate clamped above at ``limit``, up to ``[-limit, limit]``; ``inf`` for none).
+    Returns ``sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` [T, H] in ``x``'s dtype.
+    """
+    k, num_experts = picks.shape[1], gate_up.shape[0]
+    flat = picks.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = torch.div(order, k, rounding_mode="floor")
+    xs, ws = x[tokens], weights.reshape(-1)[order].to(x.dtype)
+    out = x.new_zeros((x.shape[0], down.shape[1]))
+    ys, start = [], 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            gate, up = F.linear(xs[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            act = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+            ys.append(F.linear(act, down[e]) * ws[start:start + n, None])
+            start += n
+    return out.index_add_(0, tokens, torch.cat(ys)) if ys else out
+
+
+_LIB.impl("grouped_experts", _grouped_experts_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmserve::grouped_experts", lib=_LIB)
+def _grouped_experts_fake(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor, limit: float) -> torch.Tensor:
+    return x.new_empty((x.shape[0], down.shape[1]))
+
+
+def grouped_experts(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, limit: float = math.inf) -> torch.Tensor:
+    """Routed experts [T, H] (:func:`_grouped_experts_kernel`: shapes, formula). Traced (a
+    compiled program), the custom op ``torch.ops.warmserve.grouped_experts``, so the program runs
+    the same per-expert loop at run time instead of every expert on every token (a graph with
+    data-dependent group sizes does not export); eagerly, the loop itself."""
+    if tracing(x):
+        return torch.ops.warmserve.grouped_experts(x, picks, weights, gate_up, down, float(limit))
+    return _grouped_experts_kernel(x, picks, weights, gate_up, down, float(limit))
+

@@ -1,0 +1,58 @@
+"""The families' linear layer: :func:`float_linear` (oneDNN on the CPU, on the prepacked copy
+when there is one, :mod:`model_families.prepack`; the ``warmserve::linear`` custom op when
+exported) and :func:`linear`, which also runs weight-only quantized matrices
+(:mod:`model_families.quantized_weights`). Plain PyTorch with no control flow on tensor values.
+See ``docs/architecture.md`` §7.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_families import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.warmserve.linear)
+from model_families import quant
+from model_families.custom_ops import tracing
+from model_families.prepack import onednn_linear, onednn_linear_eligible
+from model_families.quantized_weights import Int4Groups, Int4Matrix, Int8Matrix, QuantizedWeight, dequantized
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K].T (+ bias [N])`` for a float matrix. On the CPU (f32 / bf16,
+    oneDNN built in; :func:`onednn_linear_eligible`) this is oneDNN's matmul
+    (``torch.ops.mkldnn._linear_pointwise``) on the matrix's prepacked copy
+    (:class:`~model_families.prepack.PackedMatrices`) or else on the plain matrix; under ``torch.export`` it is the custom
+    op ``torch.ops.warmserve.linear``, which does the same at run time, so a program compiled once
+    uses whatever copies the process holds. ``F.linear`` would send float32 to the BLAS library
+    (MKL), whose code path on this AMD host is slower (``docs/benchmarks.md``). Under
+    ``torch.compile`` (Dynamo, ``--compile inductor``) and elsewhere: ``F.linear``."""
+    if not onednn_linear_eligible(x, weight) or torch.compiler.is_dynamo_compiling():
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.warmserve.linear(x2, weight, bias) if tracing(x2) else onednn_linear(x2, weight, bias)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int8Matrix | QuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight.T (+ bias)`` for a float ``[N, K]`` matrix (``F.linear``), one
+    quantized matrix (a layer of a stacked :class:`QuantizedWeight`: ``w[i]``) or an unstacked
+    :class:`QuantizedWeight`. Output in ``x``'s dtype. Float matrices run :func:`float_linear`;
+    bf16/f16 activations over quantized ones PyTorch's weight-only kernels; float32 ones a
+    float32 matmul of the matrix dequantized just before."""
+    if isinstance(weight, torch.Tensor):
+        return float_linear(x, weight, bias)
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.matrix()
+    if isinstance(weight, Int4Groups) or x.dtype == torch.float32:
+        # F.linear, not float_linear: Inductor's oneDNN lowering wants the weight to be a constant
+        return F.linear(x, dequantized(weight), bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if isinstance(weight, Int4Matrix):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x2, weight.weight, weight.scales)
+    y = y.reshape(*lead, y.shape[-1])
+    return y if bias is None else y + bias

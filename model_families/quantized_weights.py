@@ -1,0 +1,212 @@
+"""Weight-only quantized matrices as the runner holds them, built once at load from the sidecar's
+parts (:mod:`model_families.quant`) by :func:`quantized_weight`; :func:`model_families.linear.linear`
+runs them (``docs/quantization.md``, ``docs/architecture.md`` §7):
+
+- bf16 (or f16) compute on the CPU: PyTorch's weight-only kernels. int4 (:class:`Int4Weight`):
+  ``packed`` from ``_convert_weight_to_int4pack_for_cpu`` (an opaque, CPU-ISA-specific layout of
+  the codes, ``uint8 [N, K/2]``) and ``scales_and_zeros`` ``[K/32, N, 2]``; int8
+  (:class:`Int8Weight`): ``q [N, K]``, ``scales [N]``. Both take the scales in the activation
+  dtype, so the float32 scales and zeros are rounded to bf16 at load.
+- float32 compute dequantizes each matrix right before its matmul (:class:`Int4GroupWeight`
+  keeps the sidecar's parts as they are, zero-copy; int8 likewise): PyTorch's float32-activation
+  paths of both kernels are scalar reference code. This keeps the memory saving and exact values
+  (what the fidelity tests compare) but is slower than a float32 model; bf16 is the mode to serve in.
+- Other devices (CUDA, NPU) get the dequantized matrix in the compute dtype: correct, without
+  the memory saving.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from model_families import quant
+from services.errors import InvalidArgument
+
+
+class Int4Matrix(NamedTuple):
+    """One int4 matrix ready for the kernel: ``packed`` uint8 ``[N, K/2]`` (CPU int4pack layout),
+    ``scales_and_zeros`` ``[K/32, N, 2]`` in the compute dtype (bf16 / f16)."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+
+class Int4Groups(NamedTuple):
+    """One int4 matrix as stored (:mod:`model_families.quant`): ``qweight`` uint8 ``[N, K/2]``
+    (two codes a byte), ``scales`` / ``zeros`` float32 ``[N, K/32]``; float32 compute
+    dequantizes it right before its matmul."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+
+class Int8Matrix(NamedTuple):
+    """One int8 matrix: ``weight`` int8 ``[N, K]``, ``scales`` ``[N]`` in the compute dtype
+    (float32 compute dequantizes it right before its matmul)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+
+class QuantizedWeight(nn.Module, ABC):
+    """Weight-only quantized matrices, stacked (``[L, N, K]``, index a layer with ``w[i]``) or
+    not (``[N, K]``, :meth:`matrix`). Their tensors are non-persistent buffers, so a model that
+    registers the weight as a submodule hands them to an exported program as constants.
+    ``format`` is ``"int4"`` or ``"int8"``; ``dtype`` the compute dtype it serves."""
+
+    format: str
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> tensor."""
+        return dict(self.named_buffers())
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """The compute dtype this weight serves."""
+
+    def converted(self, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
+        """This weight for compute dtype ``dtype`` (``self`` when it already is). The codes are
+        CPU data: another device raises ``InvalidArgument``."""
+        if torch.device(device).type != "cpu":
+            raise InvalidArgument(f"{self.format} weights are laid out for the CPU kernels and cannot move to "
+                                  f"{device}; load the sidecar on that device instead")
+        return self if self.dtype == dtype else self._converted(dtype)
+
+    @abstractmethod
+    def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
+        """A copy laid out for compute dtype ``dtype`` (CPU)."""
+
+
+class Int4Weight(QuantizedWeight):
+    """int4, group 32, for bf16/f16 compute: ``packed`` uint8 ``[..., N, K/2]`` (the CPU
+    int4pack layout, per matrix), ``scales_and_zeros`` ``[..., K/32, N, 2]`` in the compute
+    dtype."""
+
+    format = "int4"
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Int4Weight:
+        """Convert the sidecar parts (``qweight`` uint8 ``[..., N, K/2]``, ``scales``/``zeros``
+        ``[..., N, K/32]``) for the kernel: the codes go through
+        ``_convert_weight_to_int4pack_for_cpu`` one matrix at a time."""
+        qweight = parts["qweight"]
+        lead, (n, half_k) = qweight.shape[:-2], qweight.shape[-2:]
+        flat = qweight.reshape(-1, n, half_k)
+        packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            quant.unpack_nibbles(m).to(torch.int32), 2) for m in flat])
+        sz = torch.stack((parts["scales"], parts["zeros"]), dim=-1).transpose(-3, -2)  # [..., K/32, N, 2]
+        return cls(packed.reshape(*lead, n, half_k), sz.to(dtype).contiguous())
+
+    def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
+        if dtype == torch.float32:
+            raise InvalidArgument("int4 weights packed for bf16 compute cannot serve float32 compute; "
+                                  "load the sidecar with float32 compute instead")
+        return Int4Weight(self.packed, self.scales_and_zeros.to(dtype))
+
+    def __getitem__(self, i) -> Int4Matrix:
+        return Int4Matrix(self.packed[i], self.scales_and_zeros[i])
+
+    def matrix(self) -> Int4Matrix:
+        """The matrix of an unstacked weight."""
+        return Int4Matrix(self.packed, self.scales_and_zeros)
+
+
+class Int4GroupWeight(QuantizedWeight):
+    """int4, group 32, for float32 compute: the sidecar's parts as they are (zero-copy from the
+    mapped file), dequantized per matmul (see the module docstring for why)."""
+
+    format = "int4"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("zeros", zeros, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
+        return Int4Weight.from_parts({"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}, dtype)
+
+    def __getitem__(self, i) -> Int4Groups:
+        return Int4Groups(self.qweight[i], self.scales[i], self.zeros[i])
+
+    def matrix(self) -> Int4Groups:
+        """The matrix of an unstacked weight."""
+        return Int4Groups(self.qweight, self.scales, self.zeros)
+
+
+class Int8Weight(QuantizedWeight):
+    """int8, one scale per output row: ``weight`` int8 ``[..., N, K]``, ``scales`` ``[..., N]``
+    in the compute dtype."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Int8Weight:
+        """The sidecar parts (``qweight`` int8, ``scales``) as they are; scales in ``dtype``."""
+        return cls(parts["qweight"], parts["scales"].to(dtype))
+
+    def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
+        return Int8Weight(self.weight, self.scales.to(dtype))
+
+    def __getitem__(self, i) -> Int8Matrix:
+        return Int8Matrix(self.weight[i], self.scales[i])
+
+    def matrix(self) -> Int8Matrix:
+        """The matrix of an unstacked weight."""
+        return Int8Matrix(self.weight, self.scales)
+
+
+def quantized_weight(parts: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: torch.device) -> QuantizedWeight | torch.Tensor:
+    """The runner's weight for one quantized sidecar matrix (``parts`` as stored, see
+    :mod:`model_families.quant`) computing in ``dtype``: on the CPU an :class:`Int4Weight`
+    (bf16/f16: the kernel's layout), an :class:`Int4GroupWeight` (float32: the parts as they
+    are) or an :class:`Int8Weight`; on any other device the dequantized matrix in ``dtype``
+    (a plain tensor)."""
+    if torch.device(device).type != "cpu":
+        return quant.dequantize(parts).to(device=device, dtype=dtype)
+    if quant.format_of(parts) == "int8":
+        return Int8Weight.from_parts(parts, dtype)
+    if dtype == torch.float32:
+        return Int4GroupWeight(parts["qweight"], parts["scales"].float(), parts["zeros"].float())
+    return Int4Weight.from_parts(parts, dtype)
+
+
+def dequantized(m: Int4Groups | Int8Matrix) -> torch.Tensor:
+    """The float32 matrix of one stored int4 / float32-scaled int8 matrix (the formulas of
+    :func:`model_families.quant.dequantize`)."""
+    if isinstance(m, Int8Matrix):
+        return m.weight.to(torch.float32) * m.scales.unsqueeze(-1)
+    q = m.qweight
+    codes = torch.stack((q & 0x0F, q >> 4), dim=-1).flatten(-2).to(torch.float32)
+    n, k = codes.shape
+    w = (codes.view(n, k // quant.INT4_GROUP, quant.INT4_GROUP) - 8) * m.scales.unsqueeze(-1) + m.zeros.unsqueeze(-1)
+    return w.view(n, k)
