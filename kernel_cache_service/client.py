@@ -48,6 +48,7 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.leases import WAIT, Claim, Lease, validate_ttl
 from kernel_cache_service.store import KernelStore
+from kernel_cache_service.store_api import KernelStoreAPI
 from services.bootstrap import bearer_metadata
 from services.channel import open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
@@ -117,7 +118,7 @@ class KernelCacheClient:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = bearer_metadata(token)
-        self._store: KernelStore | None = None
+        self._store: KernelStoreAPI | None = None
         self._channel: grpc.Channel | None = None
         if address is None and store:
             from kernel_cache_service.s3_store import S3KernelStore
@@ -208,7 +209,7 @@ class KernelCacheClient:
 
     def stat(self) -> dict:
         """``root``, ``entries``, ``total_bytes``, ``max_bytes``, the counters since the store /
-        daemon started (:data:`kernel_cache_service.store.COUNTERS`: hits, misses, publishes,
+        daemon started (:data:`kernel_cache_service.counters.COUNTERS`: hits, misses, publishes,
         evictions, quarantined, claims, waits, builds, takeovers) and ``leases`` held now."""
         if self._store is not None:
             return self._store.stat()

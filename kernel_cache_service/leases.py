@@ -24,15 +24,26 @@ within a TTL.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kernel_cache_service.counters import Counters
 from kernel_cache_service.entry import EntryInfo
+from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.keys import validate_key
+from kernel_cache_service.layout import StoreLayout
+from kernel_cache_service.publish import storage_error
 from services.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 HIT, OWNER, WAIT = "HIT", "OWNER", "WAIT"
 #: How a wait after ``WAIT`` ends.
@@ -127,3 +138,148 @@ class LeaseFile:
     def remove(self) -> None:
         """Forget the lease (absent already is fine)."""
         self.path.unlink(missing_ok=True)
+
+
+def validate_claim(name: str, fingerprint: str, ttl_s: float | None) -> float:
+    """The TTL (s) a claim of ``name``/``fingerprint`` gets (:func:`validate_ttl`). Raises
+    ``InvalidArgument`` for a bad key, an ``UNKNOWN`` fingerprint (never stored, so never built
+    for the store) or a TTL outside [0.1, 3600] s."""
+    validate_key(name, fingerprint)
+    if fingerprint == UNKNOWN:
+        raise InvalidArgument(f"{name}/UNKNOWN cannot be claimed: unknown keys are never stored")
+    return validate_ttl(ttl_s)
+
+
+class BuildLeases:
+    """The build leases of the disk store at ``layout``: claims, renewals, releases, waits,
+    sweeping and breaking, each holding the key's filelock. ``present(name, fingerprint)`` says
+    whether the entry is stored (caller holding the lock); claims are counted in ``counters``."""
+
+    def __init__(self, layout: StoreLayout, present: Callable[[str, str], EntryInfo | None],
+                 counters: Counters) -> None:
+        self.layout, self._present, self.counters = layout, present, counters
+
+    def file(self, name: str, fingerprint: str) -> LeaseFile:
+        """The key's lease record (use it holding the key's lock)."""
+        return LeaseFile(self.layout.lease_path(name, fingerprint))
+
+    def end_locked(self, name: str, fingerprint: str) -> None:
+        """The build of the key is done (its entry is placed): forget its lease, so waiters see
+        PUBLISHED. Caller holds the key's lock."""
+        self.file(name, fingerprint).remove()
+
+    def claim(self, name: str, fingerprint: str, holder: str, ttl_s: float | None) -> Claim:
+        """``HIT`` (with the entry), ``OWNER`` (with a new lease of ``ttl_s`` seconds, default
+        30 s, naming ``holder``) or ``WAIT`` (with the builder's live lease). Raises as
+        :func:`validate_claim`, and ``FailedPrecondition`` / ``ResourceExhausted`` when the lease
+        cannot be written."""
+        ttl = validate_claim(name, fingerprint, ttl_s)
+        self.counters.count("claims")
+        with self.layout.lock(name, fingerprint):
+            info = self._present(name, fingerprint)
+            if info is not None:
+                return Claim(HIT, entry=info)
+            record = self.file(name, fingerprint).read()
+            now = time.time()
+            if record is not None and record.remaining_s(now) > 0:
+                self.counters.count("waits")
+                return Claim(WAIT, lease=record)
+            lease = Lease(name, fingerprint, uuid.uuid4().hex, holder, now + ttl, ttl)
+            try:
+                self.file(name, fingerprint).write(lease)
+            except OSError as e:
+                raise storage_error(e, f"claiming {name}/{fingerprint[:12]}") from e
+        takeover = record is not None
+        self.counters.count("builds")
+        if takeover:
+            self.counters.count("takeovers")
+            log.info("build lease taken over", extra={"entry": f"{name}/{fingerprint}", "holder": holder,
+                                                          "previous_holder": record.holder})
+        return Claim(OWNER, lease=lease, takeover=takeover)
+
+    @contextlib.contextmanager
+    def _held(self, lease: Lease) -> Iterator[tuple[LeaseFile, Lease] | None]:
+        """Holding the key's lock: ``(the key's lease file, the recorded lease)`` when ``lease``
+        is the one recorded there (same id), else ``None``."""
+        validate_key(lease.name, lease.fingerprint)
+        with self.layout.lock(lease.name, lease.fingerprint):
+            file = self.file(lease.name, lease.fingerprint)
+            record = file.read()
+            yield (file, record) if record is not None and record.lease_id == lease.lease_id else None
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """The lease recorded under ``lease``'s id extended by *its* TTL from now (the holder,
+        TTL and expiry the caller sends are not trusted), or ``None`` when it is no longer held
+        (taken over, released, or ended by the entry's publish); then nothing changes."""
+        with self._held(lease) as held:
+            if held is None:
+                return None
+            file, record = held
+            renewed = record.renewed()
+            try:
+                file.write(renewed)
+            except OSError as e:
+                raise storage_error(e, f"renewing the lease on {lease.name}/{lease.fingerprint[:12]}") from e
+            return renewed
+
+    def release(self, lease: Lease) -> bool:
+        """Give ``lease`` up without publishing (waiters see ``LEASE_EXPIRED``); ``False`` when it
+        was no longer held."""
+        with self._held(lease) as held:
+            if held is not None:
+                held[0].remove()
+            return held is not None
+
+    def wait_build(self, name: str, fingerprint: str, timeout_s: float | None, poll_s: float) -> Claim | None:
+        """After a ``WAIT``: block until the entry is published (``PUBLISHED`` with the entry)
+        or no live lease is left on the key (``LEASE_EXPIRED``: claim again); a lease taken over
+        by another waiter meanwhile is waited on in turn. ``None`` after ``timeout_s`` seconds
+        (``None``: no limit). Polls every ``poll_s`` seconds (the store spans processes)."""
+        validate_key(name, fingerprint)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self.layout.lock(name, fingerprint):
+                info = self._present(name, fingerprint)
+                if info is not None:
+                    return Claim(PUBLISHED_EVENT, entry=info)
+                record = self.file(name, fingerprint).read()
+            if record is None or record.remaining_s() <= 0:
+                return Claim(LEASE_EXPIRED, lease=record if record and record.lease_id else None)
+            if end is not None and time.monotonic() >= end:
+                return None
+            time.sleep(poll_s if end is None else max(0.0, min(poll_s, end - time.monotonic())))
+
+    def _records(self, name: str | None = None, fingerprint: str | None = None) -> Iterator[tuple[str, str, Lease | None]]:
+        """``(name, fingerprint, recorded lease)`` of every key with a record (of ``name`` /
+        ``fingerprint`` when given), each read holding its lock."""
+        for n, fp in self.layout.lease_keys(name, fingerprint):
+            with self.layout.lock(n, fp):
+                yield n, fp, self.file(n, fp).read()
+
+    def held(self) -> list[Lease]:
+        """The build leases held now (unexpired), sorted by name then fingerprint."""
+        now = time.time()
+        return [r for _, _, r in self._records() if r is not None and r.remaining_s(now) > 0]
+
+    def sweep_expired(self) -> int:
+        """Remove the records of expired leases (builders that died; a live one renews its own);
+        returns how many."""
+        removed = 0
+        for n, fp in self.layout.lease_keys():
+            with self.layout.lock(n, fp):
+                record = self.file(n, fp).read()
+                if record is not None and record.remaining_s() <= 0:
+                    self.file(n, fp).remove()
+                    removed += 1
+        return removed
+
+    def break_leases(self, name: str | None, fingerprint: str | None) -> None:
+        """Remove the lease records of one key, of every fingerprint of ``name``, or (both
+        ``None``) of every key: an evicted key is forgotten entirely, so an operator can break
+        a stuck build (its holder's next renewal finds the lease gone; waiters claim again)."""
+        for n, fp in self.layout.lease_keys(name, fingerprint):
+            with self.layout.lock(n, fp):
+                record = self.file(n, fp).read()
+                self.file(n, fp).remove()
+            if record is not None:
+                log.info("build lease broken by evict", extra={"entry": f"{n}/{fp}", "holder": record.holder})

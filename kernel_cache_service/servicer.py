@@ -1,5 +1,5 @@
 """The KernelCache servicer: a thin adapter from ``warmserve.v1.KernelCache`` to a
-:class:`kernel_cache_service.store.KernelStore`, and :func:`build_server`, which puts it behind
+:class:`kernel_cache_service.store_api.KernelStoreAPI` (disk or S3), and :func:`build_server`, which puts it behind
 the server bootstrap with the store's metrics.
 
 The servicer validates and translates only: store errors become gRPC statuses
@@ -31,9 +31,10 @@ from kernel_cache_service.convert import (
     lease_to_proto,
     publish_to_proto,
 )
+from kernel_cache_service.counters import COUNTERS
 from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.leases import WAIT
-from kernel_cache_service.store import COUNTERS, KernelStore
+from kernel_cache_service.store_api import KernelStoreAPI
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import kernel_cache_pb2 as pb
@@ -51,7 +52,7 @@ MAX_CHUNK_BYTES = 4 << 20
 class KernelCacheServicer(pb_grpc.KernelCacheServicer):
     """``warmserve.v1.KernelCache`` over ``store``."""
 
-    def __init__(self, store: KernelStore) -> None:
+    def __init__(self, store: KernelStoreAPI) -> None:
         self.store = store
         #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
         #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
@@ -182,11 +183,8 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
 class StoreCollector:
     """Prometheus collector: the store's counters and its size, read at scrape time."""
 
-    def __init__(self, store: KernelStore) -> None:
+    def __init__(self, store: KernelStoreAPI) -> None:
         self.store = store
-        #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
-        #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
-        self.draining = threading.Event()
 
     def collect(self):
         """Prometheus collector protocol: the metrics, read now."""
@@ -202,7 +200,7 @@ class StoreCollector:
             yield g
 
 
-def build_server(store: KernelStore, config: ServerConfig) -> ServiceServer:
+def build_server(store: KernelStoreAPI, config: ServerConfig) -> ServiceServer:
     """A not-yet-started :class:`ServiceServer` serving ``store`` (with its metrics registered)."""
     servicer = KernelCacheServicer(store)
     server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])

@@ -85,7 +85,7 @@ class StackConfig:
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise InvalidArgument("--served-model-name must not be empty")
         if self.store is not None:
-            from services.s3 import parse_s3_url
+            from services.s3_location import parse_s3_url
 
             parse_s3_url(self.store)  # a malformed --store: InvalidArgument naming what is wrong
         if self.runner_threads is not None and self.runner_threads < 1:

@@ -42,7 +42,9 @@ from pathlib import Path
 
 from model_families.family import ModelFamily
 from services.errors import WarmserveError
-from services.s3 import CorruptObject, ObjectStore, hash_stream
+from services.s3 import ObjectStore
+from services.s3_errors import CorruptObject
+from services.s3_meta import hash_stream
 from weight_service.catalog import sidecar_files
 from weight_service.sidecar import (
     FORMAT_VERSION,

@@ -17,9 +17,11 @@ import pytest
 from kc_workers import REPO, child_env
 
 from kernel_cache_service.client import KernelCacheClient
-from kernel_cache_service.s3_store import S3KernelStore, entry_key
+from kernel_cache_service.s3_entries import entry_key
+from kernel_cache_service.s3_store import S3KernelStore
 from services.errors import Unavailable
-from services.s3 import ObjectStore, S3Location, make_client
+from services.s3 import ObjectStore
+from services.s3_location import S3Location, make_client
 
 NAME = "llama.decode.aoti"
 
@@ -68,7 +70,7 @@ def test_a_corrupt_object_is_reported_and_never_served(tmp_path, s3, grpc_cache,
         bad[123_456] ^= 0xFF
         s3.client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(bad), Metadata=meta)
 
-        with caplog.at_level(logging.WARNING, logger="kernel_cache_service.s3_store"):
+        with caplog.at_level(logging.WARNING, logger="kernel_cache_service.s3_read_through"):
             assert host_b.fetch(NAME, "f1", tmp_path / "out-b") is None  # NOT_FOUND over gRPC
         assert not (tmp_path / "out-b").exists()
         warnings = [r for r in caplog.records if r.getMessage() == "quarantined corrupt entry from the object store"]

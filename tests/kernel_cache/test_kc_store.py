@@ -46,7 +46,7 @@ def _blob(store: KernelStore, name: str, fp: str) -> Path:
 
 def _s3_object(store, name: str, fp: str) -> tuple[object, str, str]:
     """``(boto3 client, bucket, key)`` of an S3-backed store's object for ``name``/``fp``."""
-    from kernel_cache_service.s3_store import entry_key
+    from kernel_cache_service.s3_entries import entry_key
 
     objects = store.objects
     return objects.client, objects.location.bucket, objects.location.key(entry_key(name, fp))

@@ -15,7 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.errors import InvalidArgument
-from services.s3 import CorruptObject, ObjectStore, S3Location, make_client, parse_s3_url
+from services.s3 import ObjectStore
+from services.s3_errors import CorruptObject
+from services.s3_location import S3Location, make_client, parse_s3_url
 
 
 @pytest.mark.parametrize("url, bucket, prefix", [

@@ -17,7 +17,8 @@ from weights_tiny import write_tiny_checkpoint
 
 import weight_service.prepare as prepare_module
 from services.bootstrap import ServerConfig
-from services.s3 import ObjectStore, S3Location, make_client
+from services.s3 import ObjectStore
+from services.s3_location import S3Location, make_client
 from weight_service.client import WeightsClient
 from weight_service.s3_sidecars import FOLDER, RemoteSidecars
 from weight_service.servicer import build_server
