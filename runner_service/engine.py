@@ -241,9 +241,8 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         #: The compiled programs and their state (``ModelInfo.program_state``).
-        self.programs = ProgramInstaller(self.runner, kernel_cache, between_steps=self.call_between_steps,
-                                         clock=self._since_startup)
-        self._phase("programs", t0, self.programs.start())
+        self.programs = ProgramInstaller(self.runner, kernel_cache)
+        self._phase("programs", t0, self.programs.start(self.call_between_steps, self._since_startup))
         t0 = time.perf_counter()
         if config.warmup:
             self.runner.warmup(self.warmup_buckets())

@@ -45,18 +45,14 @@ def _lower_thread_priority(step: int = 10) -> None:
 class ProgramInstaller:
     """Owns ``runner``'s compiled programs for an engine.
 
-    ``kernel_cache``: address or directory (:func:`runner_service.programs.load.load_programs`);
-    ``between_steps(fn)``: runs ``fn`` in the stepping thread before the next step
-    (:meth:`LLMEngine.call_between_steps`); ``clock()``: seconds since start-up began, on the
-    start-up report's clock. ``state`` is one of :data:`PROGRAM_STATES`; ``detail`` what was (or
+    ``kernel_cache``: address or directory (:func:`runner_service.programs.load.load_programs`).
+    ``state`` is one of :data:`PROGRAM_STATES`; ``detail`` what was (or
     is being) done; ``installed_at_s`` the ``clock()`` when background-built programs took over
     (``None`` otherwise); ``thread`` the background compile, if one was started.
     """
 
-    def __init__(self, runner: ModelRunner, kernel_cache: str | None, *,
-                 between_steps: Callable[[Callable[[], None]], None], clock: Callable[[], float]) -> None:
+    def __init__(self, runner: ModelRunner, kernel_cache: str | None) -> None:
         self.runner, self.kernel_cache = runner, kernel_cache
-        self._between_steps, self._clock = between_steps, clock
         self.state = "off"
         self.detail = ""
         self.installed_at_s: float | None = None
@@ -72,10 +68,13 @@ class ProgramInstaller:
         """Whether the background compile thread is still fetching or compiling the programs."""
         return self.thread is not None and self.thread.is_alive()
 
-    def start(self) -> str:
+    def start(self, between_steps: Callable[[Callable[[], None]], None], clock: Callable[[], float]) -> str:
         """The start-up ``programs`` phase: load the programs now (installed at once), or, with
         ``background_compile`` in ``aoti`` mode and not all of them in the kernel cache, start
-        building them in the background. Returns the phase's detail. Raises
+        building them in the background, each installed by ``between_steps(fn)`` (runs ``fn`` in
+        the stepping thread before the next step: :meth:`LLMEngine.call_between_steps`);
+        ``clock()`` gives ``installed_at_s`` (seconds since start-up began, on the start-up
+        report's clock). Only the background thread holds the two (no cycle with the engine). Returns the phase's detail. Raises
         ``FailedPrecondition`` when a compile mode is asked for and the programs package cannot
         be imported."""
         config = self.runner.config
@@ -92,7 +91,7 @@ class ProgramInstaller:
                 and not load.programs_cached(spec, "aoti", self.kernel_cache):
             self.state = "pending"
             self.detail = "not all in the kernel cache: fetching or compiling them in the background"
-            self.thread = threading.Thread(target=self._compile_in_background, args=(load, spec),
+            self.thread = threading.Thread(target=self._compile_in_background, args=(load, spec, between_steps, clock),
                                            name="background-compile", daemon=True)
             self.thread.start()
             return f"{config.compile}: serving eager; {self.detail}"
@@ -112,7 +111,7 @@ class ProgramInstaller:
         self.detail = what
         log.info("programs: %s", what, extra={"runner_id": self.runner.config.runner_id})
 
-    def _compile_in_background(self, load, spec) -> None:
+    def _compile_in_background(self, load, spec, between_steps, clock) -> None:
         """Fetch or compile the programs in this thread at lower CPU priority; each is installed
         between two steps; then ``state`` becomes ``installed`` (or ``eager`` when they failed)
         and ``installed_at_s`` says when."""
@@ -125,13 +124,13 @@ class ProgramInstaller:
         sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
         try:
             report = load.load_programs(spec, self.runner.install_program, kernel_cache=self.kernel_cache,
-                                        defer=self._between_steps, progress=self._progress)
+                                        defer=between_steps, progress=self._progress)
         finally:
             sys.setswitchinterval(interval)
-        self._between_steps(lambda: self._record(report))
+        between_steps(lambda: self._record(report, clock))
 
-    def _record(self, report: ProgramsReport) -> None:
-        self.installed_at_s = self._clock()
+    def _record(self, report: ProgramsReport, clock: Callable[[], float]) -> None:
+        self.installed_at_s = clock()
         self.state = "eager" if report.source == "eager" else "installed"
         self.detail = str(report)
         log.info("compiled programs installed %.1f s after start-up began, between two steps: %s",
