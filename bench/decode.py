@@ -121,7 +121,7 @@ def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
 
 
 def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
-    """Tokens/s of the decode program alone (what ``engine.runner.decode_fn`` runs: compiled or
+    """Tokens/s of the decode program alone (what ``engine.runner.decode`` runs: compiled or
     eager), without scheduling, sampling or detokenizing: ``batch`` rows, each decoding position
     ``context - 1`` over its own blocks (as many as the runner's block layout needs), filled once
     into the persistent buffers; median of ``steps`` calls. The served rate over this rate is the
@@ -133,7 +133,7 @@ def program_tps(engine: LLMEngine, batch: int, context: int, steps: int = 20) ->
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
     vocab = runner.args.vocab_size
     runner.buffers.fill([(100 + i) % vocab for i in range(batch)], [context - 1] * batch, tables)
-    fn, views = runner.decode_fn(batch), runner.decode_views(batch, per_seq)
+    fn, views = runner.decode, runner.decode_views(batch, per_seq)
     times = []
     with torch.inference_mode():
         for _ in range(steps + 2):
@@ -381,7 +381,7 @@ def deepseek_v4_report(args, tmp: Path) -> dict:
         compiled = _dsv4_engine(sidecar, args.compile_mode, kc)
         report["compiled_startup_s"] = round(time.perf_counter() - t0, 2)
         report["compiled_startup"] = compiled.startup_report.line()
-        if compiled.runner.decode_programs:
+        if compiled.runner.decode_program is not None:
             engines[f"warmserve_{args.compile_mode}"] = compiled
         else:
             programs = next(p for p in compiled.startup_report.phases if p.name == "programs")
@@ -538,7 +538,7 @@ def main() -> int:
             report["compiled_startup_s"] = round(time.perf_counter() - t0, 2)
             report["compiled_startup"] = compiled.startup_report.line()
             programs = next(p for p in compiled.startup_report.phases if p.name == "programs")
-            if not compiled.runner.decode_programs:
+            if compiled.runner.decode_program is None:
                 report["compiled"] = f"unavailable: {programs.detail}; only eager reported"
             else:
                 for b in BATCHES:

@@ -9,7 +9,8 @@ daemon is :class:`services.errors.Unavailable`).
 
 Single-flight builds: :meth:`KernelCacheClient.claim` returns a :class:`ClaimHandle` (HIT,
 OWNER with a lease, or WAIT, whose :meth:`ClaimHandle.wait` blocks until the build ends);
-:meth:`renew` and :meth:`release` keep or drop a lease (see :mod:`kernel_cache_service.leases`).
+:meth:`renew` and :meth:`release` keep or drop a lease (see :mod:`kernel_cache_service.leases`);
+:meth:`get_or_build` runs the whole protocol (:mod:`kernel_cache_service.single_flight`).
 
 Memory stays bounded for any artifact size: publishing a file hashes it in one pass and streams
 it in a second; a directory is packed into a temporary tar while being hashed, then streamed;
@@ -24,9 +25,11 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
+from kernel_cache_service import single_flight
 from kernel_cache_service.artifact import (
     CHUNK_BYTES,
     CorruptArtifact,
@@ -47,6 +50,7 @@ from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, Pub
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.leases import WAIT, Claim, Lease, validate_ttl
+from kernel_cache_service.single_flight import Flight
 from kernel_cache_service.store import KernelStore
 from kernel_cache_service.store_api import KernelStoreAPI
 from services.bootstrap import bearer_metadata
@@ -57,6 +61,8 @@ from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 
 __all__ = ["ClaimHandle", "EntryInfo", "KernelCacheClient", "Lease"]
+
+T = TypeVar("T")
 
 
 class ClaimHandle:
@@ -259,6 +265,14 @@ class KernelCacheClient:
         if self._store is not None:
             return self._store.release(lease)
         return self._unary(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease=lease_to_proto(lease))).held
+
+    def get_or_build(self, name: str, fingerprint: str, fetch: Callable[[], tuple[T, EntryInfo] | None],
+                     build: Callable[[], T], *, holder: str, ttl_s: float | None = None,
+                     progress: Callable[[str], None] | None = None) -> Flight[T]:
+        """Fetch ``name``/``fingerprint`` or build it once across every claimant of the key
+        (:func:`kernel_cache_service.single_flight.get_or_build`)."""
+        return single_flight.get_or_build(self, name, fingerprint, fetch, build, holder=holder, ttl_s=ttl_s,
+                                          progress=progress)
 
     # ---------------------------------------------------------------- writes
 

@@ -126,7 +126,7 @@ def serve_from_args(args) -> int:
         if registration is not None:
             registration.stop()
         engine.close()
-    if engine.compile_in_flight:
+    if engine.programs.in_flight:
         # The compile cannot be interrupted, and letting the interpreter tear down under it aborts
         # the process (C++ "terminate called without an active exception", exit 134): leave now.
         # Its build lease is no longer renewed, so another runner takes the build over after the TTL.

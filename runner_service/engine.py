@@ -11,9 +11,7 @@ phase in :attr:`LLMEngine.startup_report`.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -32,6 +30,7 @@ from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
+from runner_service.program_installer import ProgramInstaller
 from runner_service.sampler import Sampler
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch, Scheduler
@@ -41,13 +40,6 @@ from runner_service.tokenizer import Tokenizer
 from services.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
-
-#: ``program_state`` values: ``off`` (``--compile off``), ``pending`` (serving eager while the
-#: programs are fetched, waited for or compiled in the background), ``installed``, ``eager``
-#: (they failed: serving eager).
-PROGRAM_STATES = ("off", "pending", "installed", "eager")
-#: The interpreter's GIL switch interval (seconds) while programs compile beside eager serving.
-COMPILE_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -73,17 +65,6 @@ class StartupReport:
         return " | ".join([*parts, f"total {self.total_seconds:.3f}s"])
 
 
-def _lower_thread_priority(step: int = 10) -> None:
-    """Raise the calling thread's nice value by ``step`` (Linux: a thread's own priority, which
-    the processes it starts, e.g. the C++ compiler, inherit). Elsewhere nothing: ``PRIO_PROCESS``
-    would renice the whole process."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
-    except OSError:
-        pass
 
 
 class LLMEngine:
@@ -125,13 +106,6 @@ class LLMEngine:
         self._ids: set[str] = set()   # in-flight request ids (guarded by _lock)
         self.output = OutputProcessor(tokenizer)  # stepping thread only
         self._thread: threading.Thread | None = None
-        self._compiler: threading.Thread | None = None  # background compile, if any
-        #: Compiled programs: one of :data:`PROGRAM_STATES`; ``program_detail`` what was (or is
-        #: being) done; ``programs_installed_at_s`` seconds after start-up began (the report's
-        #: clock) when background-built programs took over, ``None`` otherwise.
-        self.program_state = "off"
-        self.program_detail = ""
-        self.programs_installed_at_s: float | None = None
         self._stopping = False
         self.generated_tokens_total = 0
         self.args = args
@@ -193,7 +167,9 @@ class LLMEngine:
                                    f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
 
         t0 = time.perf_counter()
-        self._phase("programs", t0, self._load_programs())
+        #: The compiled programs and their state (``ModelInfo.program_state``).
+        self.programs = ProgramInstaller(self.runner, kernel_cache)
+        self._phase("programs", t0, self.programs.start(self.call_between_steps, self._since_startup))
         t0 = time.perf_counter()
         if config.warmup:
             self.runner.warmup(self.warmup_buckets())
@@ -247,61 +223,9 @@ class LLMEngine:
         budget = int(free_memory_bytes(self.device) * cfg.kv_cache_memory_fraction)
         return max(2, min(full, budget // per_block))
 
-    def _load_programs(self) -> str:
-        if self.config.compile == "off":
-            self.program_state, self.program_detail = "off", "compile off (eager)"
-            return self.program_detail
-        try:
-            from runner_service import programs
-        except ImportError as e:
-            raise FailedPrecondition(f"compile mode {self.config.compile!r} needs runner_service.programs, "
-                                     f"which is not available: {e}") from e
-        if (self.config.background_compile and self.config.compile == "aoti"
-                and not programs.programs_cached(self.runner, "aoti", self.kernel_cache)):
-            self.program_state = "pending"
-            self.program_detail = "not all in the kernel cache: fetching or compiling them in the background"
-            self._compiler = threading.Thread(target=self._compile_in_background,
-                                              args=(programs, torch.get_num_threads()),
-                                              name="background-compile", daemon=True)
-            self._compiler.start()
-            return f"{self.config.compile}: serving eager; {self.program_detail}"
-        report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
-                                        progress=self._program_progress)
-        self.program_state = "eager" if report.source == "eager" else "installed"
-        self.program_detail = str(report)
-        return self.program_detail
-
-    def _program_progress(self, what: str) -> None:
-        """What the programs phase is doing now (``ModelInfo.program_detail``; logged)."""
-        self.program_detail = what
-        log.info("programs: %s", what, extra={"runner_id": self.config.runner_id})
-
-    def _compile_in_background(self, programs, threads: int) -> None:
-        """Fetch or compile the programs in this thread at lower CPU priority; each is installed
-        between two steps; then ``program_state`` becomes ``installed`` (or ``eager`` when they
-        failed) and ``programs_installed_at_s`` says when, counted like the start-up report."""
-        _lower_thread_priority()
-        torch.set_num_threads(threads)  # the engine's: OpenMP's thread count is per thread, and the key has it
-        # Tracing and Inductor's code generation are Python that holds the GIL; an eager step takes
-        # the GIL back after every torch op, waiting up to the switch interval each time (5 ms by
-        # default: 32 tokens took 22 s instead of 0.5 s beside a trace). A short interval while
-        # compiling bounds that wait.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
-        try:
-            report = programs.load_programs(self.runner, self.config, kernel_cache=self.kernel_cache,
-                                            install=self.call_between_steps, progress=self._program_progress)
-        finally:
-            sys.setswitchinterval(interval)
-
-        def record() -> None:
-            self.programs_installed_at_s = self.startup_report.total_seconds + time.perf_counter() - self._ready
-            self.program_state = "eager" if report.source == "eager" else "installed"
-            self.program_detail = str(report)
-            log.info("compiled programs installed %.1f s after start-up began, between two steps: %s",
-                     self.programs_installed_at_s, report, extra={"runner_id": self.config.runner_id})
-
-        self.call_between_steps(record)
+    def _since_startup(self) -> float:
+        """Seconds since start-up began, on the start-up report's clock (serving started at ``_ready``)."""
+        return self.startup_report.total_seconds + time.perf_counter() - self._ready
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` in the stepping thread before the next step (at once if a step is not
@@ -310,14 +234,6 @@ class LLMEngine:
         with self._lock:
             self._inbox.append(("call", fn))
             self._wake.notify()
-
-    @property
-    def programs_pending(self) -> bool:
-        """A background compile is still running or its programs are not installed yet."""
-        if self._compiler is not None and self._compiler.is_alive():
-            return True
-        with self._lock:
-            return any(kind == "call" for kind, _ in self._inbox)
 
     def warmup_buckets(self) -> list[int]:
         """Decode batch buckets run at start-up. One step of the smallest bucket touches every
@@ -516,11 +432,6 @@ class LLMEngine:
                 log.exception("engine step failed outside the model; aborting all requests")
                 for seq in self.output.seqs():
                     self._finish(seq, FinishReason.ABORTED)
-
-    @property
-    def compile_in_flight(self) -> bool:
-        """Whether the background compile thread is still fetching or compiling the programs."""
-        return self._compiler is not None and self._compiler.is_alive()
 
     def close(self) -> None:
         """Stop the loop, abort what is in flight (ABORTED), free the buffers."""

@@ -1,21 +1,22 @@
 """The model runner: owns the family model, the KV cache, the persistent decode buffers and the
-decode programs, and runs one scheduled step (nano-vllm's ``ModelRunner``).
+installed compiled programs, and runs one scheduled step (nano-vllm's ``ModelRunner``;
+``docs/architecture.md`` §8-§9).
 
 Every step goes through :meth:`ModelRunner.run`, which returns the logits of the rows that
 sample (one definition for prefill and decode: :meth:`ScheduledBatch.sampling_rows`), in the
 batch's order.
 
 Decode steps run the family's decode module (:meth:`model_families.family.ModelFamily.decode_module`)
-— eagerly, or as a compiled program installed with :meth:`ModelRunner.install_decode_program`;
-both are called the same way (the compile contract with :mod:`runner_service.programs`)::
+eagerly, or the program compiled from it (:mod:`runner_service.programs`, installed with
+:meth:`ModelRunner.install_program`); both are called the same way (the compile contract)::
 
-    decode(input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
-        -> logits[B, V] float32
+    program(caches, input_ids[B], positions[B], slot_mapping[B], block_tables[B, nb], seq_lens[B])
+        -> (logits[B, V] float32, *rows)
 
-All inputs int64, views of the persistent buffers. The module (and the program compiled from
-it) returns ``(logits, *rows)``; when it returns cache rows rather than writing them
-(:meth:`model_families.family.FamilyModel.decode`), :meth:`ModelRunner.finish_decode` writes
-them, so the callable above always leaves the KV cache written. ``B`` is a *batch bucket* (1, 2, 4, ...,
+All inputs int64, views of the persistent buffers (a compiled program gets a contiguous copy of
+the block table). When the module returns cache rows rather than writing them
+(:meth:`model_families.family.FamilyModel.decode`), :meth:`ModelRunner.decode` writes them, so a
+decode step always leaves the KV cache written. ``B`` is a *batch bucket* (1, 2, 4, ...,
 ``max_num_seqs``); rows past the active ones are padding. ``nb`` is the largest active block
 table's length (:meth:`ModelRunner.block_width`; at most ``max_blocks_per_seq``).
 
@@ -41,10 +42,12 @@ from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
 from runner_service.kv_cache import SCRATCH_BLOCK, KVCache
+from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: A compiled program: ``program(caches, *inputs) -> (logits, *rows)`` (see the module docstring).
+Program = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -91,23 +94,69 @@ class ModelRunner:
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device, self.layout)
-        self.decode_programs: dict[int, DecodeFn] = {}
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
-        #: this runner's modules in another thread (:func:`runner_service.programs.compile_aoti`).
+        #: this runner's modules in another thread (:func:`runner_service.programs.aoti.compile_aoti`).
         self.forward_lock = threading.Lock()
+        #: The compiled decode (the compile contract), or None: eager.
+        self.decode_program: Program | None = None
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
-        self.prefill_program: Callable[..., tuple[torch.Tensor, ...]] | None = None
+        self.prefill_program: Program | None = None
         self._rows: list[Sequence] = []
 
     # -- the compile contract ----------------------------------------------------------------
+
+    def program_spec(self) -> ProgramSpec:
+        """What this runner's programs are built for and from (:class:`ProgramSpec`), now: the
+        thread count is the calling thread's, the family config as it is."""
+        return ProgramSpec(
+            family=self.family, config=self.args.to_dict(), mode=self.config.compile, block_size=self.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            max_prefill_tokens=min(self.config.resolved_max_num_batched_tokens(self.max_model_len),
+                                   self.max_model_len),
+            block_layout=self.layout.describe(), pool_specs=tuple(self.kv.specs), dtype=self.dtype,
+            device=self.device, threads=torch.get_num_threads(), decode_module=self.decode_module,
+            model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
+            decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
+            build_lease_s=self.config.build_lease_s)
+
+    def install_program(self, kind: str, program: Program | None) -> None:
+        """Run ``kind`` steps (:data:`~runner_service.programs.spec.PROGRAM_KINDS`) through
+        ``program``: decode (the compile contract, every batch bucket) or prefill (called like
+        the family model's ``forward``, returning ``(logits,)``; at least 2 tokens per row, see
+        :meth:`run_prefill`); ``None`` goes back to eager. Raises ``ValueError`` for another kind."""
+        if kind not in PROGRAM_KINDS:
+            raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
+        if kind == "decode":
+            self.decode_program = program
+        else:
+            self.prefill_program = program
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Eager decode over ``B`` rows (see the module docstring); returns logits [B, V] f32."""
         out = self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
-        return self.finish_decode(out, slot_mapping)
+        return self._write_rows(out, slot_mapping)
 
-    def finish_decode(self, out: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> torch.Tensor:
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step over ``B`` rows through the installed program, else :meth:`decode_step`;
+        returns logits [B, V] f32, the KV cache written.
+
+        ``block_tables`` is a ``[:B, :nb]`` view of the persistent ``[max_num_seqs,
+        max_blocks_per_seq]`` buffer (row stride ``max_blocks_per_seq``); a compiled program was
+        built for contiguous inputs (AOTI does not check strides and would read the wrong entries;
+        Dynamo would recompile), so it gets a copy (B * nb int64), made on every call so a compiled
+        graph always sees the same kind of tensor (``[1, nb]`` views count as contiguous yet keep
+        their row stride; a copy made under ``inference_mode`` is an inference tensor; Dynamo
+        guards on both). The 1-D inputs are ``[:B]`` prefixes, contiguous already."""
+        if self.decode_program is None:
+            return self.decode_step(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        tables = block_tables.clone(memory_format=torch.contiguous_format)
+        out = self.decode_program(self.kv.tensors, input_ids, positions, slot_mapping, tables, seq_lens)
+        return self._write_rows(out, slot_mapping)
+
+    def _write_rows(self, out: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> torch.Tensor:
         """Write the cache rows of a decode module's (or program's) output ``(logits, *rows)``
         at ``slot_mapping`` [B] (or ``(logits, *rows, *slots)``, each pool at its own slots, for a
         model with :attr:`~model_families.family.FamilyModel.decode_row_slots`; one
@@ -125,32 +174,12 @@ class ModelRunner:
                 write_kv_rows(pool, s, r)
         return logits
 
-    def decode_fn(self, batch: int) -> DecodeFn:
-        """The callable run for batch bucket ``batch``: the installed compiled program, else
-        :meth:`decode_step`."""
-        return self.decode_programs.get(batch, self.decode_step)
-
-    def install_decode_program(self, program: DecodeFn | None) -> None:
-        """Use ``program`` (the decode contract) for every batch bucket; ``None`` goes back to
-        eager."""
-        self.decode_programs.clear()
-        if program is not None:
-            self.decode_programs.update(dict.fromkeys(self.buckets, program))
-
-    def install_prefill_program(self, program: Callable[..., tuple[torch.Tensor, ...]] | None) -> None:
-        """Run prefill steps through ``program`` (called like the family model's ``forward``,
-        returning ``(logits,)``; at least 2 tokens per row, see :meth:`run_prefill`); ``None``
-        goes back to eager."""
-        self.prefill_program = program
-
     def block_width(self, num_blocks: int) -> int:
         """Block-table width for a decode step whose largest table has ``num_blocks`` blocks:
         that count itself, within ``[1, max_blocks_per_seq]``. Every decode callable takes any
         width (eager; the AOTI program's width is a dynamic dim; ``inductor`` compiled its graphs
         for widths 1 and >= 2), and decode attention's work grows with the width, so padding it
-        (to a power of two, as it once was) would only add masked keys: at batch 32, bf16, a
-        128-token decode spent 30.8 / 31.3 / 36.5 / 39.0 ms per step by quarter with power-of-two
-        widths."""
+        (to a power of two, as it once was) would only add masked keys."""
         return max(1, min(num_blocks, self.max_blocks_per_seq))
 
     def decode_views(self, batch: int, num_blocks: int = 1) -> tuple[torch.Tensor, ...]:
@@ -164,7 +193,7 @@ class ModelRunner:
         only the scratch block), e.g. to page the weights in and start the thread pool."""
         with self.forward_lock:
             for b in buckets:
-                self.decode_fn(b)(*self.decode_views(b))
+                self.decode(*self.decode_views(b))
             synchronize(self.device)
 
     # -- steps -------------------------------------------------------------------------------
@@ -175,7 +204,7 @@ class ModelRunner:
         with self.forward_lock:
             if batch.is_prefill:
                 return self.run_prefill(batch)[batch.sampling_rows()]
-            return self.run_decode(batch.seqs)[1]
+            return self.run_decode(batch.seqs)
 
     def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
         """Keep each sequence in its previous row; fill holes with the last rows (swap-remove)."""
@@ -194,9 +223,9 @@ class ModelRunner:
         return rows
 
     @torch.inference_mode()
-    def run_decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+    def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Decode one token for each of ``seqs`` (each has a block for position
-        ``num_tokens - 1``). Returns ``seqs`` and their logits [n, V] f32, in that order."""
+        ``num_tokens - 1``). Returns their logits [n, V] f32, in the order of ``seqs``."""
         rows = self._assign_rows(seqs)
         n = self.buffers.fill([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                               [s.block_table for s in rows])
@@ -206,10 +235,10 @@ class ModelRunner:
         if not in_row_order:
             self.buffers.order_logits(order)
         batch = _bucket(n, self.buckets)
-        logits = self.decode_fn(batch)(*self.decode_views(batch, self.buffers.max_active_blocks()))
+        logits = self.decode(*self.decode_views(batch, self.buffers.max_active_blocks()))
         if in_row_order:  # the common case: no gathered copy of [n, V] float32
-            return list(seqs), logits[:n]
-        return list(seqs), logits.index_select(0, self.buffers.logits_indices[:n])
+            return logits[:n]
+        return logits.index_select(0, self.buffers.logits_indices[:n])
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -246,6 +275,6 @@ class ModelRunner:
         prepacked matrices together."""
         self._rows = []
         self.buffers.close()
-        self.decode_programs.clear()
+        self.decode_program = None
         self.prefill_program = None
         self.packed.close()

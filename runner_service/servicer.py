@@ -76,8 +76,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size=eng.config.block_size, num_kv_blocks=eng.block_manager.num_usable_blocks,
             max_num_seqs=eng.config.max_num_seqs, compile_mode=eng.config.compile,
             sidecar_fingerprint=eng.sidecar_fingerprint,
-            startup=startup_report_to_proto(eng.startup_report), program_state=eng.program_state,
-            program_detail=eng.program_detail, programs_installed_at_s=eng.programs_installed_at_s or 0.0,
+            startup=startup_report_to_proto(eng.startup_report), program_state=eng.programs.state,
+            program_detail=eng.programs.detail, programs_installed_at_s=eng.programs.installed_at_s or 0.0,
             eos_token_ids=eng.eos_token_ids, default_sampling=sampling_defaults_to_proto(eng.sampling_defaults),
             running=stats["running"], waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"],
             kv_blocks_usable=stats["kv_blocks_total"], layer_types=eng.args.layer_kinds)

@@ -73,12 +73,11 @@ class TinyStack:
             time.sleep(seconds)
             return runner.decode_step(*inputs)
 
-        for b in runner.buckets:
-            runner.decode_programs[b] = slow
+        runner.decode = slow
 
     def fast_decode(self) -> None:
         """Undo :meth:`slow_decode`."""
-        self.engine.runner.decode_programs.clear()
+        vars(self.engine.runner).pop("decode", None)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until the runner holds no sequence and no KV block; ``False`` on timeout."""

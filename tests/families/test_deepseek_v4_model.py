@@ -247,12 +247,12 @@ def test_aoti_decode_program_equals_eager(tmp_path):
     package) gives eager's logits and cache writes within 1e-4, at several batch sizes, block
     widths and positions (windows closing and not)."""
     from kernel_cache_service.client import KernelCacheClient
-    from runner_service import programs
+    from runner_service.programs.load import load_programs
 
     write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, seed=2)
     config, weights = _weights(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sidecars").path)
     compiled, eager = _runner(config, weights, "aoti"), _runner(config, weights, "off")
-    report = programs.load_programs(compiled, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
+    report = load_programs(compiled.program_spec(), compiled.install_program, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
     assert report.mode == "aoti" and report.source == "compiled" and report.published == "PUBLISHED", report
     assert report.prefill_source == "eager"
     entries = KernelCacheClient(root=tmp_path / "kc").list("deepseek_v4.decode")
@@ -260,7 +260,7 @@ def test_aoti_decode_program_equals_eager(tmp_path):
     package = max((p for p in (tmp_path / "kc").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     assert weights.experts_gate_up[1, 2].numpy().tobytes() not in package.read_bytes()  # weights kept out
     hit = _runner(config, weights, "aoti")
-    again = programs.load_programs(hit, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work2")
+    again = load_programs(hit.program_spec(), hit.install_program, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work2")
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
     g = torch.Generator().manual_seed(9)
     for batch, nb, position in ((1, 3, 9), (4, 5, 19), (2, 12, 47), (4, 12, 31)):
@@ -269,8 +269,8 @@ def test_aoti_decode_program_equals_eager(tmp_path):
         tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
         inputs = (ids, pos, torch.zeros(batch, dtype=torch.int64), tables, pos + 1)
         with torch.inference_mode():
-            got = compiled.decode_fn(batch)(*inputs)
-            from_hit = hit.decode_fn(batch)(*inputs)
+            got = compiled.decode(*inputs)
+            from_hit = hit.decode(*inputs)
             want = eager.decode_step(*inputs)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(from_hit, want, atol=1e-4, rtol=0)
@@ -282,13 +282,13 @@ def test_program_fingerprint_covers_the_layout_dims():
     """Window, compress rates, top-k, experts, hc_mult and layer kinds each change the decode
     program's fingerprint; the same config gives the same one."""
     from model_families.deepseek_v4.config import DeepseekV4Config
-    from runner_service import programs
+    from runner_service.programs.key import program_key
 
     base = dict(TINY_ALL_KINDS, architectures=["DeepseekV4ForCausalLM"])
 
     def key(**change):
         config = DeepseekV4Config.from_hf({**base, **change})
-        return programs.program_key(_runner(config, FAMILY.random_weights(config), "aoti"), "aoti")[1]
+        return program_key(_runner(config, FAMILY.random_weights(config), "aoti").program_spec(), "aoti")[1]
 
     variants = [dict(sliding_window=12), dict(index_topk=3), dict(n_routed_experts=8), dict(hc_mult=4),
                 dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}),

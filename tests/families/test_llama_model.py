@@ -84,8 +84,8 @@ def test_chunked_prefill_then_paged_decode_matches_transformers(case):
     # Decode the rest one token at a time; the token fed at position p is a[p] / b[p].
     sa.token_ids, sb.token_ids = a[:10], b[:7]
     for _ in range(3):
-        rows, logits = runner.run_decode([sa, sb])
-        for seq, lg in zip(rows, logits, strict=True):
+        logits = runner.run_decode([sa, sb])
+        for seq, lg in zip([sa, sb], logits, strict=True):
             full, ref = (a, ref_a) if seq is sa else (b, ref_b)
             torch.testing.assert_close(lg, ref[seq.num_tokens - 1], atol=1e-4, rtol=1e-4)
             seq.token_ids = full[: seq.num_tokens + 1]

@@ -293,7 +293,7 @@ def test_a_runner_given_the_kernel_cache_token_file_can_publish_to_a_protected_d
     """`runner serve --kernel-cache-token-file F`: the runner's programs talk to a token-protected
     kernel cache with that token (its own --token-file guards its Generation service instead)."""
     from runner_service.daemon import kernel_cache_from_args
-    from runner_service.programs import open_kernel_cache
+    from runner_service.programs.cache import open_kernel_cache
     from warmserve.cli import build_parser
 
     cache = grpc_cache(token="s3cret")

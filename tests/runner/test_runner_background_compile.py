@@ -28,7 +28,7 @@ def _params() -> SamplingParams:
 def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tmp_path):
     eng = _engine(tmp_path / "kc", background_compile=True)
     programs_phase = {p.name: p.detail for p in eng.startup_report.phases}["programs"]
-    assert "serving eager" in programs_phase and eng.program_state == "pending"
+    assert "serving eager" in programs_phase and eng.programs.state == "pending"
     runner = eng.runner
     # 8 streams run eager, stepped from this thread while the compile runs beside them (the
     # trace, then Inductor and the C++ compiler): a step every 0.3 s, at most 40 of 60 tokens
@@ -36,30 +36,30 @@ def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tm
     # happens with the 8 sequences mid-decode too)
     streams = [eng.add_request(_params(), token_ids=p) for p in PROMPTS]
     steps = 0
-    while eng._compiler.is_alive() and steps < 40:
+    while eng.programs.in_flight and steps < 40:
         eng.step()
         steps += 1
         time.sleep(0.3)
     assert runner.prefill_program is None
-    eng._compiler.join(timeout=600)  # built; what is left to install waits in the inbox for the next step
-    assert not eng._compiler.is_alive() and eng.programs_pending
+    eng.programs.join(timeout=600)  # built; what is left to install waits in the inbox for the next step
+    assert not eng.programs.in_flight and eng.programs.pending
     assert runner.prefill_program is None  # nothing changed under the running sequences
     assert all(not s.finished for s in streams)
     eng.step()  # installs first, then steps the 8 sequences with the compiled decode program
-    assert set(runner.decode_programs) == set(runner.buckets) and runner.prefill_program is not None
-    assert not eng.programs_pending
+    assert runner.decode_program is not None and runner.prefill_program is not None
+    assert not eng.programs.pending
     eng.run_until_done()
     got = [s.result(timeout=0).token_ids for s in streams]
-    assert eng.program_state == "installed"
-    assert "compiled llama.decode.aoti" in eng.program_detail and "compiled llama.prefill.aoti" in eng.program_detail
+    assert eng.programs.state == "installed"
+    assert "compiled llama.decode.aoti" in eng.programs.detail and "compiled llama.prefill.aoti" in eng.programs.detail
     # installed after start-up, on the report's clock (the compile took seconds)
-    assert eng.programs_installed_at_s > eng.startup_report.total_seconds + 1.0
+    assert eng.programs.installed_at_s > eng.startup_report.total_seconds + 1.0
     eng.close()
 
     # a runner compiled from the start (its programs now come from the cache: HIT)
     ref = _engine(tmp_path / "kc")
     assert "HIT llama.decode.aoti" in {p.name: p.detail for p in ref.startup_report.phases}["programs"]
-    assert (ref.program_state, ref.programs_installed_at_s) == ("installed", None)
+    assert (ref.programs.state, ref.programs.installed_at_s) == ("installed", None)
     want_streams = [ref.add_request(_params(), token_ids=p) for p in PROMPTS]
     ref.run_until_done()
     want = [s.result(timeout=0).token_ids for s in want_streams]
@@ -68,13 +68,13 @@ def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tm
 
 
 def test_programs_already_in_the_cache_load_in_the_foreground(tmp_path, monkeypatch):
-    from runner_service import programs
+    from runner_service.programs import load
 
-    monkeypatch.setattr(programs, "programs_cached", lambda *a, **k: True)
+    monkeypatch.setattr(load, "programs_cached", lambda *a, **k: True)
     calls = []
-    loaded = programs.ProgramsReport("aoti", 0.1, "aoti: loaded", source="hit")
-    monkeypatch.setattr(programs, "load_programs", lambda *a, **k: calls.append(k) or loaded)
+    loaded = load.ProgramsReport("aoti", 0.1, "aoti: loaded", source="hit")
+    monkeypatch.setattr(load, "load_programs", lambda *a, **k: calls.append(k) or loaded)
     eng = _engine(tmp_path / "kc", background_compile=True)
-    assert eng._compiler is None and calls and "install" not in calls[0]
+    assert eng.programs.thread is None and calls and "defer" not in calls[0]
     assert {p.name: p.detail for p in eng.startup_report.phases}["programs"] == "aoti: loaded"
     eng.close()

@@ -108,8 +108,7 @@ def test_engine_decode_reuses_buffers_for_100_steps_and_rebuilds_only_changed_ro
         seen.append((inputs[0].shape[0], tuple(t.data_ptr() for t in inputs)))
         return runner.decode_step(*inputs)
 
-    for b in runner.buckets:
-        runner.decode_programs[b] = spy
+    runner.decode = spy
     ptrs = {n: getattr(runner.buffers, n).data_ptr() for n in NAMES}
     params = SamplingParams(max_tokens=102, temperature=0, ignore_eos=True)
     streams = [eng.add_request(params, token_ids=list(range(2, 2 + n))) for n in (3, 6)]

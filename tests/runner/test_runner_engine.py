@@ -184,12 +184,11 @@ def test_a_failing_step_aborts_its_sequences_frees_blocks_and_the_engine_keeps_s
     def broken(*inputs):
         raise RuntimeError("device lost")
 
-    for b in eng.runner.buckets:
-        eng.runner.decode_programs[b] = broken
+    eng.runner.decode = broken
     out = _run(eng, [(_prompt(5, 7), SamplingParams(max_tokens=8, temperature=0))])[0]
     assert out.finish_reason is FinishReason.ABORTED and len(out.token_ids) == 1  # from the prefill
     assert eng.block_manager.num_free_blocks == baseline
-    eng.runner.decode_programs.clear()
+    del eng.runner.decode
     out = _run(eng, [(_prompt(5, 7), SamplingParams(max_tokens=8, temperature=0))])[0]
     assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 8
 

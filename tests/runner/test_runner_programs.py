@@ -1,4 +1,4 @@
-"""Compiled decode programs (runner_service/programs.py) on a tiny random Llama.
+"""Compiled decode programs (runner_service/programs/) on a tiny random Llama.
 
 Each cold compile runs the C++ compiler (~20-30 s on 2 cores), so the tests share one AOTI
 build (module fixture) and compile again only where a MISS is the point of the test. The eager
@@ -23,9 +23,17 @@ from runner_tiny import tiny_args, tiny_config
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.fingerprint import UNKNOWN
 from model_families.llama import FAMILY as LLAMA
-from runner_service import programs
 from runner_service.kv_cache import KVCache
 from runner_service.model_runner import ModelRunner
+from runner_service.programs.aoti import read_own_constants
+from runner_service.programs.cache import open_kernel_cache
+from runner_service.programs.key import (
+    CODEGEN_ENV_PREFIXES,
+    codegen_environment,
+    program_key,
+    program_sources,
+)
+from runner_service.programs.load import ProgramsReport, load_programs
 from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
@@ -49,6 +57,11 @@ def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_
     config = tiny_config(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                          dtype="bf16" if dtype == torch.bfloat16 else "f32", compile=compile, device="cpu")
     return ModelRunner(args, weights, kv, config, max_model_len, torch.device("cpu"))
+
+
+def load(runner: ModelRunner, **kw) -> ProgramsReport:
+    """:func:`load_programs` of ``runner``'s spec, installing into ``runner``."""
+    return load_programs(runner.program_spec(), runner.install_program, **kw)
 
 
 def decode_inputs(runner: ModelRunner, batch: int, active: int, nb: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -82,7 +95,7 @@ def assert_compiled_matches_eager(compiled: ModelRunner, eager: ModelRunner, cas
         for step in range(3):
             inputs = decode_inputs(compiled, batch, active, nb, seed=100 * n + step)
             with torch.inference_mode():
-                got = compiled.decode_fn(batch)(*inputs)
+                got = compiled.decode(*inputs)
                 want = eager.decode_step(*inputs)
             assert got.shape == want.shape == (batch, compiled.args.vocab_size)
             assert got.dtype == torch.float32
@@ -97,7 +110,7 @@ def built(tmp_path_factory):
     """One cold AOTI build of the default tiny runner, published to a fresh kernel cache."""
     root = tmp_path_factory.mktemp("programs")
     runner = make_runner()
-    report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work")
+    report = load(runner, kernel_cache=str(root / "kc"), work_dir=root / "work")
     (root / "threads").write_text(str(torch.get_num_threads()))  # part of the key: a warm launch uses the same
     return root, runner, report
 
@@ -109,7 +122,7 @@ def test_aoti_cold_build_is_published_and_matches_eager(built):
     entries = KernelCacheClient(root=root / "kc").list("llama.decode")
     assert [(e.name, e.fingerprint) for e in entries] == [("llama.decode.aoti", report.fingerprint)]
     # one program for every bucket: the batch and block-table width are dynamic
-    assert set(runner.decode_programs) == set(runner.buckets) == {1, 2, 4}
+    assert runner.decode_program is not None and runner.buckets == [1, 2, 4]
     eager = make_runner(compile="off")
     cases = [(1, 1, 1), (1, 1, 5), (2, 2, 3), (4, 3, 8), (4, 4, 16)]
     assert_compiled_matches_eager(runner, eager, cases, atol=1e-4)
@@ -134,7 +147,7 @@ def test_compiled_prefill_matches_eager_including_one_token_and_later_chunks(bui
     root, _, report = built
     assert report.prefill_source == "compiled" and "llama.prefill.aoti" in report.detail, report
     runner = make_runner()  # the built runner's pools were written by other tests: load fresh ones
-    assert programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work3").prefill_source == "hit"
+    assert load(runner, kernel_cache=str(root / "kc"), work_dir=root / "work3").prefill_source == "hit"
     assert runner.prefill_program is not None
     entries = KernelCacheClient(root=root / "kc").list("llama.prefill")
     assert [e.name for e in entries] == ["llama.prefill.aoti"]
@@ -161,13 +174,13 @@ class _FullDiskCache(KernelCacheClient):
 def test_the_thread_count_is_in_the_key_and_a_null_rope_scaling_entry_is_not_unknown():
     runner = make_runner()
     threads = torch.get_num_threads()
-    base = programs.program_key(runner, "aoti")
+    base = program_key(runner.program_spec(), "aoti")
     try:
         torch.set_num_threads(threads + 1)
-        more_threads = programs.program_key(runner, "aoti")
+        more_threads = program_key(runner.program_spec(), "aoti")
     finally:
         torch.set_num_threads(threads)
-    assert more_threads != base and programs.program_key(runner, "aoti") == base
+    assert more_threads != base and program_key(runner.program_spec(), "aoti") == base
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     with_null = make_runner()
@@ -176,34 +189,44 @@ def test_the_thread_count_is_in_the_key_and_a_null_rope_scaling_entry_is_not_unk
     without = make_runner()
     without.args = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8,
                              max_pos=128, rope_scaling=scaling)
-    key = programs.program_key(with_null, "aoti")[1]
-    assert key != UNKNOWN and key == programs.program_key(without, "aoti")[1] != base[1]
+    key = program_key(with_null.program_spec(), "aoti")[1]
+    assert key != UNKNOWN and key == program_key(without.program_spec(), "aoti")[1] != base[1]
+
+
+def test_every_module_of_the_programs_package_is_in_the_key():
+    import pkgutil
+
+    import runner_service.programs as package
+
+    hashed = {m.__name__ for m in program_sources(make_runner().program_spec())}
+    own = {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)}
+    assert own and own <= hashed and "model_families.llama.model" in hashed
 
 
 def test_environment_variables_inductor_reads_are_in_the_key(monkeypatch):
     runner = make_runner()
-    for name in [k for k in os.environ if k.startswith(programs.CODEGEN_ENV_PREFIXES) or k == "CXX"]:
+    for name in [k for k in os.environ if k.startswith(CODEGEN_ENV_PREFIXES) or k == "CXX"]:
         monkeypatch.delenv(name)
-    base = programs.program_key(runner, "aoti")
+    base = program_key(runner.program_spec(), "aoti")
     for name, value in (("TORCHINDUCTOR_MAX_AUTOTUNE", "1"), ("TORCHINDUCTOR_CPP_WRAPPER", "1"),
                         ("AOT_INDUCTOR_ENABLE_LTO", "1"), ("TORCHINDUCTOR_FREEZING", "1"), ("CXX", "clang++")):
         monkeypatch.setenv(name, value)
-        assert programs.program_key(runner, "aoti") != base, name  # changes the code: another program
+        assert program_key(runner.program_spec(), "aoti") != base, name  # changes the code: another program
         monkeypatch.delenv(name)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS", "OMP_PROC_BIND", "HOME"):
         monkeypatch.setenv(name, "/elsewhere" if name.endswith("DIR") or name == "HOME" else "3")
-        assert programs.program_key(runner, "aoti") == base, name  # same code: the same key
-    assert programs.codegen_environment({"TORCHINDUCTOR_FREEZING": "1", "PATH": "/bin", "CXX": "g++",
+        assert program_key(runner.program_spec(), "aoti") == base, name  # same code: the same key
+    assert codegen_environment({"TORCHINDUCTOR_FREEZING": "1", "PATH": "/bin", "CXX": "g++",
                                          "TORCHINDUCTOR_CACHE_DIR": "/x"}) == {"CXX": "g++",
                                                                              "TORCHINDUCTOR_FREEZING": "1"}
 
 
 def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(tmp_path):
     runner = make_runner(layers=1)  # a key of its own: compiled here, not fetched
-    report = programs.load_programs(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"),
+    report = load(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"),
                                     work_dir=tmp_path / "work")
     assert (report.source, report.published, report.prefill_source) == ("compiled", "FAILED", "compiled"), report
-    assert set(runner.decode_programs) == set(runner.buckets) and runner.prefill_program is not None
+    assert runner.decode_program is not None and runner.prefill_program is not None
     assert_compiled_matches_eager(runner, make_runner(layers=1, compile="off"), [(2, 2, 3)], atol=1e-4)
     assert KernelCacheClient(root=tmp_path / "kc").list("llama") == []
 
@@ -211,7 +234,7 @@ def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(tmp
 def test_second_load_in_process_is_a_cache_hit(built):
     root, _, cold = built
     runner = make_runner()
-    report = programs.load_programs(runner, kernel_cache=str(root / "kc"), work_dir=root / "work2")
+    report = load(runner, kernel_cache=str(root / "kc"), work_dir=root / "work2")
     assert (report.source, report.fingerprint, report.published) == ("hit", cold.fingerprint, "")
     assert report.prefill_source == "hit" and report.detail.count("HIT") == 2, report
     assert_compiled_matches_eager(runner, make_runner(compile="off"), [(2, 2, 4)], atol=1e-4)
@@ -230,10 +253,9 @@ WARM_SCRIPT = textwrap.dedent("""
         raise RuntimeError("the C++ compiler must not run on a warm launch")
     cpp_builder.CppBuilder.build = refuse
 
-    from test_runner_programs import assert_compiled_matches_eager, make_runner
-    from runner_service import programs
+    from test_runner_programs import assert_compiled_matches_eager, load, make_runner
     runner = make_runner()
-    report = programs.load_programs(runner, kernel_cache={kc!r}, work_dir={work!r})
+    report = load(runner, kernel_cache={kc!r}, work_dir={work!r})
     assert_compiled_matches_eager(runner, make_runner(compile="off"), [(4, 3, 6)], atol=1e-4)
     print(json.dumps({{"source": report.source, "fingerprint": report.fingerprint, "builds": calls}}))
 """)
@@ -263,18 +285,18 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
 
 
 def test_fingerprint_changes_with_layout_dtype_arch_and_compile_options(built):
-    base = programs.program_key(make_runner(), "aoti")
-    assert base == programs.program_key(make_runner(seed=9), "aoti")  # weights are not in the key
+    base = program_key(make_runner().program_spec(), "aoti")
+    assert base == program_key(make_runner(seed=9).program_spec(), "aoti")  # weights are not in the key
     variants = {
-        "block_size": programs.program_key(make_runner(block_size=8), "aoti"),
-        "max_num_seqs": programs.program_key(make_runner(max_num_seqs=8), "aoti"),
-        "max_model_len": programs.program_key(make_runner(max_model_len=96), "aoti"),
-        "dtype": programs.program_key(make_runner(dtype=torch.bfloat16), "aoti"),
-        "arch": programs.program_key(make_runner(layers=3), "aoti"),
-        "mode": programs.program_key(make_runner(), "inductor"),
-        "int4 weights": programs.program_key(make_runner(weights_dtype="int4"), "aoti"),
-        "int8 weights": programs.program_key(make_runner(weights_dtype="int8"), "aoti"),
-        "int4 weights, bf16": programs.program_key(make_runner(weights_dtype="int4", dtype=torch.bfloat16), "aoti"),
+        "block_size": program_key(make_runner(block_size=8).program_spec(), "aoti"),
+        "max_num_seqs": program_key(make_runner(max_num_seqs=8).program_spec(), "aoti"),
+        "max_model_len": program_key(make_runner(max_model_len=96).program_spec(), "aoti"),
+        "dtype": program_key(make_runner(dtype=torch.bfloat16).program_spec(), "aoti"),
+        "arch": program_key(make_runner(layers=3).program_spec(), "aoti"),
+        "mode": program_key(make_runner().program_spec(), "inductor"),
+        "int4 weights": program_key(make_runner(weights_dtype="int4").program_spec(), "aoti"),
+        "int8 weights": program_key(make_runner(weights_dtype="int8").program_spec(), "aoti"),
+        "int4 weights, bf16": program_key(make_runner(weights_dtype="int4", dtype=torch.bfloat16).program_spec(), "aoti"),
     }
     fingerprints = [fp for _, fp in variants.values()]
     assert len({base[1], *fingerprints}) == len(variants) + 1
@@ -291,7 +313,7 @@ def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
     kc = tmp_path / "kc"
     shutil.copytree(root / "kc", kc)
     runner = make_runner(dtype=torch.bfloat16, block_size=8)
-    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
     assert (report.source, report.published) == ("compiled", "PUBLISHED")
     assert report.fingerprint != cold.fingerprint
     assert len(KernelCacheClient(root=kc).list("llama.decode.aoti")) == 2
@@ -309,17 +331,17 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
     kc = tmp_path / "kc"
     runner = make_runner(dtype=dtype, weights_dtype=weights_dtype)
     assert runner.model.qkv_proj.format == weights_dtype
-    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
     atol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     eager = make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off")
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 3, 6)], atol=atol)
     package = max((p for p in kc.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    own = programs.read_own_constants(package)
+    own = read_own_constants(package)
     if (weights_dtype, dtype) == ("int4", torch.bfloat16):
         assert own and all(t.dtype == torch.int64 and t.item() == 32 for t in own.values()), own
     hit = make_runner(dtype=dtype, weights_dtype=weights_dtype)
-    again = programs.load_programs(hit, kernel_cache=str(kc), work_dir=tmp_path / "work2")
+    again = load(hit, kernel_cache=str(kc), work_dir=tmp_path / "work2")
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
     assert_compiled_matches_eager(hit, make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off"),
                                   [(2, 2, 5)], atol=atol)
@@ -338,7 +360,7 @@ def test_corrupt_entry_is_quarantined_then_recompiled_and_republished(built, tmp
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the sha256 no longer matches
     data.write_bytes(bytes(raw))
     runner = make_runner()
-    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
     reasons = [r.read_text() for r in (kc / "quarantine").glob("*/reason.txt")]
     assert len(reasons) == 1 and cold.fingerprint in reasons[0]
@@ -354,7 +376,7 @@ def test_entry_that_does_not_load_is_evicted_and_rebuilt(built, tmp_path):
     client = KernelCacheClient(root=kc)
     assert client.publish("llama.decode.aoti", cold.fingerprint, junk) == "PUBLISHED"
     runner = make_runner()
-    report = programs.load_programs(runner, kernel_cache=client, work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=client, work_dir=tmp_path / "work")
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
     info = client.lookup("llama.decode.aoti", cold.fingerprint)
     assert info is not None and info.size_bytes > junk.stat().st_size
@@ -364,9 +386,9 @@ def test_entry_that_does_not_load_is_evicted_and_rebuilt(built, tmp_path):
 def test_unknown_fingerprint_compiles_locally_and_publishes_nothing_inductor(tmp_path):
     runner = make_runner(compile="inductor")
     missing = tmp_path / "no-such-source.py"
-    assert programs.program_key(runner, "inductor", sources=[missing])[1] == UNKNOWN
+    assert program_key(runner.program_spec(), "inductor", sources=[missing])[1] == UNKNOWN
     kc = tmp_path / "kc"
-    report = programs.load_programs(runner, kernel_cache=str(kc), work_dir=tmp_path / "work", sources=[missing])
+    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work", sources=[missing])
     assert (report.mode, report.source, report.fingerprint, report.published) == (
         "inductor", "compiled", UNKNOWN, "")
     assert "UNKNOWN" in report.detail
@@ -376,24 +398,24 @@ def test_unknown_fingerprint_compiles_locally_and_publishes_nothing_inductor(tmp
 
 def test_off_installs_nothing_and_failures_fall_back_to_eager(tmp_path):
     runner = make_runner(compile="off")
-    report = programs.load_programs(runner, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
-    assert (report.source, runner.decode_programs) == ("eager", {})
+    report = load(runner, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
+    assert (report.source, runner.decode_program) == ("eager", None)
     runner = make_runner()
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")  # the work dir cannot be created: the runner must still serve
-    report = programs.load_programs(runner, kernel_cache=None, work_dir=not_a_dir / "work")
+    report = load(runner, kernel_cache=None, work_dir=not_a_dir / "work")
     assert report.source == "eager" and "failed" in report.detail
-    assert runner.decode_programs == {}
+    assert runner.decode_program is None
 
 
 def test_kernel_cache_spec_is_a_daemon_address_or_a_store_directory(tmp_path):
-    daemon = programs.open_kernel_cache("127.0.0.1:50051")  # no connection is made until a call
+    daemon = open_kernel_cache("127.0.0.1:50051")  # no connection is made until a call
     try:
         assert daemon.address == "127.0.0.1:50051"
     finally:
         daemon.close()
-    store = programs.open_kernel_cache(str(tmp_path / "kc"))
+    store = open_kernel_cache(str(tmp_path / "kc"))
     assert store.address is None and store.list() == []
     assert (tmp_path / "kc").is_dir()
-    assert programs.open_kernel_cache(store) is store
-    assert programs.open_kernel_cache(None) is None
+    assert open_kernel_cache(store) is store
+    assert open_kernel_cache(None) is None

@@ -174,8 +174,7 @@ def _slow_decode(engine, seconds):
         time.sleep(seconds)
         return runner.decode_step(*inputs)
 
-    for b in runner.buckets:
-        runner.decode_programs[b] = slow
+    runner.decode = slow
 
 
 def test_client_cancellation_frees_the_sequence_blocks(served):
@@ -195,7 +194,7 @@ def test_client_cancellation_frees_the_sequence_blocks(served):
         assert _wait_for(lambda: engine.block_manager.num_free_blocks == baseline)
         assert _wait_for(lambda: engine.stats()["running"] == 0)
     finally:
-        engine.runner.decode_programs.clear()
+        del engine.runner.decode
 
 
 def test_deadline_frees_the_sequence_blocks(served):
@@ -208,7 +207,7 @@ def test_deadline_frees_the_sequence_blocks(served):
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _wait_for(lambda: engine.block_manager.num_free_blocks == baseline)
     finally:
-        engine.runner.decode_programs.clear()
+        del engine.runner.decode
 
 
 def test_model_info_health_and_metrics(served):

@@ -1,0 +1,123 @@
+"""The programs' side of the kernel cache: open it, fetch, publish, evict a broken entry, and get
+a program single-flight (:meth:`KernelCacheClient.get_or_build`) (``docs/architecture.md`` §9)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.single_flight import Flight, holder_name, holder_who
+from services.address import parse_address
+from services.errors import InvalidArgument, WarmserveError
+
+if TYPE_CHECKING:
+    from kernel_cache_service.client import KernelCacheClient
+    from kernel_cache_service.entry import EntryInfo
+    from runner_service.programs.spec import ProgramSpec
+
+log = logging.getLogger(__name__)
+
+#: What a loader gets: ``(program, source, published, detail)``: ``source`` ``hit`` or
+#: ``compiled``, ``published`` the kernel cache's answer to the publish (or ``""``), ``detail``
+#: a phrase for the report.
+Loaded = tuple[Callable, str, str, str]
+
+
+def open_kernel_cache(spec: KernelCacheClient | str | Path | None) -> KernelCacheClient | None:
+    """A client for ``spec``: a client as is; a ``"host:port"`` string
+    (:func:`services.address.parse_address`, no ``/`` in the host, not an existing directory) a
+    daemon; any other string or path an embedded store rooted there; ``None`` no cache."""
+    from kernel_cache_service.client import KernelCacheClient
+
+    if spec is None or isinstance(spec, KernelCacheClient):
+        return spec
+    text = str(spec)
+    if isinstance(spec, str) and _is_address(text):
+        return KernelCacheClient(text)
+    return KernelCacheClient(root=text)
+
+
+def _is_address(text: str) -> bool:
+    try:
+        host, _port = parse_address(text)
+    except InvalidArgument:
+        return False
+    return "/" not in host and not os.path.isdir(text)
+
+
+def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, holder: str) -> str:
+    """Publish ``path`` as ``name``/``fp``: the cache's answer, ``""`` without a cache or for an
+    ``UNKNOWN`` key, ``"FAILED"`` when the publish failed (logged; the program is still used)."""
+    if cache is None or fp == UNKNOWN:
+        return ""
+    try:
+        return cache.publish(name, fp, path, producer=holder)
+    except (WarmserveError, OSError) as e:  # the compiled program is still used
+        log.warning("publishing %s/%s failed (the program compiled here is used): %s", name, fp[:12], e)
+        return "FAILED"
+
+
+def fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> EntryInfo | None:
+    """Fetch ``name``/``fp`` into ``dest``: its entry, or ``None`` (no cache, ``UNKNOWN`` key, a
+    MISS, or a failed fetch, logged)."""
+    if cache is None or fp == UNKNOWN:
+        return None
+    try:
+        return cache.fetch(name, fp, dest)
+    except (WarmserveError, OSError) as e:
+        log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
+        return None
+
+
+def evict_broken(cache: KernelCacheClient, name: str, fp: str, error: Exception) -> None:
+    """Evict ``name``/``fp``, an entry whose bytes do not load (``error``), so it is rebuilt."""
+    log.warning("kernel cache entry %s/%s does not load (%s); evicting and recompiling", name, fp[:12], error)
+    try:
+        cache.evict(name, fp)
+    except WarmserveError as e:
+        log.warning("evicting %s/%s failed: %s", name, fp[:12], e)
+
+
+def how_published(fp: str, cache: KernelCacheClient | None, published: str) -> str:
+    """A phrase for the report: what became of a program built here."""
+    if fp == UNKNOWN:
+        return "fingerprint UNKNOWN, not published"
+    if cache is None:
+        return "no kernel cache"
+    return published or "not published"
+
+
+def holder(spec: ProgramSpec) -> str:
+    """Who builds or publishes, as the kernel cache records it (:func:`holder_name` of the runner id)."""
+    return holder_name(spec.runner_id)
+
+
+def get_or_build(spec: ProgramSpec, cache: KernelCacheClient | None, name: str, fp: str,
+                 fetch_program: Callable[[], tuple[Callable, EntryInfo] | None],
+                 build: Callable[[str], tuple[Callable, str, float]],
+                 progress: Callable[[str], None]) -> Loaded:
+    """Program ``name``/``fp``: fetched, or built once across the runners sharing ``cache``
+    (:meth:`KernelCacheClient.get_or_build`, lease of ``spec.build_lease_s``); without a cache or
+    for an ``UNKNOWN`` key built here uncoordinated. ``fetch_program`` returns ``(program,
+    entry)`` or ``None``; ``build(holder)`` returns ``(program, published, seconds)``."""
+    who = holder(spec)
+    if cache is None or fp == UNKNOWN:
+        progress(f"compiling {name} here")
+        flight: Flight = Flight(build(who), True)
+    else:
+        flight = cache.get_or_build(name, fp, fetch_program, lambda: build(who), holder=who,
+                                    ttl_s=spec.build_lease_s, progress=progress)
+    if flight.built:
+        program, published, seconds = flight.value
+        note = "; took over an expired build lease" if flight.takeover else ""
+        return program, "compiled", published, \
+            f"compiled {name} in {seconds:.1f} s here ({how_published(fp, cache, published)}{note})"
+    entry, mib = flight.entry, flight.entry.size_bytes / 2**20
+    if flight.waited_s is None:
+        return flight.value, "hit", "", f"kernel cache HIT {name} ({mib:.1f} MiB)"
+    return flight.value, "hit", "", (f"fetched {name} from {holder_who(entry.producer)}'s publish after waiting "
+                                     f"{flight.waited_s:.1f} s ({mib:.1f} MiB)")

@@ -1,0 +1,105 @@
+"""The kernel-cache key of a compiled program: ``(name, fingerprint)`` over the traced sources,
+the layout, the family, the dtype, the device and the compile options (``docs/architecture.md`` §9)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Any
+
+from runner_service.programs.aoti import AOTI_INDUCTOR_CONFIGS
+from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
+
+#: This package's modules: their code decides what is exported and how it is compiled, so their
+#: canonical AST is in every program's fingerprint (with the family's sources).
+PROGRAM_MODULES = ("spec", "key", "export_specs", "aoti", "inductor", "cache", "load")
+
+#: Name prefixes of the environment variables Inductor reads into its config (``TORCHINDUCTOR_MAX_AUTOTUNE``,
+#: ``AOT_INDUCTOR_ENABLE_LTO``, ...), and single names that reach code generation (``CXX``: the compiler).
+CODEGEN_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_INDUCTOR_", "AOT_INDUCTOR_", "AOTINDUCTOR_", "INDUCTOR_")
+CODEGEN_ENV_NAMES = ("CXX",)
+#: Those of them that name caches, logs, timeouts or worker pools only: the code is the same.
+NOT_CODEGEN_ENV = frozenset({
+    "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
+    "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_WORKER_START",
+    "TORCHINDUCTOR_FILE_LOCK_TIMEOUT", "TORCHINDUCTOR_COMPILE_WORKER_WAIT_TIMEOUT", "TORCHINDUCTOR_WORKER_SUPPRESS_LOGGING",
+    "TORCHINDUCTOR_WORKER_LOGPATH", "TORCHINDUCTOR_DEBUG_FUSION", "TORCHINDUCTOR_ENABLED_METRIC_TABLES",
+})
+
+
+def program_sources(spec: ProgramSpec) -> list[ModuleType]:
+    """Modules whose code is traced into the program or decides how (their canonical AST is in
+    the key): the family's :meth:`~model_families.family.ModelFamily.program_sources` and
+    :data:`PROGRAM_MODULES`."""
+    own = [importlib.import_module(f"{__package__}.{name}") for name in PROGRAM_MODULES]
+    return [*spec.family.program_sources(), *own]
+
+
+def _without_none(value: Any) -> Any:
+    """``value`` with ``None`` entries of dicts dropped at every depth and tuples as lists: a
+    config field or a ``rope_scaling`` key set to null means the same as one left out (and a
+    ``None`` would make the fingerprint ``UNKNOWN``)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def codegen_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables (of ``environ``, default ``os.environ``) that can change the code
+    Inductor generates: every one named by :data:`CODEGEN_ENV_PREFIXES` / :data:`CODEGEN_ENV_NAMES`
+    except :data:`NOT_CODEGEN_ENV`, sorted. Part of the program key; reading the environment
+    instead of Inductor's config keeps ``torch._inductor`` out of a warm start. Over-inclusion
+    only costs a cache miss; a missing variable would let a differently built program be fetched."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env) if (k.startswith(CODEGEN_ENV_PREFIXES) or k in CODEGEN_ENV_NAMES)
+            and k not in NOT_CODEGEN_ENV}
+
+
+def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
+                kind: str = "decode") -> tuple[str, str]:
+    """``(name, fingerprint)`` of the ``kind`` program (:data:`PROGRAM_KINDS`) of ``spec``
+    compiled in ``mode``; ``name`` is ``<family>.<kind>.<mode>``.
+
+    The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
+    max model length, max batch, max blocks per sequence, dynamic dims, KV pools, the block-table
+    layout, the weights' buffer names and dtypes; for prefill the most tokens per row), the
+    family, its pack version and config, the dtype, the device type, the torch thread count, the
+    compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is unknown.
+    Raises ``ValueError`` for an unknown ``kind``.
+    """
+    from kernel_cache_service.fingerprint import program_fingerprint
+
+    if kind not in PROGRAM_KINDS:
+        raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
+    name = f"{spec.family.name}.{kind}.{mode}"
+    weights = spec.constants(kind)
+    layout = {
+        "block_size": spec.block_size,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_num_seqs,
+        "max_blocks_per_seq": spec.max_blocks_per_seq,
+        "dynamic": ["num_blocks", "batch", "blocks"],
+        "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in spec.pool_specs],
+        "block_layout": spec.block_layout,
+        "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(weights.items())},
+    }
+    if kind == "prefill":
+        layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=spec.max_prefill_tokens)
+    # Inductor writes the thread count into CPU code (``num_threads(N)`` on its OpenMP loops when
+    # it differs from the core count), so a program built under N threads is another program.
+    options = {"mode": mode, "device": spec.device.type, "threads": spec.threads,
+               "environment": codegen_environment()}
+    if mode == "aoti":
+        options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
+    else:
+        options.update(fullgraph=True, dynamic=True)
+    arch = {"family": spec.family.name, "pack_version": spec.family.pack_version,
+            "config": _without_none(spec.config)}
+    fp = program_fingerprint(name, sources=program_sources(spec) if sources is None else sources,
+                             layout=layout, arch=arch, dtype=str(spec.dtype).removeprefix("torch."),
+                             compile_options=options)
+    return name, fp

@@ -1,0 +1,153 @@
+"""The entry point: fetch or compile a runner's programs and install them, never failing the
+launch (a runner that serves eager beats one that does not start) (``docs/architecture.md`` §9)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kernel_cache_service.fingerprint import UNKNOWN
+from runner_service.programs import aoti, inductor
+from runner_service.programs.cache import open_kernel_cache
+from runner_service.programs.key import program_key
+from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
+from services.errors import WarmserveError
+
+if TYPE_CHECKING:
+    from kernel_cache_service.client import KernelCacheClient
+
+log = logging.getLogger(__name__)
+
+#: ``install(kind, program)``: makes ``program`` (``program(caches, *inputs) -> (logits, *rows)``,
+#: see :mod:`runner_service.model_runner`) the runner's ``kind`` step.
+Install = Callable[[str, Callable], None]
+
+
+@dataclass(frozen=True)
+class ProgramsReport:
+    """What :func:`load_programs` did.
+
+    ``mode``: ``aoti`` / ``inductor``; ``seconds``: wall time of the whole programs phase;
+    ``source``: ``hit`` (loaded from the kernel cache), ``compiled`` (built here) or ``eager``
+    (failed; the runner runs eager); ``fingerprint``: the key used (or ``UNKNOWN``);
+    ``published``: the kernel cache's answer to the publish (``PUBLISHED``, ``ALREADY_PRESENT``,
+    ``REJECTED``) or ``""`` when nothing was published (these three are the decode program's);
+    ``prefill_source``: ``hit`` / ``compiled`` / ``eager`` for the prefill program (``""`` when
+    decode failed first); ``detail``: one human sentence.
+    """
+
+    mode: str
+    seconds: float
+    detail: str
+    source: str = ""
+    fingerprint: str = ""
+    published: str = ""
+    prefill_source: str = ""
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def _default_work_dir() -> Path:
+    from services.paths import warmserve_home
+
+    return warmserve_home() / "programs"
+
+
+def load_programs(spec: ProgramSpec, install: Install, *,
+                  kernel_cache: KernelCacheClient | str | Path | None = None,
+                  work_dir: str | Path | None = None, sources: list | None = None,
+                  defer: Callable[[Callable[[], None]], None] | None = None,
+                  progress: Callable[[str], None] | None = None) -> ProgramsReport:
+    """Fetch or compile the decode program for ``spec.mode`` and ``install("decode", program)``;
+    in ``aoti`` mode then the prefill program likewise (its failure leaves only prefill eager).
+
+    ``kernel_cache``: a :class:`KernelCacheClient`, a daemon address ``host:port``, a store
+    directory, or ``None`` (compile every launch). ``work_dir``: where fetched and compiled
+    artifacts live (default ``$WARMSERVE_HOME/programs``). ``sources``: override of the traced
+    sources in the key (tests). ``defer``: how each install is run: called with a no-argument
+    function that installs; ``None`` calls it at once. A caller that runs this in a background
+    thread passes one that hands the function to the thread stepping the runner
+    (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step.
+    ``progress``: called with a phrase at each step that can take long ("compiling
+    llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). Returns the
+    report; on any failure nothing is installed for that program (the runner stays eager).
+    """
+    mode = spec.mode
+    progress = progress or (lambda _what: None)
+    defer = defer or (lambda fn: fn())
+    t0 = time.perf_counter()
+    if mode not in MODES:
+        return ProgramsReport(mode, 0.0, f"compile {mode}: eager", source="eager")
+    work = Path(work_dir) if work_dir is not None else _default_work_dir()
+    try:
+        cache = open_kernel_cache(kernel_cache)
+    except WarmserveError as e:
+        log.warning("kernel cache unusable, compiling locally: %s", e)
+        cache = None
+    try:
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            name, fp = program_key(spec, mode, sources=sources)
+            if mode == "aoti":
+                program, source, published, detail = aoti.load_aoti(spec, "decode", name, fp, cache, work, progress)
+            else:
+                program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
+        except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
+            log.exception("compiled programs unavailable; running eager")
+            return ProgramsReport(mode, time.perf_counter() - t0,
+                                  f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
+        defer(lambda: install("decode", program))
+        prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress)
+    finally:
+        if cache is not None and cache is not kernel_cache:
+            cache.close()
+    seconds = time.perf_counter() - t0
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}", source=source,
+                          fingerprint=fp, published=published, prefill_source=prefill_source)
+
+
+def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClient | str | Path | None) -> bool:
+    """Whether every program ``load_programs`` would install in ``mode`` is already in
+    ``kernel_cache`` (a lookup per key, no download): then loading them is quick. ``False`` for
+    no cache, an unusable one or an ``UNKNOWN`` key."""
+    if mode not in MODES or kernel_cache is None:
+        return False
+    kinds = PROGRAM_KINDS if mode == "aoti" else ("decode",)
+    try:
+        cache = open_kernel_cache(kernel_cache)
+    except WarmserveError:
+        return False
+    try:
+        keys = [program_key(spec, mode, kind=k) for k in kinds]
+        return all(fp != UNKNOWN and cache.lookup(name, fp) is not None for name, fp in keys)
+    except (WarmserveError, OSError):
+        return False
+    finally:
+        if cache is not kernel_cache:
+            cache.close()
+
+
+def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path, sources: list | None,
+                  install: Install, defer: Callable[[Callable[[], None]], None],
+                  progress: Callable[[str], None]) -> tuple[str, str]:
+    """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
+    prefill eager, its dynamic token count would recompile graphs at run time). Returns its
+    source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
+    prefill eager."""
+    if spec.mode != "aoti":
+        return "eager", "prefill eager"
+    if not spec.family.compiled_prefill:
+        return "eager", f"prefill eager (the {spec.family.name} family compiles decode only)"
+    try:
+        name, fp = program_key(spec, spec.mode, sources=sources, kind="prefill")
+        program, source, _published, detail = aoti.load_aoti(spec, "prefill", name, fp, cache, work, progress)
+    except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
+        log.exception("compiled prefill unavailable; prefill runs eager")
+        return "eager", f"prefill eager ({type(e).__name__}: {e})"
+    defer(lambda: install("prefill", program))
+    return source, detail

@@ -1,0 +1,74 @@
+"""What one runner's compiled programs are built for and from: :class:`ProgramSpec`
+(``docs/architecture.md`` §9)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_families.family import CacheSpec, ModelFamily
+from runner_service.config import COMPILE_MODES
+
+#: The compiling modes of :data:`runner_service.config.COMPILE_MODES` (all but ``off``).
+MODES = tuple(m for m in COMPILE_MODES if m != "off")
+#: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
+PROGRAM_KINDS = ("decode", "prefill")
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One runner's programs, as :meth:`runner_service.model_runner.ModelRunner.program_spec`
+    builds it (at the moment of the call: ``threads`` is the calling thread's torch thread count).
+
+    Key facts: ``family`` and its ``config`` (JSON-able), ``mode`` (``--compile``), the layout
+    (``block_size``, ``max_model_len`` in tokens, ``max_num_seqs``, ``max_blocks_per_seq``,
+    ``max_prefill_tokens`` per row, ``block_layout`` from
+    :meth:`~model_families.block_layout.BlockLayout.describe`, the KV ``pool_specs``), ``dtype``,
+    ``device``, ``threads``; the weights' dtypes come from the modules' buffers (:meth:`constants`).
+    What they are compiled from: ``decode_module`` and ``model`` (the family model, for prefill),
+    the KV ``pools`` (tensors ``[layers, NB, *block_shape]``, program inputs), ``forward_lock``
+    (held while tracing), ``decode_views(batch, width)`` (the runner's persistent decode inputs)
+    and the batch ``buckets``. Who builds: ``runner_id``, holding a ``build_lease_s``-second lease.
+    """
+
+    family: ModelFamily
+    config: dict[str, Any]
+    mode: str
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    max_prefill_tokens: int
+    block_layout: dict[str, Any]
+    pool_specs: tuple[CacheSpec, ...]
+    dtype: torch.dtype
+    device: torch.device
+    threads: int
+    decode_module: nn.Module
+    model: nn.Module
+    pools: tuple[torch.Tensor, ...]
+    forward_lock: threading.Lock
+    decode_views: Callable[[int, int], tuple[torch.Tensor, ...]]
+    buckets: tuple[int, ...]
+    runner_id: str = "runner-0"
+    build_lease_s: float = 30.0
+
+    def module(self, kind: str) -> nn.Module:
+        """The module compiled for ``kind`` (:data:`PROGRAM_KINDS`): the decode module, or the
+        family model (prefill)."""
+        return self.decode_module if kind == "decode" else self.model
+
+    def constants(self, kind: str) -> dict[str, torch.Tensor]:
+        """:func:`module_constants` of the ``kind`` module."""
+        return module_constants(self.module(kind))
+
+
+def module_constants(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffer name -> tensor of ``module``, duplicates (a tied head) included: what AOTInductor
+    asks for. The buffers *are* the runner's tensors (no copy)."""
+    return dict(module.named_buffers(remove_duplicate=False))
