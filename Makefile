@@ -18,7 +18,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The packages that ship (tests/, bench/ and the generated stubs aside): what `make lint` checks for duplicates.
 PRODUCT_PACKAGES := services model_families kernel_cache_service weight_service runner_service router_service \
-	openai_service warmserve
+	kserve_service openai_service warmserve
 
 .PHONY: install proto test check lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test kubectl
 

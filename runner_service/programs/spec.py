@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from model_families.family import CacheSpec, ModelFamily
-from runner_service.config import COMPILE_MODES
+from runner_service.options import COMPILE_MODES
 
-#: The compiling modes of :data:`runner_service.config.COMPILE_MODES` (all but ``off``).
+#: The compiling modes of :data:`runner_service.options.COMPILE_MODES` (all but ``off``).
 MODES = tuple(m for m in COMPILE_MODES if m != "off")
 #: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
 PROGRAM_KINDS = ("decode", "prefill")
