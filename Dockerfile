@@ -45,6 +45,7 @@ COPY kernel_cache_service/ kernel_cache_service/
 COPY weight_service/ weight_service/
 COPY runner_service/ runner_service/
 COPY router_service/ router_service/
+COPY kserve_service/ kserve_service/
 COPY openai_service/ openai_service/
 COPY warmserve/ warmserve/
 RUN PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/build-wheels make install PYTHON=${PYTHON} EXTRAS= \
