@@ -1,5 +1,6 @@
 """The DeepSeek V4 family (``DeepseekV4ForCausalLM``): config (:mod:`.config`), sidecar layout
-(:mod:`.pack`), caches and forward (:mod:`.model`). Design notes: ``docs/deepseek_v4.md``."""
+(:mod:`.pack`), weights (:mod:`.weights`), caches (:mod:`.cache_layout`) and forward
+(:mod:`.model`). Design notes: ``docs/deepseek_v4.md``."""
 
 from __future__ import annotations
 
@@ -12,19 +13,26 @@ import torch
 from model_families import block_layout as _block_layout
 from model_families import custom_ops, kv_write, linear, prepack, quant, quantized_weights
 from model_families import family as _family
+from model_families.deepseek_v4 import attention as _attention
+from model_families.deepseek_v4 import cache_layout as _cache_layout
 from model_families.deepseek_v4 import checkpoint_names as _checkpoint_names
 from model_families.deepseek_v4 import config as _config
+from model_families.deepseek_v4 import hyper_connections as _hyper_connections
 from model_families.deepseek_v4 import model as _model
+from model_families.deepseek_v4 import moe as _moe
+from model_families.deepseek_v4 import norm_rope as _norm_rope
 from model_families.deepseek_v4 import pack as _pack
 from model_families.deepseek_v4 import quantized as _quantized
+from model_families.deepseek_v4 import weights as _weights
 from model_families.deepseek_v4.config import ARCHITECTURES, DeepseekV4Config
-from model_families.deepseek_v4.model import DeepseekV4Model, DeepseekV4Weights
+from model_families.deepseek_v4.model import DeepseekV4Model
+from model_families.deepseek_v4.weights import DeepseekV4Weights
 from model_families.family import CacheSpec, Checkpoint, ModelFamily, TensorSpec
 
 
 class DeepseekV4Family(ModelFamily):
     """Sliding-window attention with compressed history (CSA / HCA), MoE, hyper-connections;
-    caches on a ring of window blocks plus paged compressed pools (:mod:`.model`)."""
+    caches on a ring of window blocks plus paged compressed pools (:mod:`.cache_layout`)."""
 
     name = "deepseek_v4"
     architectures = ARCHITECTURES
@@ -91,19 +99,20 @@ class DeepseekV4Family(ModelFamily):
         return self.load_weights(config, tensors, dtype, torch.device(device), weights_dtype)
 
     def cache_specs(self, config: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
-        return _model.cache_specs(config, block_size)
+        return _cache_layout.cache_specs(config, block_size)
 
     def block_layout(self, config: DeepseekV4Config, block_size: int, max_model_len: int
                      ) -> _block_layout.BlockLayout:
-        return _model.block_layout(config, block_size, max_model_len)
+        return _cache_layout.block_layout(config, block_size, max_model_len)
 
     def build_model(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int
                     ) -> DeepseekV4Model:
         return DeepseekV4Model(config, weights, max_model_len)
 
     def program_sources(self) -> list[ModuleType]:
-        return [_model, _config, _pack, _checkpoint_names, _quantized, kv_write, linear, quantized_weights, prepack,
-                custom_ops, quant, _block_layout, _family]
+        return [_model, _weights, _cache_layout, _norm_rope, _hyper_connections, _attention, _moe, _config, _pack,
+                _checkpoint_names, _quantized, kv_write, linear, quantized_weights, prepack, custom_ops, quant,
+                _block_layout, _family]
 
 
 FAMILY = DeepseekV4Family()
