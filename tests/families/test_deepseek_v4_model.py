@@ -241,6 +241,7 @@ def _runner(config, weights, compile_mode: str, seed: int = 5):
     return ModelRunner(config, weights, kv, cfg, 128, torch.device("cpu"))
 
 
+@pytest.mark.slow  # builds an AOTInductor program
 @pytest.mark.usefixtures("one_torch_thread")
 def test_aoti_decode_program_equals_eager(tmp_path):
     """The decode step compiled by AOTInductor through the kernel cache (weights kept out of the

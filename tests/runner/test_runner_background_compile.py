@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from runner_tiny import kv_bytes, tiny_args, tiny_config
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
 from runner_service.sampling_params import SamplingParams
+
+# Builds AOTInductor programs (minutes on 2 cores): not in `make check`.
+pytestmark = pytest.mark.slow
 
 ARGS = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8, max_pos=128)
 PROMPTS = [[1 + i, 5, 9 + i, 3] for i in range(8)]

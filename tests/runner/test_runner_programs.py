@@ -38,6 +38,9 @@ from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
 
+# Builds AOTInductor programs (minutes on 2 cores): not in `make check`.
+pytestmark = pytest.mark.slow
+
 TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/: runner_tiny.py lives there
 NUM_BLOCKS = 48
 
