@@ -6,6 +6,8 @@
 - ``grpc.health.v1.Health`` (overall ``""`` plus each registered service name); a ``Check``
   answer carries the server's pid as initial metadata (:data:`PID_METADATA_KEY`);
 - server reflection, so ``grpcurl -plaintext 127.0.0.1:PORT list`` works;
+- a request that does not parse is ``INVALID_ARGUMENT``, not grpcio's ``INTERNAL``
+  (:mod:`services.decode_guard`);
 - an optional bearer-token check (``authorization: Bearer <token>`` metadata) on all or on a
   chosen set of methods, answering ``UNAUTHENTICATED``;
 - per-method Prometheus metrics (``warmserve_rpc_total``, ``warmserve_rpc_seconds``) in a
@@ -38,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from services.address import bind_problem, format_address, os_reason
 from services.channel import MAX_MESSAGE_BYTES
+from services.decode_guard import DecodeGuard
 from services.errors import InvalidArgument
 from services.healthcheck import PID_METADATA_KEY
 
@@ -277,7 +280,7 @@ class ServiceServer:
     def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
         cfg = self.config
-        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry)]
+        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry), DecodeGuard()]
         if cfg.token is not None:
             interceptors.insert(0, _AuthInterceptor(cfg.token, cfg.protected_methods))
         options = [
