@@ -122,14 +122,14 @@ class RunnerRegistry:
         """Add or replace a registered runner (a restarted runner keeps its id) as READY.
 
         ``lease_s`` 0 means the configured default; others are clamped to [min, max].
-        Raises ``InvalidArgument`` for an empty id, a bad address, a negative lease, or an id
+        Raises ``InvalidArgument`` for an empty id, a bad address, a negative or NaN lease, or an id
         that names a static runner.
         """
         if not runner_id:
             raise InvalidArgument("runner_id is empty")
         parse_address(address, what="runner address")
-        if lease_s < 0:
-            raise InvalidArgument(f"lease_seconds must be >= 0, got {lease_s}")
+        if not lease_s >= 0:  # NaN too: it would grant a lease that never expires
+            raise InvalidArgument(f"lease_seconds must be a number >= 0, got {lease_s}")
         if max_num_seqs < 0:
             raise InvalidArgument(f"max_num_seqs must be >= 0, got {max_num_seqs}")
         cfg = self._config

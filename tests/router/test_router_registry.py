@@ -68,6 +68,15 @@ def test_registration_is_validated() -> None:
         RouterConfig(static_runners=("127.0.0.1",))
 
 
+def test_a_nan_lease_is_refused_not_granted_forever() -> None:
+    """Found by tests/fuzz: NaN passed the ``< 0`` check and was granted as a lease that never expired."""
+    reg = RunnerRegistry(RouterConfig())
+    with pytest.raises(InvalidArgument, match="lease_seconds must be a number"):
+        reg.register("r", "127.0.0.1:1", lease_s=float("nan"))
+    assert reg.snapshot() == []
+    assert reg.register("r", "127.0.0.1:1", lease_s=float("inf")).lease_s == RouterConfig().max_lease_s
+
+
 def test_static_runner_waits_for_a_health_check_and_never_expires() -> None:
     clock = Clock()
     reg = RunnerRegistry(RouterConfig(static_runners=("127.0.0.1:7000",), readmit_after=1), clock)

@@ -1,0 +1,26 @@
+"""Plausible values for ``warmserve.v1.Generation`` requests to a tiny model with a word-level
+tokenizer (token ``i`` is the word ``w{i}``), mixed into the fuzz so that some requests reach
+the engine and generate (test helper for ``tests/fuzz``)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+#: Words of the tiny vocabulary, an unknown word and special-token markup.
+WORDS = st.lists(st.sampled_from(("w1", "w2", "w17", "w95", "zzz", "<|im_end|>", "w3")), max_size=12).map(" ".join)
+
+GENERATION_HINTS = {
+    "warmserve.v1.GenerateRequest.text": WORDS,
+    "warmserve.v1.ChatMessage.role": st.sampled_from(("user", "system", "assistant", "tool", "")),
+    "warmserve.v1.ChatMessage.content": WORDS,
+    "warmserve.v1.TokenIds.ids": st.integers(-2, 130),
+    "warmserve.v1.SamplingParams.max_tokens": st.integers(-1, 70),
+    "warmserve.v1.SamplingParams.default_max_tokens": st.integers(-1, 70),
+    "warmserve.v1.SamplingParams.temperature": st.sampled_from((0.0, 0.7, 1.5, -0.1)),
+    "warmserve.v1.SamplingParams.top_k": st.integers(-1, 200),
+    "warmserve.v1.SamplingParams.top_p": st.sampled_from((0.0, 0.5, 1.0, 1.01, -0.5)),
+    "warmserve.v1.SamplingParams.stop": st.sampled_from(("w2", "", "w", " ")),
+    "warmserve.v1.SamplingParams.stop_token_ids": st.integers(-1, 130),
+    "warmserve.v1.SamplingParams.logprobs": st.integers(-1, 25),
+    "warmserve.v1.GenerateRequest.routing": st.integers(-1, 4),
+}
