@@ -81,10 +81,11 @@ def request_strategy(method, hints: dict, *, depth: int = 3) -> st.SearchStrateg
                      wire_message(method.input_type, depth=depth, hints=hints), garbage())
 
 
-def cases(service, hints: dict, *, methods: tuple[str, ...] | None = None,
-          extra: dict | None = None, max_stream: int = 6) -> st.SearchStrategy[Case]:
+def cases(service, hints: dict, *, methods: tuple[str, ...] | None = None, extra: dict | None = None,
+          max_stream: int = 6, often: dict[str, int] | None = None) -> st.SearchStrategy[Case]:
     """Cases over every method of ``service`` (a ``ServiceDescriptor``; ``methods`` narrows
-    them); ``extra`` maps a method name to a strategy of its request tuples to mix in."""
+    them); ``extra`` maps a method name to a strategy of its request tuples to mix in;
+    ``often`` maps a method name to how many times as often as the others it is drawn."""
     chosen = [m for m in service.methods if methods is None or m.name in methods]
     extra = extra or {}
 
@@ -103,7 +104,8 @@ def cases(service, hints: dict, *, methods: tuple[str, ...] | None = None,
         first = st.booleans() if m.server_streaming else st.just(False)
         return st.builds(Case, st.just(m), reqs, cut, first)
 
-    return st.one_of([for_method(m) for m in chosen])
+    often = often or {}
+    return st.one_of([for_method(m) for m in chosen for _ in range(often.get(m.name, 1))])
 
 
 def _response_class(method):
