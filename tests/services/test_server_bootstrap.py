@@ -122,3 +122,28 @@ def test_a_busy_port_is_an_os_error(server, tmp_path):
     other = build_server(KernelStore(tmp_path / "other"), ServerConfig(service="kc", port=server.port))
     with pytest.raises(OSError, match="cannot bind"):
         other.start()
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_not_internal(server, tmp_path):
+    """Found by tests/fuzz: grpcio answers INTERNAL ("Exception deserializing request!") for a
+    corrupt message or invalid UTF-8 in a string field; every server answers INVALID_ARGUMENT."""
+    channel = grpc.insecure_channel(server.address)
+    bad_utf8 = b"\x0a\x04\x0a\x02\xff\xfe"  # LookupRequest.key.name = b"\xff\xfe"
+    lookup = channel.unary_unary(f"/{SERVICE_NAME}/Lookup", request_serializer=None,
+                                 response_deserializer=pb.LookupResponse.FromString)
+    for raw in (bad_utf8, b"\x0a\xff\xff"):
+        with pytest.raises(grpc.RpcError) as e:
+            lookup(raw, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid message" in e.value.details()
+    # in a client stream: the header parses, the chunk after it does not; nothing is kept
+    header = pb.PublishRequest(header=pb.PublishHeader(key=pb.ProgramKey(name="p", fingerprint="f"), size_bytes=4,
+                                                       sha256="00" * 32)).SerializeToString()
+    publish = channel.stream_unary(f"/{SERVICE_NAME}/Publish", request_serializer=None,
+                                   response_deserializer=pb.PublishResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+        publish(iter([header, b"\x12\xff"]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert list((tmp_path / "root" / "tmp").iterdir()) == []
+    assert _check(server.address) == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
