@@ -87,13 +87,20 @@ def bundled_smollm2_path() -> Path:
 
 
 def resolve_source(source: str) -> ResolvedSource:
-    """Turn a SOURCE string into a :class:`ResolvedSource`; ``InvalidArgument`` when it is none."""
+    """Turn a SOURCE string into a :class:`ResolvedSource`; ``InvalidArgument`` when it is none
+    (also for a path the file system refuses to look up, e.g. a name over 255 bytes)."""
     if not source or not source.strip():
         raise InvalidArgument("the source is empty; give a safetensors directory, a .gguf file, "
                               f"or {BUNDLED_SMOLLM2}")
     if source.strip().lower() == BUNDLED_SMOLLM2:
         return ResolvedSource("gguf", bundled_smollm2_path().resolve(), BUNDLED_SMOLLM2)
-    path = Path(source).expanduser()
+    try:
+        return _resolve_path(source, Path(source).expanduser())
+    except OSError as e:  # a name too long for the file system, a loop of links
+        raise InvalidArgument(f"model source {source[:200]!r} is not a usable path: {e.strerror or e}") from None
+
+
+def _resolve_path(source: str, path: Path) -> ResolvedSource:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise InvalidArgument(f"{source} is a file but not a .gguf file")

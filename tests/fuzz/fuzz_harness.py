@@ -133,8 +133,11 @@ class _Feed:
             self.stop.wait(CASE_TIMEOUT_S)
 
     def cancel(self, call) -> None:
-        """Cancel ``call`` once the requests before the cut are on their way."""
-        self.sent.wait(CASE_TIMEOUT_S)
+        """Cancel ``call`` once the requests before the cut are on their way (unless the server
+        has answered already: then gRPC reads no more of them)."""
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while not self.sent.wait(0.001) and not call.done() and time.monotonic() < deadline:
+            pass
         time.sleep(0.001)  # let them reach the server
         call.cancel()
         self.stop.set()

@@ -83,6 +83,19 @@ def test_prepare_errors_are_invalid_argument(client, server, ckpt):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_source_name_too_long_for_the_file_system_is_invalid_argument(server):
+    """Found by tests/fuzz: a 300-byte name made the path probe raise ENAMETOOLONG, an UNKNOWN
+    status from Fetch and INTERNAL from Prepare."""
+    with grpc.insecure_channel(server.address) as ch:
+        stub = weights_pb2_grpc.WeightsStub(ch)
+        for call in (lambda: list(stub.Prepare(weights_pb2.PrepareRequest(source="a" * 300))),
+                     lambda: list(stub.Fetch(weights_pb2.WeightsFetchRequest(source="a" * 300)))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not a usable path: File name too long" in err.value.details()
+
+
 def test_fetch_into_a_fresh_directory_is_byte_identical_and_valid(client, ckpt, tmp_path):
     handle = client.prepare(str(ckpt))
     local = client.fetch(handle, tmp_path / "runner-cache", chunk_bytes=4096)
