@@ -82,15 +82,16 @@ def request_strategy(method, hints: dict, *, depth: int = 3) -> st.SearchStrateg
 
 
 def cases(service, hints: dict, *, methods: tuple[str, ...] | None = None, extra: dict | None = None,
-          max_stream: int = 6, often: dict[str, int] | None = None) -> st.SearchStrategy[Case]:
+          max_stream: int = 6, often: dict[str, int] | None = None, depth: int = 3) -> st.SearchStrategy[Case]:
     """Cases over every method of ``service`` (a ``ServiceDescriptor``; ``methods`` narrows
     them); ``extra`` maps a method name to a strategy of its request tuples to mix in;
-    ``often`` maps a method name to how many times as often as the others it is drawn."""
+    ``often`` maps a method name to how many times as often as the others it is drawn;
+    ``depth`` bounds the nesting of generic messages."""
     chosen = [m for m in service.methods if methods is None or m.name in methods]
     extra = extra or {}
 
     def for_method(m):
-        one = request_strategy(m, hints)
+        one = request_strategy(m, hints, depth=depth)
         if m.client_streaming:
             reqs = st.lists(one, max_size=max_stream).map(tuple)
             if m.name in extra:

@@ -88,7 +88,7 @@ def door(tmp_path_factory):
         stack.close()
 
 
-@given(case=cases(SERVICE, HINTS, max_stream=4, often={"ModelInfer": 6, "ModelStreamInfer": 6}))
+@given(case=cases(SERVICE, HINTS, max_stream=3, often={"ModelInfer": 6, "ModelStreamInfer": 6}))
 @fuzz_settings(2000)
 def test_every_kserve_rpc_answers_a_documented_status_and_the_runner_frees_its_kv_blocks(door, case):
     stack, channel = door

@@ -72,13 +72,15 @@ def weights(tmp_path_factory):
         TINY.clear()
 
 
-def _files(root) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")
-            if p.is_file() and LOCK_DIR not in p.parts and not p.name.startswith(TEMP_PREFIX)}
-
-
-def _temp_files(root) -> list:
-    return [p for p in root.rglob(f"{TEMP_PREFIX}*")]
+def _snapshot(root) -> tuple[set[str], list[str]]:
+    """The sidecar root's files (locks aside), and its temp files, in one walk."""
+    files, temps = set(), []
+    for p in root.rglob("*"):
+        if p.name.startswith(TEMP_PREFIX):
+            temps.append(str(p))
+        elif LOCK_DIR not in p.parts and p.is_file():
+            files.add(str(p.relative_to(root)))
+    return files, temps
 
 
 def test_the_fuzz_reaches_the_tiny_sidecar(weights):
@@ -93,20 +95,19 @@ def test_the_fuzz_reaches_the_tiny_sidecar(weights):
 @fuzz_settings(2000)
 def test_every_weights_rpc_answers_a_documented_status_and_writes_nothing_new(weights, case):
     channel, root = weights
-    before = _files(root)
+    before = _snapshot(root)
     code, _, cancelled = run_case(channel, case)
     check_status(SERVICE_NAME, case, code, cancelled)
     assert_serving(channel, SERVICE_NAME)
     # a cancelled Prepare may still be repacking in the background: wait for it to finish
-    assert wait_until(lambda: not _temp_files(root) and _files(root) == before), (
-        f"{case!r} left {_temp_files(root)}, changed {before ^ _files(root)}")
+    assert wait_until(lambda: _snapshot(root) == before), f"{case!r} changed {before} to {_snapshot(root)}"
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(weights):
     channel, root = weights
-    before = _files(root)
+    before = _snapshot(root)
     big = field_bytes(1, "a" * (17 << 20))  # a 17 MiB source
     code, _, cancelled = run_case(channel, Case(SERVICE.methods_by_name["Prepare"], (big,)))
     assert code == C.RESOURCE_EXHAUSTED and not cancelled
     assert_serving(channel, SERVICE_NAME)
-    assert _files(root) == before
+    assert _snapshot(root) == before
