@@ -44,13 +44,25 @@ STATUSES: dict[str, frozenset[grpc.StatusCode]] = {
 #: Seconds any one fuzzed RPC may take before it counts as a hang.
 CASE_TIMEOUT_S = 10.0
 #: Responses read from a server stream before the case cancels it (a cap on a case's cost).
-MAX_STREAM_RESPONSES = 64
+MAX_STREAM_RESPONSES = 16
 
 
-def fuzz_settings(examples: int) -> settings:
-    """Fixed, repeatable runs: derandomized, no example database, no deadline per example.
-    ``WARMSERVE_FUZZ_EXAMPLES`` overrides the count (a quicker or a longer local run)."""
-    return settings(max_examples=int(os.environ.get("WARMSERVE_FUZZ_EXAMPLES", examples)), derandomize=True, database=None, deadline=None, print_blob=False,
+#: Cases per hypothesis example (:func:`batches`): hypothesis's own cost per example (its
+#: choice tree, mutations) is shared by this many RPCs.
+CASES_PER_EXAMPLE = 4
+
+
+def batches(case_strategy: st.SearchStrategy[Case]) -> st.SearchStrategy[list[Case]]:
+    """:data:`CASES_PER_EXAMPLE` cases, sent one after the other (each checked on its own)."""
+    return st.lists(case_strategy, min_size=CASES_PER_EXAMPLE, max_size=CASES_PER_EXAMPLE)
+
+
+def fuzz_settings(cases: int) -> settings:
+    """Fixed, repeatable runs of ``cases`` generated cases in :func:`batches`: derandomized, no
+    example database, no deadline per example. ``WARMSERVE_FUZZ_CASES`` overrides the count (a
+    quicker or a longer local run)."""
+    cases = int(os.environ.get("WARMSERVE_FUZZ_CASES", cases))
+    return settings(max_examples=-(-cases // CASES_PER_EXAMPLE), derandomize=True, database=None, deadline=None, print_blob=False,
                     suppress_health_check=list(HealthCheck))
 
 

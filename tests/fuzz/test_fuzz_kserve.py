@@ -14,6 +14,7 @@ from fuzz_harness import (
     C,
     Case,
     assert_serving,
+    batches,
     cases,
     check_status,
     fuzz_channel,
@@ -88,14 +89,15 @@ def door(tmp_path_factory):
         stack.close()
 
 
-@given(case=cases(SERVICE, HINTS, max_stream=3, often={"ModelInfer": 6, "ModelStreamInfer": 6}))
+@given(batch=batches(cases(SERVICE, HINTS, max_stream=3, often={"ModelInfer": 6, "ModelStreamInfer": 6})))
 @fuzz_settings(2000)
-def test_every_kserve_rpc_answers_a_documented_status_and_the_runner_frees_its_kv_blocks(door, case):
+def test_every_kserve_rpc_answers_a_documented_status_and_the_runner_frees_its_kv_blocks(door, batch):
     stack, channel = door
-    code, _, cancelled = run_case(channel, case)
-    check_status(SERVICE_NAME, case, code, cancelled)
-    assert_serving(channel, SERVICE_NAME)
-    assert stack.wait_idle(5.0), f"{case!r} left {stack.engine.stats()}"
+    for case in batch:
+        code, _, cancelled = run_case(channel, case)
+        check_status(SERVICE_NAME, case, code, cancelled)
+        assert_serving(channel, SERVICE_NAME)
+        assert stack.wait_idle(5.0), f"{case!r} left {stack.engine.stats()}"
 
 
 @pytest.mark.parametrize("method", ["ModelInfer", "ModelStreamInfer"])

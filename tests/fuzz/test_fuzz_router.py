@@ -12,6 +12,7 @@ import pytest
 from fuzz_harness import (
     Case,
     assert_serving,
+    batches,
     cases,
     check_status,
     fuzz_channel,
@@ -76,20 +77,22 @@ def _check_lease(case: Case, responses: list) -> None:
         assert CONTROL_CONFIG.min_lease_s <= granted <= CONTROL_CONFIG.max_lease_s, f"{case!r} granted {granted}"
 
 
-@given(case=cases(CONTROL, CONTROL_HINTS))
+@given(batch=batches(cases(CONTROL, CONTROL_HINTS)))
 @fuzz_settings(2000)
-def test_every_router_control_rpc_answers_a_documented_status(control, case):
-    code, responses, cancelled = run_case(control, case)
-    check_status("warmserve.v1.RouterControl", case, code, cancelled)
-    _check_lease(case, responses)
-    assert_serving(control, "warmserve.v1.RouterControl")
+def test_every_router_control_rpc_answers_a_documented_status(control, batch):
+    for case in batch:
+        code, responses, cancelled = run_case(control, case)
+        check_status("warmserve.v1.RouterControl", case, code, cancelled)
+        _check_lease(case, responses)
+        assert_serving(control, "warmserve.v1.RouterControl")
 
 
-@given(case=cases(GENERATION, GENERATION_HINTS))
+@given(batch=batches(cases(GENERATION, GENERATION_HINTS)))
 @fuzz_settings(2000)
-def test_every_router_generation_rpc_answers_a_documented_status_and_the_runner_frees_its_kv_blocks(stack, case):
+def test_every_router_generation_rpc_answers_a_documented_status_and_the_runner_frees_its_kv_blocks(stack, batch):
     tiny, channel = stack
-    code, _, cancelled = run_case(channel, case)
-    check_status("warmserve.v1.Generation@router", case, code, cancelled)
-    assert_serving(channel, GENERATION_SERVICE)
-    assert tiny.wait_idle(5.0), f"{case!r} left {tiny.engine.stats()}"
+    for case in batch:
+        code, _, cancelled = run_case(channel, case)
+        check_status("warmserve.v1.Generation@router", case, code, cancelled)
+        assert_serving(channel, GENERATION_SERVICE)
+        assert tiny.wait_idle(5.0), f"{case!r} left {tiny.engine.stats()}"

@@ -11,6 +11,7 @@ from fuzz_harness import (
     C,
     Case,
     assert_serving,
+    batches,
     cases,
     check_status,
     fuzz_channel,
@@ -65,15 +66,16 @@ def idle(engine: LLMEngine, blocks_used: int) -> bool:
     return s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == blocks_used
 
 
-@given(case=cases(SERVICE, GENERATION_HINTS))
+@given(batch=batches(cases(SERVICE, GENERATION_HINTS)))
 @fuzz_settings(2000)
-def test_every_runner_rpc_answers_a_documented_status_and_frees_its_kv_blocks(runner, case):
+def test_every_runner_rpc_answers_a_documented_status_and_frees_its_kv_blocks(runner, batch):
     channel, engine = runner
-    start = engine.stats()["kv_blocks_used"]
-    code, _, cancelled = run_case(channel, case)
-    check_status("warmserve.v1.Generation@runner", case, code, cancelled)
-    assert_serving(channel, GENERATION_SERVICE)
-    assert wait_until(lambda: idle(engine, start)), f"{case!r} left {engine.stats()}"
+    for case in batch:
+        start = engine.stats()["kv_blocks_used"]
+        code, _, cancelled = run_case(channel, case)
+        check_status("warmserve.v1.Generation@runner", case, code, cancelled)
+        assert_serving(channel, GENERATION_SERVICE)
+        assert wait_until(lambda start=start: idle(engine, start)), f"{case!r} left {engine.stats()}"
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(runner):

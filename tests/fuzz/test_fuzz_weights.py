@@ -12,6 +12,7 @@ from fuzz_harness import (
     C,
     Case,
     assert_serving,
+    batches,
     cases,
     check_status,
     fuzz_channel,
@@ -91,16 +92,17 @@ def test_the_fuzz_reaches_the_tiny_sidecar(weights):
     assert TINY["fingerprint"] in {s.fingerprint for s in got.sidecars}
 
 
-@given(case=cases(SERVICE, HINTS))
+@given(batch=batches(cases(SERVICE, HINTS)))
 @fuzz_settings(2000)
-def test_every_weights_rpc_answers_a_documented_status_and_writes_nothing_new(weights, case):
+def test_every_weights_rpc_answers_a_documented_status_and_writes_nothing_new(weights, batch):
     channel, root = weights
-    before = _snapshot(root)
-    code, _, cancelled = run_case(channel, case)
-    check_status(SERVICE_NAME, case, code, cancelled)
-    assert_serving(channel, SERVICE_NAME)
-    # a cancelled Prepare may still be repacking in the background: wait for it to finish
-    assert wait_until(lambda: _snapshot(root) == before), f"{case!r} changed {before} to {_snapshot(root)}"
+    for case in batch:
+        before = _snapshot(root)
+        code, _, cancelled = run_case(channel, case)
+        check_status(SERVICE_NAME, case, code, cancelled)
+        assert_serving(channel, SERVICE_NAME)
+        # a cancelled Prepare may still be repacking in the background: wait for it to finish
+        assert wait_until(lambda before=before: _snapshot(root) == before), f"{case!r} changed {before} to {_snapshot(root)}"
 
 
 def test_a_message_over_the_size_limit_is_resource_exhausted(weights):
