@@ -68,9 +68,10 @@ from openai_service.protocol import (
     ModelCard,
     ModelList,
 )
-from openai_service.router_client import RouterClient
+from openai_service.router_client import RouterClient, door_tls
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
+from services.channel import ClientSecurity
 from services.healthcheck import PID_METADATA_KEY
 from services.proto import generation_pb2
 
@@ -162,7 +163,7 @@ async def _events(call: _Call, first: generation_pb2.GenerateResponse, *, chunk:
 def create_app(config: OpenAIConfig) -> FastAPI:
     """The application for ``config`` (see the module docstring). Its lifespan opens the async
     channel to ``config.router`` and closes it; nothing is dialled before the first request."""
-    client = RouterClient(config.router)
+    client = RouterClient(config.router, ClientSecurity(tls=door_tls(config.tls_cert, config.tls_key, config.tls_ca)))
     served = ServedModel(client, config.served_model_name, ttl_s=config.model_info_ttl_s)
     pid_header = {PID_METADATA_KEY: str(os.getpid())}
 

@@ -28,6 +28,10 @@ def register(subparsers) -> None:
                        help=f"HTTP port, 0 = a free one (default {DEFAULT_PORTS[OPENAI]})")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model id clients use (default: derived from the router's model source)")
+    serve.add_argument("--tls-cert", default=None, metavar="F", help="serve HTTPS with this PEM certificate (chain)")
+    serve.add_argument("--tls-key", default=None, metavar="F", help="the certificate's PEM private key")
+    serve.add_argument("--tls-ca", default=None, metavar="F",
+                       help="require client certificates signed by this PEM CA (mTLS)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                        help="log level (default INFO; DEBUG adds an access log)")
     serve.set_defaults(func=_serve)

@@ -19,6 +19,9 @@ class OpenAIConfig:
     (:func:`services.model_name.served_model_name`). ``model_info_ttl_s``: seconds the router's
     ``ModelInfo`` (the model's source and limits) is reused before it is asked again. A client
     that disconnects cancels its ``Generate`` call, which frees the sequence on the runner.
+    TLS: ``tls_cert``/``tls_key`` (PEM files) make the door HTTPS and are its client certificate
+    towards the router; ``tls_ca`` requires client certificates signed by that CA (mTLS) and is
+    the CA the router's certificate is checked against.
     """
 
     router: str = DEFAULT_ROUTER
@@ -26,6 +29,9 @@ class OpenAIConfig:
     port: int = DEFAULT_PORTS[OPENAI]
     served_model_name: str | None = None
     model_info_ttl_s: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.router, what="--router")
@@ -37,8 +43,17 @@ class OpenAIConfig:
             raise InvalidArgument("--served-model-name must not be empty")
         if self.model_info_ttl_s < 0:
             raise InvalidArgument(f"the ModelInfo TTL must be >= 0 seconds, got {self.model_info_ttl_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("--tls-cert and --tls-key go together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise InvalidArgument("--tls-ca needs --tls-cert and --tls-key (mTLS is on top of TLS)")
 
     @property
     def address(self) -> str:
         """``host:port`` to bind (as configured: port 0 before the server picked one)."""
         return format_address(self.host, self.port)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS files, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"

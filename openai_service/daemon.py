@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 import time
 
@@ -29,6 +30,14 @@ log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5
 
 
+def _tls_options(config: OpenAIConfig) -> dict:
+    """uvicorn's TLS settings for ``config`` (none without a certificate)."""
+    if config.tls_cert is None:
+        return {}
+    return {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key, "ssl_ca_certs": config.tls_ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if config.tls_ca is not None else ssl.CERT_NONE}
+
+
 class OpenAIServer:
     """One OpenAI door for ``config``; ``log_level`` is uvicorn's (``INFO``, ``DEBUG``, ...)."""
 
@@ -38,7 +47,7 @@ class OpenAIServer:
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, host=config.host, port=config.port, loop="asyncio", lifespan="on", log_config=None,
             log_level=log_level.lower(), access_log=log_level.upper() == "DEBUG",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **_tls_options(config)))
         self._thread: threading.Thread | None = None
         #: The bound port (valid once started; differs from ``config.port`` when that is 0).
         self.port: int | None = None
@@ -50,8 +59,8 @@ class OpenAIServer:
 
     @property
     def url(self) -> str:
-        """The API's base URL, ``http://host:port/v1`` (valid once started)."""
-        return f"http://{self.address}/v1"
+        """The API's base URL, ``http(s)://host:port/v1`` (valid once started)."""
+        return f"{self.config.scheme}://{self.address}/v1"
 
     def _preflight(self) -> None:
         problem = bind_problem(self.config.host, self.config.port)
@@ -102,7 +111,8 @@ def serve_from_args(args) -> int:
     """Entry point of ``warmserve openai serve``: serve until SIGINT/SIGTERM. Raises
     ``InvalidArgument`` for bad flags (exit 2) and ``Unavailable`` for a busy port (exit 1)."""
     config = OpenAIConfig(router=args.router, host=args.host, port=args.port,
-                          served_model_name=args.served_model_name)
+                          served_model_name=args.served_model_name, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key, tls_ca=args.tls_ca)
     configure_logging("openai", args.log_level)
     OpenAIServer(config, log_level=args.log_level).serve_forever()
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import ssl
 import sys
 
 from services.address import parse_address
@@ -18,13 +19,26 @@ from services.errors import InvalidArgument
 from services.healthcheck import FOREIGN, PID_METADATA_KEY
 
 
-def check_http_health(address: str, *, timeout_s: float = 2.0, pid: int | None = None) -> str:
+def client_tls(ca: str, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    """An HTTPS client context that trusts the PEM CA ``ca`` (hostnames checked) and, given
+    ``cert``/``key``, presents that client certificate. Raises ``OSError``/``ssl.SSLError`` for
+    unreadable files."""
+    context = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def check_http_health(address: str, *, timeout_s: float = 2.0, pid: int | None = None,
+                      tls: ssl.SSLContext | None = None) -> str:
     """``SERVING`` (HTTP 200), ``NOT_SERVING`` (503: the door is up, no runner is READY),
     ``HTTP <status>`` (anything else), or ``UNREACHABLE: <reason>`` when no answer came within
     ``timeout_s`` seconds. With ``pid``, an answer whose ``warmserve-pid`` header is not that pid
-    is ``FOREIGN: pid N``. Raises ``InvalidArgument`` for an address that is not ``host:port``."""
+    is ``FOREIGN: pid N``. ``tls``: speak HTTPS with this context (:func:`client_tls`). Raises
+    ``InvalidArgument`` for an address that is not ``host:port``."""
     host, port = parse_address(address)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    conn = (http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
+            else http.client.HTTPConnection(host, port, timeout=timeout_s))
     try:
         conn.request("GET", "/health")
         resp = conn.getresponse()

@@ -11,21 +11,33 @@ from __future__ import annotations
 import grpc
 
 from openai_service.errors import OpenAIError, from_rpc_error
-from services.channel import CHANNEL_OPTIONS
+from services.channel import CHANNEL_OPTIONS, ClientSecurity
 from services.proto import generation_pb2, generation_pb2_grpc
+from services.tls import TLSFiles
+
+
+def door_tls(cert: str | None, key: str | None, ca: str | None) -> TLSFiles | None:
+    """The door's TLS files towards the router: its own certificate as the client certificate,
+    the router checked against ``ca`` (``None``: plaintext, when none is given)."""
+    return TLSFiles(cert=cert, key=key, ca=ca) if (cert or ca) else None
 
 
 class RouterClient:
-    """Async ``Generation`` client of ``address`` (``host:port``); :meth:`open` before use."""
+    """Async ``Generation`` client of ``address`` (``host:port``); :meth:`open` before use.
+    ``security``: its TLS files (``None``: plaintext)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
         self.address = address
+        self._tls = security.tls if security is not None else None
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
 
     async def open(self) -> None:
         """Create the channel on the running event loop (it connects on first use)."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        tls = self._tls
+        self._channel = (grpc.aio.secure_channel(self.address, tls.channel_credentials(),
+                                                 options=(*CHANNEL_OPTIONS, *tls.channel_options()))
+                         if tls is not None else grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def close(self) -> None:
