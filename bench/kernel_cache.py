@@ -10,7 +10,9 @@ measures:
   end through :class:`KernelCacheClient` (publish = client-side sha256 pass + stream + daemon-side
   hash and rename; fetch = stream + daemon- and client-side sha256 + rename), median of
   ``--repeats`` runs, each with a new fingerprint / destination;
-- peak RSS of the daemon and of this process, to show the artifact is never held in memory.
+- peak RSS of the daemon and of this process, to show the artifact is never held in memory;
+- the lookups and fetches again against a second daemon serving mTLS (:func:`bench_tls`):
+  lookups/s and fetch MB/s with TLS off vs on (``--no-tls`` skips it).
 
 Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
 MB = 10^6 bytes.
@@ -43,11 +45,11 @@ MB = 1_000_000
 KEY = ("bench.lookup", "hit")
 
 
-def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """Run the daemon on a free loopback port; returns (process, address)."""
+def start_daemon(root: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Run the daemon on a free loopback port with ``extra`` flags; returns (process, address)."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0"],
+            [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
         )
     try:
@@ -66,8 +68,8 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _lookup_worker(address: str, ready, go, stop_at_holder, results) -> None:
-    client = KernelCacheClient(address)
+def _lookup_worker(address: str, ready, go, stop_at_holder, results, security=None) -> None:
+    client = KernelCacheClient(address, security=security)
     client.lookup(*KEY)  # connect before the clock starts
     ready.wait()
     go.wait()
@@ -81,12 +83,12 @@ def _lookup_worker(address: str, ready, go, stop_at_holder, results) -> None:
     client.close()
 
 
-def bench_lookups(address: str, clients: int, seconds: float) -> dict:
+def bench_lookups(address: str, clients: int, seconds: float, security=None) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
     stop_at = ctx.Value("d", 0.0)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results))
+    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results, security))
              for _ in range(clients)]
     for p in procs:
         p.start()
@@ -103,7 +105,7 @@ def bench_lookups(address: str, clients: int, seconds: float) -> dict:
                 p.kill()
     total = sum(n for n, _ in rows)
     elapsed = max(t for _, t in rows) - start
-    single = KernelCacheClient(address)
+    single = KernelCacheClient(address, security=security)
     latencies = []
     for _ in range(300):
         t = time.perf_counter()
@@ -124,10 +126,10 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def bench_artifact(address: str, work: Path, size: int, repeats: int) -> dict:
+def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None) -> dict:
     src = work / "artifact.bin"
     write_random(src, size)
-    client = KernelCacheClient(address, timeout_s=600)
+    client = KernelCacheClient(address, timeout_s=600, security=security)
     publish_s, fetch_s = [], []
     for i in range(repeats):
         t = time.perf_counter()
@@ -154,12 +156,52 @@ def bench_artifact(address: str, work: Path, size: int, repeats: int) -> dict:
     }
 
 
+def bench_tls(work: Path, args, plain: dict) -> dict:
+    """The same lookups and fetches against a second daemon serving mTLS (a throw-away CA; every
+    client presents a certificate), beside ``plain`` (this run's plaintext ``lookup`` and
+    ``artifact`` results): lookups/s and fetch MB/s with TLS off and on, and the change in %."""
+    from services.channel import ClientSecurity
+    from services.tls import make_dev_pki
+
+    pki = make_dev_pki(work / "pki")
+    security = ClientSecurity(tls=pki.files())
+    proc, address = start_daemon(work / "root-tls", work / "daemon-tls.log",
+                                 ("--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)))
+    try:
+        KernelCacheClient(address, security=security).publish(*KEY, work / "small.bin")
+        lookups = bench_lookups(address, args.clients, args.lookup_seconds, security)
+        artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats, security)
+    finally:
+        stop_process(proc, grace_s=30)
+
+    def change(on: float, off: float) -> float:
+        return round((on / off - 1) * 100, 1)
+
+    return {"lookups_per_s": {"off": plain["lookup"]["lookups_per_s"], "on": lookups["lookups_per_s"],
+                              "change_pct": change(lookups["lookups_per_s"], plain["lookup"]["lookups_per_s"])},
+            "single_client_median_ms": {"off": plain["lookup"]["single_client_median_ms"],
+                                        "on": lookups["single_client_median_ms"]},
+            "fetch_mb_per_s": {"off": plain["artifact"]["fetch_mb_per_s"], "on": artifact["fetch_mb_per_s"],
+                               "change_pct": change(artifact["fetch_mb_per_s"], plain["artifact"]["fetch_mb_per_s"])},
+            "publish_mb_per_s": {"off": plain["artifact"]["publish_mb_per_s"], "on": artifact["publish_mb_per_s"]}}
+
+
+def print_tls_rows(tls: dict) -> None:
+    """The Markdown rows of :func:`bench_tls` (TLS off -> on, and the change)."""
+    for key, what, unit in (("lookups_per_s", "lookups/s", ""), ("fetch_mb_per_s", "fetch", " MB/s"),
+                            ("publish_mb_per_s", "publish", " MB/s")):
+        row = tls[key]
+        change = f" ({row['change_pct']:+.1f}%)" if "change_pct" in row else ""
+        print(f"| {what}, TLS off -> mTLS on | {row['off']:.0f}{unit} -> {row['on']:.0f}{unit}{change} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact-mb", type=int, default=200)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--lookup-seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-tls", dest="tls", action="store_false", help="skip the TLS on vs off comparison")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="warmserve-bench-kc-"))
@@ -172,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats)
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
+        tls = bench_tls(work, args, {"lookup": lookups, "artifact": artifact}) if args.tls else None
     finally:
         if proc is not None:
             stop_process(proc, grace_s=30)
@@ -179,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"bench": "kernel_cache", "cpus": os.cpu_count(),
               "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "lookup": lookups, "artifact": artifact,
-              "memory": memory}
+              "memory": memory, **({"tls": tls} if tls else {})}
     print(json.dumps(result, indent=2))
     print()
     print("| metric | value |")
@@ -192,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{artifact['fetch_mb_per_s']:.0f} MB/s |")
     print(f"| daemon peak RSS | {memory['daemon_peak_rss_mb']:.0f} MB |")
     print(f"| bench process peak RSS | {memory['bench_peak_rss_mb']:.0f} MB |")
+    if tls:
+        print_tls_rows(tls)
     return 0
 
 

@@ -24,7 +24,6 @@ from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 from services.tls import TLSFiles, add_tls_args, make_dev_pki, tls_from_args
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
 MISS = pb.LookupResponse.STATUS_MISS
 
 
@@ -178,3 +177,47 @@ def test_flags_make_tls_files_and_a_tls_server_config(pki):
     add_tls_args(client, server=False)
     assert tls_from_args(client.parse_args([])) is None
     assert tls_from_args(client.parse_args(["--tls-ca", str(pki.ca)])) == TLSFiles(ca=str(pki.ca))
+
+
+def test_the_health_probe_command_speaks_tls(pki, serve):
+    from services.healthcheck import main
+
+    srv = serve(pki.files())
+    assert main([srv.address, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]) == 0
+    assert main([srv.address, "--timeout", "1"]) == 1
+
+
+def test_the_router_dials_mtls_runners_by_ip_with_the_server_name(tmp_path):
+    """Runners register by IP; their certificates name ``warmserve-runner``: the router reaches
+    them with ``--tls-server-name warmserve-runner`` and its own certificate, and not without."""
+    from fake_runner import FakeBehaviour, FakeGeneration, FakeStats
+
+    from kserve_service.door import router_server
+    from router_service.config import RouterConfig
+    from services.bootstrap import ServiceServer
+    from services.generation_client import GENERATION_SERVICE, GenerationClient, text_request
+    from services.proto import generation_pb2_grpc
+
+    only_name = make_dev_pki(tmp_path / "only-name", ["warmserve-runner"])
+    runner = ServiceServer(ServerConfig(service="runner", tls=only_name.files()), [
+        (generation_pb2_grpc.add_GenerationServicer_to_server,
+         FakeGeneration("runner-0", FakeBehaviour(), FakeStats()), GENERATION_SERVICE)])
+    runner.start()
+    routers = []
+    try:
+        for server_name in ("warmserve-runner", None):
+            security = ClientSecurity(tls=only_name.files(server_name=server_name))
+            router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.1),
+                                   ServerConfig(service="router", tls=only_name.files()), security=security)
+            router.start()
+            routers.append(router)
+        named, unnamed = routers
+        assert named.router.wait_ready(1, 10)
+        client_security = ClientSecurity(tls=only_name.files(server_name="warmserve-runner"))
+        with GenerationClient(named.address, security=client_security) as client:
+            assert client.complete(text_request("hi"), timeout_s=10).text
+        assert not unnamed.router.wait_ready(1, 1.5)  # the certificate does not name 127.0.0.1
+    finally:
+        for router in routers:
+            router.stop()
+        runner.stop()

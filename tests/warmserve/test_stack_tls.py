@@ -131,8 +131,9 @@ def test_up_tls_refuses_plaintext_another_ca_and_no_certificate(tls_stack: Local
     }
     request = chat_request([("user", "Hi!")], sampling_params(max_tokens=4, temperature=0.0))
     for what, security in clients.items():
-        with GenerationClient(stack.router_address, security=security) as client, pytest.raises(WarmserveError):
-            client.complete(request, timeout_s=10)
+        with pytest.raises(WarmserveError):  # at the handshake (fail_fast, as `warmserve generate`), or the call
+            with GenerationClient(stack.router_address, security=security, fail_fast=True) as client:
+                client.complete(request, timeout_s=10)
         for name, address in stack.endpoints().items():
             if name != OPENAI:
                 assert check_health(address, timeout_s=2, security=security).startswith("UNREACHABLE"), (what, name)
