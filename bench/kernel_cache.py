@@ -11,8 +11,9 @@ measures:
   hash and rename; fetch = stream + daemon- and client-side sha256 + rename), median of
   ``--repeats`` runs, each with a new fingerprint / destination;
 - peak RSS of the daemon and of this process, to show the artifact is never held in memory;
-- the lookups and fetches again against a second daemon serving mTLS (:func:`bench_tls`):
-  lookups/s and fetch MB/s with TLS off vs on (``--no-tls`` skips it).
+- TLS off vs on (:func:`bench_tls`): a second daemon serving mTLS beside the first, the
+  lookups and one publish/fetch on each in turn, ``--repeats`` rounds: lookups/s and fetch MB/s
+  with TLS off and on (``--no-tls`` skips it).
 
 Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
 MB = 10^6 bytes.
@@ -126,20 +127,20 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None) -> dict:
+def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None, tag: str = "") -> dict:
     src = work / "artifact.bin"
     write_random(src, size)
     client = KernelCacheClient(address, timeout_s=600, security=security)
     publish_s, fetch_s = [], []
     for i in range(repeats):
         t = time.perf_counter()
-        status = client.publish("bench.artifact", f"r{i}", src)
+        status = client.publish("bench.artifact", f"{tag}r{i}", src)
         publish_s.append(time.perf_counter() - t)
         if status != "PUBLISHED":
             raise RuntimeError(f"publish {i}: {status}")
         dest = work / f"fetched-{i}.bin"
         t = time.perf_counter()
-        info = client.fetch("bench.artifact", f"r{i}", dest)
+        info = client.fetch("bench.artifact", f"{tag}r{i}", dest)
         fetch_s.append(time.perf_counter() - t)
         if info is None or dest.stat().st_size != size:
             raise RuntimeError(f"fetch {i} failed")
@@ -156,10 +157,12 @@ def bench_artifact(address: str, work: Path, size: int, repeats: int, security=N
     }
 
 
-def bench_tls(work: Path, args, plain: dict) -> dict:
-    """The same lookups and fetches against a second daemon serving mTLS (a throw-away CA; every
-    client presents a certificate), beside ``plain`` (this run's plaintext ``lookup`` and
-    ``artifact`` results): lookups/s and fetch MB/s with TLS off and on, and the change in %."""
+def bench_tls(work: Path, args, plain_address: str) -> dict:
+    """TLS off vs on, interleaved so both see the same machine: a second daemon serving mTLS (a
+    throw-away CA; every client presents a certificate) beside the plaintext one at
+    ``plain_address``; ``args.repeats`` rounds, each measuring lookups then one publish and fetch
+    on the plaintext daemon and then on the TLS one. Medians of lookups/s, single-client lookup
+    latency (ms), publish and fetch MB/s, each off and on, and the change in %."""
     from services.channel import ClientSecurity
     from services.tls import make_dev_pki
 
@@ -167,32 +170,34 @@ def bench_tls(work: Path, args, plain: dict) -> dict:
     security = ClientSecurity(tls=pki.files())
     proc, address = start_daemon(work / "root-tls", work / "daemon-tls.log",
                                  ("--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)))
+    rows: dict[str, dict[str, list[float]]] = {k: {"off": [], "on": []} for k in
+                                               ("lookups_per_s", "single_client_median_ms", "publish_mb_per_s",
+                                                "fetch_mb_per_s")}
     try:
         KernelCacheClient(address, security=security).publish(*KEY, work / "small.bin")
-        lookups = bench_lookups(address, args.clients, args.lookup_seconds, security)
-        artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats, security)
+        for i in range(args.repeats):
+            for label, addr, sec in (("off", plain_address, None), ("on", address, security)):
+                lookups = bench_lookups(addr, args.clients, args.lookup_seconds, sec)
+                artifact = bench_artifact(addr, work, args.artifact_mb * MB, 1, sec, tag=f"tls{i}-")
+                for key, value in (*((k, lookups[k]) for k in ("lookups_per_s", "single_client_median_ms")),
+                                   *((k, artifact[k]) for k in ("publish_mb_per_s", "fetch_mb_per_s"))):
+                    rows[key][label].append(value)
     finally:
         stop_process(proc, grace_s=30)
-
-    def change(on: float, off: float) -> float:
-        return round((on / off - 1) * 100, 1)
-
-    return {"lookups_per_s": {"off": plain["lookup"]["lookups_per_s"], "on": lookups["lookups_per_s"],
-                              "change_pct": change(lookups["lookups_per_s"], plain["lookup"]["lookups_per_s"])},
-            "single_client_median_ms": {"off": plain["lookup"]["single_client_median_ms"],
-                                        "on": lookups["single_client_median_ms"]},
-            "fetch_mb_per_s": {"off": plain["artifact"]["fetch_mb_per_s"], "on": artifact["fetch_mb_per_s"],
-                               "change_pct": change(artifact["fetch_mb_per_s"], plain["artifact"]["fetch_mb_per_s"])},
-            "publish_mb_per_s": {"off": plain["artifact"]["publish_mb_per_s"], "on": artifact["publish_mb_per_s"]}}
+    out: dict[str, dict] = {"rounds": args.repeats}
+    for key, values in rows.items():
+        off, on = statistics.median(values["off"]), statistics.median(values["on"])
+        out[key] = {"off": off, "on": on, "change_pct": round((on / off - 1) * 100, 1)}
+    return out
 
 
 def print_tls_rows(tls: dict) -> None:
     """The Markdown rows of :func:`bench_tls` (TLS off -> on, and the change)."""
-    for key, what, unit in (("lookups_per_s", "lookups/s", ""), ("fetch_mb_per_s", "fetch", " MB/s"),
-                            ("publish_mb_per_s", "publish", " MB/s")):
+    for key, what, unit in (("lookups_per_s", "lookups/s", ""), ("single_client_median_ms", "lookup latency", " ms"),
+                            ("fetch_mb_per_s", "fetch", " MB/s"), ("publish_mb_per_s", "publish", " MB/s")):
         row = tls[key]
-        change = f" ({row['change_pct']:+.1f}%)" if "change_pct" in row else ""
-        print(f"| {what}, TLS off -> mTLS on | {row['off']:.0f}{unit} -> {row['on']:.0f}{unit}{change} |")
+        print(f"| {what}, TLS off -> mTLS on (median of {tls['rounds']}, interleaved) | {row['off']:.4g}{unit} -> "
+              f"{row['on']:.4g}{unit} ({row['change_pct']:+.1f}%) |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats)
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
-        tls = bench_tls(work, args, {"lookup": lookups, "artifact": artifact}) if args.tls else None
+        tls = bench_tls(work, args, address) if args.tls else None
     finally:
         if proc is not None:
             stop_process(proc, grace_s=30)
