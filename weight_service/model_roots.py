@@ -1,7 +1,7 @@
 """Which checkpoints a weight service packs and serves: the bundled model
 (:data:`weight_service.sources.BUNDLED_SMOLLM2`) and paths under the model roots it was given at
-start-up (``weights serve --model-root DIR``, repeatable); see ``docs/architecture.md`` §5,
-"Model roots".
+start-up (``weights serve --model-root DIR``, repeatable); see ``docs/architecture.md`` §4,
+"Model roots and limits".
 
 A source path is resolved first (``~``, then every symlink and ``..``, :func:`os.path.realpath`),
 so a link or a ``..`` cannot lead out of a root. Anything else is refused with

@@ -1,9 +1,8 @@
-"""The bounded pool ``Prepare`` runs on (``weights serve --prepare-workers``,
-``docs/architecture.md`` §5): packing is CPU- and disk-heavy, so at most ``workers`` Prepares
-work at once and the others wait for a worker, in the order the semaphore wakes them. Waiting
-Prepares are queued, not refused: a fleet's runners starting together all ask at once, and a
-refusal would fail their start-up; the queue is bounded by the server's stream slots, since each
-waiting Prepare holds one.
+"""The bounded pool ``Prepare`` runs on (``weights serve --prepare-workers``;
+``docs/architecture.md`` §4, "Model roots and limits"): at most ``workers`` Prepares pack at
+once, the others wait for a worker. Waiting Prepares are queued, not refused: a fleet's runners
+starting together all ask at once, and a refusal would fail their start-up; the queue is bounded
+by the server's stream slots, since each waiting Prepare holds one.
 """
 
 from __future__ import annotations
