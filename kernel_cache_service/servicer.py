@@ -13,15 +13,15 @@ Claim answers from the store's single-flight leases (:mod:`kernel_cache_service.
 a WAIT its stream stays open, polling the store, until the entry is published or the builder's
 lease ends (the store is shared with other processes, so there is nothing to be notified by).
 
+With ``--auth-file`` every RPC needs its scope (:mod:`services.scopes`: Lookup/Fetch/List/Stat
+``read``, Publish/Claim/leases ``publish``, Evict ``admin``).
+
 Limits: Publish, Fetch and Claim each hold one of ``--max-streams`` stream slots
 (:mod:`services.stream_slots`; one more is ``UNAVAILABLE``), so streams never take the threads
 Lookup and health checks need; a Publish whose client sends nothing for ``--publish-idle-timeout``
 seconds is cancelled (:mod:`services.idle_streams`); headers and holders are checked
 (:mod:`kernel_cache_service.limits`) before anything is written. Each refusal counts in
 ``warmserve_refused_total{reason}``.
-
-When the daemon has a token, Publish, Evict, Claim, RenewLease and ReleaseLease need it
-(:data:`PROTECTED_METHODS`); Lookup, Fetch, List and Stat stay open.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ from services.proto import kernel_cache_pb2_grpc as pb_grpc
 from services.stream_slots import StreamSlots
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
-PROTECTED_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("Publish", "Evict", "Claim", "RenewLease",
-                                                                "ReleaseLease"))
 #: Seconds between two looks at the store while a Claim stream waits for a build.
 WAIT_POLL_S = 0.1
 DEFAULT_CHUNK_BYTES = 1 << 20

@@ -40,13 +40,13 @@ class InProcessCache:
 
 @pytest.fixture
 def grpc_cache(tmp_path: Path):
-    """Factory: ``grpc_cache(token=None, max_bytes=0, root=None, store=None, max_streams=256,
+    """Factory: ``grpc_cache(auth=None, max_bytes=0, root=None, store=None, max_streams=256,
     publish_idle_s=60)`` starts a KernelCache server on a free loopback port in this process
     (``store``: an ``s3://`` URL to serve an S3-backed store with its local tier at ``root``);
     every server started is stopped at teardown."""
     started = []
 
-    def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None,
+    def start(*, auth=None, max_bytes: int = 0, root: Path | None = None,
               store: str | None = None, max_streams: int = ServerConfig.max_streams,
               publish_idle_s: float = DEFAULT_PUBLISH_IDLE_S) -> InProcessCache:
         root = root or tmp_path / f"grpc-root-{len(started)}"
@@ -56,10 +56,7 @@ def grpc_cache(tmp_path: Path):
             store = S3KernelStore.open_url(store, root, max_bytes=max_bytes)
         else:
             store = KernelStore(root, max_bytes=max_bytes)
-        from kernel_cache_service.servicer import PROTECTED_METHODS
-
-        cfg = ServerConfig(service="kernel-cache-test", token=token, protected_methods=PROTECTED_METHODS,
-                           max_streams=max_streams)
+        cfg = ServerConfig(service="kernel-cache-test", auth=auth, max_streams=max_streams)
         server = build_server(store, cfg, publish_idle_s=publish_idle_s)
         server.start()
         started.append(server)
