@@ -17,18 +17,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import grpc
-
-from services.errors import WarmserveError
+from services.errors import PermissionDenied
 from weight_service.sources import BUNDLED_SMOLLM2
 
 log = logging.getLogger(__name__)
 
 
-class NotServed(WarmserveError):
+class NotServed(PermissionDenied):
     """A model source outside the weight service's model roots (gRPC ``PERMISSION_DENIED``)."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 def _real(path: str | Path) -> Path:
