@@ -9,7 +9,10 @@
 - an optional bearer-token check (``authorization: Bearer <token>`` metadata) on all or on a
   chosen set of methods, answering ``UNAUTHENTICATED``;
 - per-method Prometheus metrics (``warmserve_rpc_total``, ``warmserve_rpc_seconds``) in a
-  per-server registry, exported on ``--metrics-port`` when one is given;
+  per-server registry, exported on ``--metrics-port`` when one is given, with the requests
+  refused at a limit (``warmserve_refused_total``, :mod:`services.refusals`);
+- a request whose bytes protobuf cannot parse (bad UTF-8 in a string field) is
+  ``INVALID_ARGUMENT``, not grpcio's ``INTERNAL`` (:class:`services.utf8.UndecodableRequests`);
 - graceful drain on SIGTERM/SIGINT: health goes ``NOT_SERVING``, new RPCs are refused, in-flight
   RPCs get ``drain_grace_s`` seconds to finish, then :meth:`ServiceServer.wait` returns.
 
@@ -40,6 +43,8 @@ from services.address import bind_problem, format_address, os_reason
 from services.channel import MAX_MESSAGE_BYTES
 from services.errors import InvalidArgument
 from services.healthcheck import PID_METADATA_KEY
+from services.refusals import Refusals
+from services.utf8 import UndecodableRequests
 
 log = logging.getLogger(__name__)
 
@@ -247,12 +252,17 @@ class ServiceServer:
         srv.serve_forever()  # until SIGTERM/SIGINT, then drains
 
     ``registry`` is this server's Prometheus registry; services add their own gauges to it.
+    ``refusals`` counts the requests refused at a limit (the servicers' own, when they share
+    theirs: pass it in; else a new one), and is registered on ``registry``.
     ``on_drain`` callbacks run when a drain starts (before in-flight RPCs are awaited).
     """
 
-    def __init__(self, config: ServerConfig, registrations: Iterable[Registration]) -> None:
+    def __init__(self, config: ServerConfig, registrations: Iterable[Registration],
+                 refusals: Refusals | None = None) -> None:
         self.config = config
         self.registry = CollectorRegistry()
+        self.refusals = refusals or Refusals()
+        self.registry.register(self.refusals)
         self.health = _HealthServicer(experimental_non_blocking=True)
         self._registrations = list(registrations)
         self._server: grpc.Server | None = None
@@ -277,7 +287,8 @@ class ServiceServer:
     def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
         cfg = self.config
-        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry)]
+        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry),
+                                                      UndecodableRequests(self.refusals)]
         if cfg.token is not None:
             interceptors.insert(0, _AuthInterceptor(cfg.token, cfg.protected_methods))
         options = [
