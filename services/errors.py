@@ -80,6 +80,18 @@ class Unauthenticated(WarmserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(WarmserveError):
+    """The caller is known but its credential lacks the scope, or the thing belongs to another
+    caller (gRPC ``PERMISSION_DENIED``)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Untrusted(PermissionDenied):
+    """An artifact's signature is missing, malformed, by an untrusted key or does not match its
+    bytes (gRPC ``PERMISSION_DENIED``); the artifact must not be loaded."""
+
+
 class DeadlineExceeded(WarmserveError):
     """The request's deadline passed (gRPC ``DEADLINE_EXCEEDED``)."""
 
@@ -121,7 +133,8 @@ def from_rpc_error(err: grpc.RpcError) -> WarmserveError:
     detail = err.details() if hasattr(err, "details") else str(err)
     if is_overloaded(err):
         return Overloaded(detail)
-    for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated):
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated,
+                PermissionDenied):
         if cls.code == code:
             return cls(detail)
     e = WarmserveError(f"{code.name}: {detail}")
