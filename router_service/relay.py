@@ -10,9 +10,9 @@
 - while no token has reached the consumer, an ``UNAVAILABLE`` runner is ejected and the request
   goes to another runner (``max_attempts`` failed runners at most); a runner that answers
   :class:`~services.errors.Overloaded` (busy: all its stream slots held) is not ejected nor
-  counted as failed, the request just goes to another runner, and when every runner tried was
-  busy or failed with at least one busy the request ends ``Overloaded``; once a token has been relayed, a
-  failing runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
+  counted as failed, the request just goes to another runner, and when no runner takes it and
+  one of those tried was busy it ends ``Overloaded``; once a token has been relayed, a failing
+  runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
   see duplicated text);
 - :meth:`RelayStream.cancel` (wired to the client's cancellation) cancels the runner's call, which
   makes the runner free the sequence's KV blocks;
