@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernel_cache_service.artifact import CorruptArtifact
@@ -49,6 +48,7 @@ from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveErr
 from services.idle_streams import IdleStreams
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.refusals import Refusals
 from services.stream_slots import StreamSlots
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
@@ -57,11 +57,6 @@ WAIT_POLL_S = 0.1
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
 
-
-def refused_counter() -> Counter:
-    """A new ``warmserve_refused_total{reason}``, registered nowhere yet (a server's
-    ``registry.register`` exports it)."""
-    return Counter("warmserve_refused", "requests refused by a limit", ["reason"], registry=None)
 
 
 class KernelCacheServicer(pb_grpc.KernelCacheServicer):
@@ -73,9 +68,9 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
                  publish_idle_s: float = DEFAULT_PUBLISH_IDLE_S) -> None:
         self.store = store
         #: ``warmserve_refused_total{reason}``; :func:`build_server` registers it on the server's registry.
-        self.refused = refused_counter()
+        self.refused = Refusals()
         self.slots = StreamSlots(max_streams, "the kernel cache")
-        self.idle = IdleStreams(publish_idle_s, "Publish", self.refused.labels("idle_stream").inc)
+        self.idle = IdleStreams(publish_idle_s, "Publish", lambda: self.refused.add("idle_stream"))
         #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
         #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
         self.draining = threading.Event()
@@ -84,12 +79,12 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         try:
             self.slots.take(context)
         except Unavailable:
-            self.refused.labels("stream_slots").inc()
+            self.refused.add("stream_slots")
             raise
 
     def _fail(self, context, error: WarmserveError) -> None:
         if isinstance(error, InvalidArgument):
-            self.refused.labels("invalid_argument").inc()
+            self.refused.add("invalid_argument")
         abort_with(context, error)
 
     def Lookup(self, request, context):
@@ -155,7 +150,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
                     raise InvalidArgument("only chunks may follow the PublishHeader")
                 pending.write(msg.chunk)
                 if pending.overflowed:  # refused at the first byte past the size: nothing is kept
-                    self.refused.labels("past_declared_size").inc()
+                    self.refused.add("past_declared_size")
                     break
             return pending.commit()
 
@@ -246,8 +241,8 @@ def build_server(store: KernelStoreAPI, config: ServerConfig, *,
     its streams capped at ``config.max_streams``, a Publish idle for ``publish_idle_s`` seconds
     cancelled."""
     servicer = KernelCacheServicer(store, max_streams=config.max_streams, publish_idle_s=publish_idle_s)
-    server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])
-    server.registry.register(servicer.refused)
+    server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)],
+                           refusals=servicer.refused)
     server.registry.register(StoreCollector(store))
     server.on_drain.append(servicer.draining.set)
     return server

@@ -30,8 +30,12 @@ class Refusals:
         """Count ``err`` when it is a limit's refusal (a ``WarmserveError`` with a ``reason``)."""
         reason = getattr(err, "reason", "")
         if reason:
-            with self._lock:
-                self._counts[reason] = self._counts.get(reason, 0) + 1
+            self.add(reason)
+
+    def add(self, reason: str) -> None:
+        """Count one refusal for ``reason``."""
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
 
     def abort(self, context: grpc.ServicerContext, err: WarmserveError) -> None:
         """:meth:`count` ``err``, then :func:`services.errors.abort_with` it. Never returns (raises)."""

@@ -24,11 +24,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter
-
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
+from services.refusals import Refusals
 from services.stream_slots import StreamSlots
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
 from weight_service.convert import handle_to_proto, progress_to_proto
@@ -68,7 +67,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         self.slots = StreamSlots(max_streams, "the weight service")
         self.pool = PreparePool(prepare_workers)
         #: ``warmserve_refused_total{reason}``; :func:`build_server` registers it on the server's registry.
-        self.refused = Counter("warmserve_refused", "requests refused by a limit", ["reason"], registry=None)
+        self.refused = Refusals()
         self._sha_cache: dict[tuple, str] = {}
         self._sha_lock = threading.Lock()
 
@@ -78,12 +77,12 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         try:
             self.slots.take(context)
         except Unavailable:
-            self.refused.labels("stream_slots").inc()
+            self.refused.add("stream_slots")
             raise
         try:
             self.model_roots.check(source)
         except NotServed:
-            self.refused.labels("model_root").inc()
+            self.refused.add("model_root")
             raise
 
     def Prepare(self, request, context):
@@ -186,7 +185,7 @@ def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None
     ``model_roots``; streams capped at ``config.max_streams``, ``prepare_workers`` Prepares at once."""
     servicer = WeightsServicer(root, remote, model_roots=ModelRoots(model_roots), max_streams=config.max_streams,
                                prepare_workers=prepare_workers)
-    server = ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)])
-    server.registry.register(servicer.refused)
+    server = ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)],
+                           refusals=servicer.refused)
     return server
 
