@@ -12,8 +12,12 @@ Phases, each timed (the wall times and the total are printed at the end):
 3. **wheelhouse**: ``.wheelhouse/`` with this host's pip (``deploy/compose/wheelhouse.py``).
 4. **build**: ``warmserve:deps`` (the Dockerfile's deps stage, tagged so that its cache stays) and
    ``warmserve:latest``; the images these replace are removed.
-5. **cold up**: leftovers of an earlier run of this project removed, ``compose up -d``, every
-   service's health check awaited (``docker inspect``: ``healthy``).
+5. **cold up**: leftovers of an earlier run of this project removed; the named volumes made first
+   as an older image that ran as root left them (root's, with a root-owned file in each), so that
+   the one-shot ``volume-owner`` must give them to the image's user; ``compose up -d``, every
+   daemon's health check awaited (``docker inspect``: ``healthy``), the one-shot exited 0. Each
+   daemon runs hardened (``docker inspect``: the image's user, read-only root filesystem, every
+   capability dropped, no-new-privileges; ``id -u`` inside), the volumes are that user's.
 6. **requests** from this host through the published loopback ports only: ``warmserve generate
    --addr`` and the ``GenerationClient`` through the router, ``/v1/models`` and
    ``/v1/chat/completions`` through the OpenAI door (the same greedy answer).
@@ -265,7 +269,12 @@ class Stack:
         self.engine = engine
         import yaml
 
-        self.services = list(yaml.safe_load((REPO / "compose.yaml").read_text())["services"])
+        compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+        # daemons (a healthcheck each) and one-shot steps (volume-owner), which run and exit
+        self.services = [n for n, svc in compose["services"].items() if "healthcheck" in svc]
+        self.one_shots = [n for n in compose["services"] if n not in self.services]
+        self.volumes = list(compose.get("volumes", {}))
+        self.user = compose["services"][self.services[0]]["user"]
         self.router_port = 50050 if _port_free(50050) else free_port()
         self.openai_port = 50053 if _port_free(50053) else free_port()
         self.env = {"WARMSERVE_BASE_IMAGE": base, "WARMSERVE_ROUTER_PORT": str(self.router_port),
@@ -298,6 +307,42 @@ class Stack:
                   capture=True).stdout.decode().split()
         if ids:
             run([*self.engine.docker, "rm", "-f", *ids], check=False, capture=True)
+
+    def seed_root_owned_volumes(self) -> None:
+        """The project's named volumes as an older image that ran as root leaves them: root's
+        (the volume's root directory included: not empty, so Docker copies no ownership in)."""
+        for volume in self.volumes:
+            full = f"{PROJECT}_{volume}"
+            run([*self.engine.docker, "volume", "create", "--label", f"com.docker.compose.project={PROJECT}",
+                 "--label", f"com.docker.compose.volume={volume}", full], capture=True)
+            run([*self.engine.docker, "run", "--rm", "--user", "0:0", "-v", f"{full}:/v", IMAGE, "sh", "-c",
+                 "touch /v/.left-by-a-root-image && mkdir -p /v/.root-dir && chown 0:0 /v /v/.root-dir "
+                 "&& chmod 0755 /v"], capture=True)
+        say(f"volumes {', '.join(self.volumes)} made root's, as an image that ran as root leaves them")
+
+    def check_hardened(self) -> None:
+        """Each daemon as compose.yaml says: the image's user, read-only root, no capabilities,
+        no-new-privileges; the one-shots exited 0; the volumes (and what was in them) the user's."""
+        problems = []
+        for svc in self.one_shots:
+            st = self.state(svc)
+            if st["Status"] != "exited" or st["ExitCode"] != 0:
+                problems.append(f"{svc}: {st['Status']}, exit code {st['ExitCode']}")
+        fmt = "{{.Config.User}} {{.HostConfig.ReadonlyRootfs}} {{json .HostConfig.CapDrop}} {{json .HostConfig.SecurityOpt}}"
+        for svc in self.services:
+            got = run([*self.engine.docker, "inspect", "-f", fmt, self.container(svc)], capture=True).stdout.decode().split()
+            uid = run([*self.engine.docker, "exec", self.container(svc), "id", "-u"], capture=True).stdout.decode().strip()
+            if got != [self.user, "true", '["ALL"]', '["no-new-privileges:true"]'] or uid != self.user.split(":")[0]:
+                problems.append(f"{svc}: user/read-only/cap-drop/security-opt {got}, id -u {uid}")
+        for volume in self.volumes:
+            owners = run([*self.engine.docker, "run", "--rm", "--user", "0:0", "-v", f"{PROJECT}_{volume}:/v", IMAGE,
+                          "sh", "-c", "find /v -printf '%U:%G\\n' | sort -u"], capture=True).stdout.decode().split()
+            if owners != [self.user]:
+                problems.append(f"volume {volume}: owned by {owners}, not {self.user}")
+        if problems:
+            raise Failed("not hardened as compose.yaml says:\n  " + "\n  ".join(problems))
+        say(f"hardened: every daemon runs as {self.user}, read-only root, no capabilities, no-new-privileges; "
+            f"{', '.join(self.one_shots)} exited 0; volumes {', '.join(self.volumes)} are {self.user}'s")
 
     def up(self) -> None:
         say(f"compose up: router on {self.router}, OpenAI door on {self.openai}")
@@ -543,8 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(engine, args.base_image)
         with phases("cold up"):
             stack.remove_leftovers()
+            stack.seed_root_owned_volumes()
             stack.up()
             stack.wait_healthy()
+            stack.check_hardened()
         with phases("requests"):
             requests_through_the_doors(stack)
         with phases("cold programs"):
@@ -564,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported with the compose logs
         say("", f"FAILED: {type(e).__name__}: {e}")
         if stack is not None:
-            services = getattr(e, "services", ()) or tuple(stack.services)
+            services = getattr(e, "services", ()) or tuple(stack.services + stack.one_shots)
             say("--- compose ps", stack.compose("ps", check=False, capture=True).stdout.decode(errors="replace"))
             say(f"--- compose logs of {', '.join(services)}", stack.logs(services, 80 if len(services) < 3 else 30))
     finally:

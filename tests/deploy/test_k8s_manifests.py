@@ -14,7 +14,9 @@ are checked against each other and against warmserve's own code:
   door really serves;
 - referenced ConfigMaps, Secrets and PersistentVolumeClaims exist, or are optional and named in
   ``deploy/k8s/README.md`` (created by hand); the kernel cache and the weight service keep their
-  ``--root`` on their claims; the autoscaler and the disruption budget cover the runners.
+  ``--root`` on their claims; the autoscaler and the disruption budget cover the runners;
+- every pod runs as the image's user, hardened (Pod Security "restricted"), writing only to its
+  volumes, and the NetworkPolicies allow exactly the stack's flows (``test_k8s_security.py``).
 
 The renderer is ``kubectl`` on ``PATH`` (or ``$KUBECTL``); without one the tests fail and name
 ``make kubectl``, which installs it.
@@ -528,17 +530,6 @@ def test_small_cpu_sizes():
     args = parsed_args(objects, runner, container)
     assert args.threads == 2 and args.max_num_seqs == 8 and args.compile == "aoti"
     assert args.kv_cache_bytes < byte_count(container["resources"]["limits"]["memory"]) / 2
-
-
-def test_network_policies_admit_the_runners(objects):
-    runner = workload_running(objects, "runner")
-    for policy in of_kind(objects, "NetworkPolicy"):
-        (target,) = [w for w in workloads(objects) if selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels(w))]
-        (container,) = warmserve_containers(target)
-        port = parsed_args(objects, target, container).port
-        (rule,) = policy["spec"]["ingress"]
-        assert [p["port"] for p in rule["ports"]] == [port]
-        assert [selects(peer["podSelector"]["matchLabels"], pod_labels(runner)) for peer in rule["from"]] == [True]
 
 
 def test_every_container_has_requests_within_limits(objects):

@@ -3,11 +3,14 @@ would run it, with host names mapped to 127.0.0.1, each service's port mapped to
 port (two runners both listen on 50061 in their own containers), volume mount points mapped to
 temporary directories, and the services' own healthchecks awaited in ``depends_on`` order.
 Then a request goes through the router, and the same one through the OpenAI door with the
-official ``openai`` client."""
+official ``openai`` client. One-shot services (the volume-owner step, which gives the volumes to the
+image's user) have no loopback meaning: the temporary directories are this test's own, and are
+left out."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +35,31 @@ def _load() -> dict:
     return yaml.safe_load((REPO / "compose.yaml").read_text())
 
 
+def _daemons(compose: dict) -> dict[str, dict]:
+    """The long-running services (each has a healthcheck); the rest run once and exit."""
+    return {name: svc for name, svc in compose["services"].items() if "healthcheck" in svc}
+
+
+def _started_after(compose: dict, name: str) -> set[str]:
+    """The services ``name`` waits for, directly or through others: healthy, or (one-shots)
+    completed successfully; ``service_started`` does not wait for anything to finish."""
+    waits = {"service_healthy", "service_completed_successfully"}
+    found: set[str] = set()
+    todo = [name]
+    while todo:
+        for dep, cond in compose["services"][todo.pop()].get("depends_on", {}).items():
+            if cond.get("condition") in waits and dep not in found:
+                found.add(dep)
+                todo.append(dep)
+    return found
+
+
+def _image_user() -> str:
+    """``uid:gid`` of the Dockerfile's ``USER``."""
+    (user,) = re.findall(r"^USER\s+(\d+:\d+)\s*$", (REPO / "Dockerfile").read_text(), re.M)
+    return user
+
+
 def _container_port(command: list[str]) -> str:
     return command[command.index("--port") + 1]
 
@@ -40,7 +68,7 @@ class ComposeOnLoopback:
     """Translates compose services into local processes (see the module docstring)."""
 
     def __init__(self, compose: dict, tmp: Path) -> None:
-        self.services = compose["services"]
+        self.services = _daemons(compose)
         self.ports = {name: free_port("127.0.0.1") for name in self.services}
         self.mounts: dict[str, str] = {}
         for svc in self.services.values():
@@ -94,7 +122,8 @@ class ComposeOnLoopback:
         done: list[str] = []
         while len(done) < len(self.services):
             for name, svc in self.services.items():
-                if name not in done and all(d in done for d in svc.get("depends_on", {})):
+                deps = [d for d in svc.get("depends_on", {}) if d in self.services]  # one-shots left out
+                if name not in done and all(d in done for d in deps):
                     done.append(name)
         return done
 
@@ -109,7 +138,7 @@ class ComposeOnLoopback:
     def up(self) -> None:
         for name in self.order():
             for dep, cond in self.services[name].get("depends_on", {}).items():
-                if cond.get("condition") == "service_healthy":
+                if cond.get("condition") == "service_healthy" and dep in self.services:
                     self.wait_healthy(dep)
             with open(self.logs / name, "wb") as log:
                 self.procs[name] = subprocess.Popen(self.command(name), cwd=REPO, env=self.env(name),
@@ -129,14 +158,17 @@ class ComposeOnLoopback:
 
 def test_compose_file_shape() -> None:
     compose = _load()
-    services = compose["services"]
+    services = _daemons(compose)
     # docker-compose 1.29 rejects a top-level `name:` (the project name is `-p`); Compose v2 reads both
     assert set(compose) == {"services", "volumes"} | {k for k in compose if k.startswith("x-")}
     assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router", "openai"}
+    assert set(compose["services"]) == set(services) | {"volume-owner"}
     assert set(compose["volumes"]) == {"kernel-cache", "sidecars"}
-    for name, svc in services.items():
+    for name, svc in compose["services"].items():
         assert svc["build"] == {"context": ".", "args": {"BASE_IMAGE": "${WARMSERVE_BASE_IMAGE:-python:3.11-slim}"}}
-        assert svc["image"] == "warmserve:latest" and "--host" in svc["command"], name
+        assert svc["image"] == "warmserve:latest", name
+    for name, svc in services.items():
+        assert "--host" in svc["command"], name
         # a crashed process is restarted (deploy/compose/compose_test.py kills one and watches)
         assert svc["restart"] == "unless-stopped", name
         assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
@@ -158,13 +190,52 @@ def test_every_compose_command_is_real_options_with_valid_values() -> None:
     from runner_service.options import RUNNER_OPTIONS
 
     declared = {o.flag for o in RUNNER_OPTIONS} | {"--host", "--port"}
-    for name, svc in _load()["services"].items():
+    for name, svc in _daemons(_load()).items():
         command = svc["command"]
         assert command[:3] == ["python", "-m", "warmserve.cli"], name
         args = parse_command_line(command[3:])
         assert args.host == "0.0.0.0", name
         if command[3:5] == ["runner", "serve"]:
             assert {w for w in command if w.startswith("--")} <= declared, name
+
+
+def test_compose_services_are_hardened() -> None:
+    """Every daemon: the image's user, a read-only root, no capabilities, no-new-privileges; its
+    writable places are its volumes and tmpfs mounts that allow exec (AOTI dlopens the .so it
+    unpacks under $TMPDIR; a runner loads its programs from $WARMSERVE_HOME/programs). The one
+    root step, volume-owner, holds only CHOWN and DAC_READ_SEARCH, gives every named volume to the
+    image's user, runs once, and the daemons on those volumes start after it succeeded."""
+    compose = _load()
+    user = _image_user()
+    daemons = _daemons(compose)
+    for name, svc in compose["services"].items():
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert svc["security_opt"] == ["no-new-privileges:true"], name
+        assert not svc.get("privileged") and not svc.get("network_mode") and not svc.get("pid"), name
+    for name, svc in daemons.items():
+        assert svc["user"] == user and "cap_add" not in svc, name
+        env = svc["environment"]
+        assert env["TMPDIR"] == env["HOME"] == "/tmp" and env["WARMSERVE_HOME"] == CONTAINER_STATE, name
+        tmpfs = {t.split(":")[0]: t.split(":")[1].split(",") for t in svc["tmpfs"]}
+        writable = [*tmpfs, *(v.split(":")[1] for v in svc.get("volumes", []))]
+        assert "exec" in tmpfs["/tmp"] and "noexec" not in tmpfs["/tmp"], name
+        if "runner" in svc["command"]:
+            programs = f"{CONTAINER_STATE}/programs"
+            assert "exec" in tmpfs[programs] and f"uid={user.split(':')[0]}" in tmpfs[programs], name
+            sidecars = svc["command"][svc["command"].index("--sidecar-dir") + 1]
+            assert sidecars in writable, name
+        if "--root" in svc["command"]:
+            assert svc["command"][svc["command"].index("--root") + 1] in writable, name
+        for vol in svc.get("volumes", []):
+            assert vol.split(":")[0] in compose["volumes"], f"{name}: {vol} (only named volumes)"
+            assert "volume-owner" in _started_after(compose, name), f"{name} may start before its volumes are its own"
+    owner = compose["services"]["volume-owner"]
+    assert owner["user"] == "0:0" and sorted(owner["cap_add"]) == ["CHOWN", "DAC_READ_SEARCH"]
+    assert owner["restart"] == "no" and "healthcheck" not in owner
+    assert sorted(v.split(":")[0] for v in owner["volumes"]) == sorted(compose["volumes"])
+    targets = [v.split(":")[1] for v in owner["volumes"]]
+    assert owner["command"][0] == "find" and owner["command"][1:1 + len(targets)] == targets
+    assert owner["command"][-5:] == ["chown", "-h", user, "{}", "+"]
 
 
 def test_dockerfile_builds_from_the_wheelhouse() -> None:
