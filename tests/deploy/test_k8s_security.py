@@ -9,7 +9,9 @@
   ``.so`` it loads) an emptyDir, which is never mounted noexec, the stores on their claims, a
   runner's ``$WARMSERVE_HOME/programs`` an emptyDir; the claims are the user's group's (fsGroup);
 - the NetworkPolicies, evaluated as the API defines them (a default deny, then unions of rules),
-  allow exactly the stack's flows, and every address a container dials is one of them.
+  allow exactly the stack's flows, and every address a container dials is one of them; the
+  plaintext health-only ports are reached by no pod but the runners (the stores', for their init
+  container's wait); the kubelet's probes come from the node, which policies do not filter.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from test_k8s_manifests import (
     daemon_of,
     environment,
     expand,
+    health_port,
     named,
     of_kind,
     parsed_args,
@@ -228,7 +231,9 @@ def _ports(objects) -> dict[str, list[tuple[int, str]]]:
     for component in COMPONENTS:
         workload = workload_running(objects, component)
         (container,) = warmserve_containers(workload)
-        ports[component] = [(parsed_args(objects, workload, container).port, "TCP")]
+        health = health_port(objects, workload, container)
+        ports[component] = [(parsed_args(objects, workload, container).port, "TCP")] + (
+            [(health, "TCP")] if health is not None else [])
     ports["kube-dns"] = [(53, "UDP"), (53, "TCP")]
     ports["internet"] = [(443, "TCP")]
     return ports
@@ -243,12 +248,14 @@ def allowed_flows(objects) -> set[tuple[str, str, int, str]]:
 
 def expected_flows(objects, kustomization: str) -> set[tuple[str, str, int, str]]:
     ports = _ports(objects)
-    pairs = [("runner", "router"), ("runner", "kernel-cache"), ("runner", "weights"), ("router", "runner"),
-             ("openai", "router"), ("client", "router"), ("client", "openai")]
-    pairs += [(c, "kube-dns") for c in COMPONENTS]
+    main = {dst: ports[dst][:1] for dst in COMPONENTS}  # --port; [1:] is the health-only port
+    pairs = [("runner", "router", main), ("runner", "kernel-cache", ports), ("runner", "weights", ports),
+             ("router", "runner", main), ("openai", "router", main), ("client", "router", main),
+             ("client", "openai", main)]
+    pairs += [(c, "kube-dns", ports) for c in COMPONENTS]
     if kustomization.endswith("-s3"):
-        pairs += [("kernel-cache", "internet"), ("weights", "internet")]
-    return {(src, dst, port, proto) for src, dst in pairs for port, proto in ports[dst]}
+        pairs += [("kernel-cache", "internet", ports), ("weights", "internet", ports)]
+    return {(src, dst, port, proto) for src, dst, which in pairs for port, proto in which[dst]}
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
