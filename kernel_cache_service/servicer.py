@@ -13,8 +13,8 @@ Claim answers from the store's single-flight leases (:mod:`kernel_cache_service.
 a WAIT its stream stays open, polling the store, until the entry is published or the builder's
 lease ends (the store is shared with other processes, so there is nothing to be notified by).
 
-When the daemon has a token, Publish, Evict, Claim, RenewLease and ReleaseLease need it
-(:data:`PROTECTED_METHODS`); Lookup, Fetch, List and Stat stay open.
+With ``--auth-file`` every RPC needs its scope (:mod:`services.scopes`: Lookup/Fetch/List/Stat
+``read``, Publish/Claim/leases ``publish``, Evict ``admin``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
-PROTECTED_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("Publish", "Evict", "Claim", "RenewLease",
-                                                                "ReleaseLease"))
 #: Seconds between two looks at the store while a Claim stream waits for a build.
 WAIT_POLL_S = 0.1
 DEFAULT_CHUNK_BYTES = 1 << 20

@@ -54,6 +54,18 @@ class Unauthenticated(WarmserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(WarmserveError):
+    """The caller is known but its credential lacks the scope, or the thing belongs to another
+    caller (gRPC ``PERMISSION_DENIED``)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Untrusted(PermissionDenied):
+    """An artifact's signature is missing, malformed, by an untrusted key or does not match its
+    bytes (gRPC ``PERMISSION_DENIED``); the artifact must not be loaded."""
+
+
 class DeadlineExceeded(WarmserveError):
     """The request's deadline passed (gRPC ``DEADLINE_EXCEEDED``)."""
 
@@ -81,7 +93,8 @@ def from_rpc_error(err: grpc.RpcError) -> WarmserveError:
     """Turn a client-side ``grpc.RpcError`` back into the matching :class:`WarmserveError`."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
-    for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated):
+    for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated,
+                PermissionDenied):
         if cls.code == code:
             return cls(detail)
     e = WarmserveError(f"{code.name}: {detail}")

@@ -39,12 +39,12 @@ class InProcessCache:
 
 @pytest.fixture
 def grpc_cache(tmp_path: Path):
-    """Factory: ``grpc_cache(token=None, max_bytes=0, root=None, store=None)`` starts a KernelCache
+    """Factory: ``grpc_cache(auth=None, max_bytes=0, root=None, store=None)`` starts a KernelCache
     server on a free loopback port in this process (``store``: an ``s3://`` URL to serve an
     S3-backed store with its local tier at ``root``); every server started is stopped at teardown."""
     started = []
 
-    def start(*, token: str | None = None, max_bytes: int = 0, root: Path | None = None,
+    def start(*, auth=None, max_bytes: int = 0, root: Path | None = None,
               store: str | None = None) -> InProcessCache:
         root = root or tmp_path / f"grpc-root-{len(started)}"
         if store:
@@ -53,9 +53,7 @@ def grpc_cache(tmp_path: Path):
             store = S3KernelStore.open_url(store, root, max_bytes=max_bytes)
         else:
             store = KernelStore(root, max_bytes=max_bytes)
-        from kernel_cache_service.servicer import PROTECTED_METHODS
-
-        cfg = ServerConfig(service="kernel-cache-test", token=token, protected_methods=PROTECTED_METHODS)
+        cfg = ServerConfig(service="kernel-cache-test", auth=auth)
         server = build_server(store, cfg)
         server.start()
         started.append(server)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from auth_tokens import make_creds
 from weights_tiny import write_tiny_checkpoint
 
 from services.bootstrap import ServerConfig
@@ -133,12 +134,13 @@ def test_list_reports_prepared_sidecars(client, ckpt):
 
 
 def test_token_is_required_when_configured(tmp_path, ckpt):
-    srv = build_server(ServerConfig(service="weights", port=0, token="s3cret"), tmp_path / "root")
+    creds = make_creds(tmp_path / "auth", runner="read")
+    srv = build_server(ServerConfig(service="weights", port=0, auth=creds.table), tmp_path / "root")
     srv.start()
     try:
         with WeightsClient(srv.address) as anonymous, pytest.raises(Unauthenticated):
             anonymous.list()
-        with WeightsClient(srv.address, token="s3cret") as authed:
+        with WeightsClient(srv.address, security=creds.security("runner")) as authed:
             assert authed.list() == []
     finally:
         srv.stop()
