@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import hashlib
 import ipaddress
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -46,6 +44,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the project's own modules (run with the project's .venv python)
+
+from services.auth import Credential, new_token, token_digest  # noqa: E402
+
 DEFAULT_OUT = REPO / "deploy" / "compose" / "secrets"
 #: The containers' user (the Dockerfile's USER).
 CONTAINER_UID = 10001
@@ -75,17 +77,7 @@ def fleet(kind: str) -> dict:
             "auth": auth, "certs": certs, "publishers": [*runners, "weights"]}
 
 
-# --- the formats of issue 23's contract (services/auth.py, services/signing.py, services/tls.py:
-# the lead's modules replace these stand-ins when they land) ------------------------------------
-
-
-def new_token() -> str:
-    """``wst_`` + 43 urlsafe characters (32 random bytes)."""
-    return "wst_" + secrets.token_urlsafe(32)
-
-
-def token_hash(token: str) -> str:
-    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+# --- tokens (services/auth.py), certificates, signing keys (services/signing.py's format) ---------
 
 
 def _pem_key(key) -> bytes:
@@ -111,8 +103,8 @@ def _cert(subject: str, sans: list[str], key, issuer_name, issuer_key, *, ca: bo
 
 
 def dev_pki(certs: dict[str, list[str]]) -> dict[str, bytes]:
-    """A throw-away CA and a leaf certificate per name (server and client auth, P-256):
-    relative path -> PEM bytes."""
+    """A throw-away CA and a leaf certificate per name (server and client auth, ECDSA P-256 as
+    services.tls.make_dev_pki, which makes a single leaf): relative path -> PEM bytes."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "warmserve dev CA")])
     ca = _cert("warmserve dev CA", [], ca_key, ca_name, ca_key, ca=True)
@@ -151,7 +143,8 @@ def make_files(layout: dict) -> dict[str, bytes]:
     files = {f"tokens/{i}.token": (t + "\n").encode() for i, t in tokens.items()}
     for server, admitted in layout["auth"].items():
         lines = [f"# {server}: NAME SCOPE[,SCOPE...] sha256:HEX (deploy/compose/make_secrets.py)"]
-        lines += [f"{name} {scopes} {token_hash(tokens[name])}" for name, scopes in admitted.items()]
+        lines += [Credential(name, frozenset(scopes.split(",")), token_digest(tokens[name])).line()
+                  for name, scopes in admitted.items()]
         files[f"auth/{server}.auth"] = ("\n".join(lines) + "\n").encode()
     files["api-key"] = (new_token() + "\n").encode()
     files.update(dev_pki(layout["certs"]))

@@ -23,6 +23,9 @@ sys.path.insert(0, str(ROOT / "deploy" / "compose"))
 
 import make_secrets  # noqa: E402  (deploy/compose/make_secrets.py)
 
+from services.auth import AuthTable  # noqa: E402
+from services.signing import SigningKey, TrustedKeys  # noqa: E402
+
 TOKEN = re.compile(r"^wst_[A-Za-z0-9_-]{43}$")
 SCOPES = {"read", "publish", "prepare", "admin", "register", "generate"}
 
@@ -58,8 +61,11 @@ def test_tokens_and_auth_files_are_the_contracts(made):
                 if line.strip() and not line.startswith("#")]
         assert [r[0] for r in rows] == list(admitted), server
         for name, scopes, digest in rows:
-            assert set(scopes.split(",")) <= SCOPES and scopes == admitted[name], (server, name)
+            assert set(scopes.split(",")) == set(admitted[name].split(",")) <= SCOPES, (server, name)
             assert digest == "sha256:" + hashlib.sha256(tokens[name].encode()).hexdigest(), (server, name)
+        table = AuthTable.load(out / f"auth/{server}.auth")  # what the servers read
+        for name in admitted:
+            assert table.identify(tokens[name]).name == name, (server, name)
         assert not any(t in _read(out, f"auth/{server}.auth").decode() for t in tokens.values()), "hashes only"
     # who may do what: runners publish programs and register, the router generates on runners
     for runner in layout["runners"]:
@@ -98,6 +104,9 @@ def test_signing_keys_are_per_publisher_ed25519(made):
         pub = serialization.load_pem_public_key(_read(out, f"trusted/{name}.pub"))
         assert isinstance(key, ed25519.Ed25519PrivateKey) and isinstance(pub, ed25519.Ed25519PublicKey)
         assert key.public_key().public_bytes_raw() == pub.public_bytes_raw(), name
+        signer = SigningKey.load(out / f"signing/{name}.key")  # what the publishers and verifiers read
+        trusted = TrustedKeys.load(out / "trusted")
+        assert trusted.verify(b"payload", signer.sign(b"payload"), name) == signer.key_id
 
 
 def test_no_other_user_of_the_host_reads_them(made):

@@ -3,7 +3,9 @@ would run it, with host names mapped to 127.0.0.1, each service's port mapped to
 port (two runners both listen on 50061 in their own containers), volume mount points mapped to
 temporary directories, and the services' own healthchecks awaited in ``depends_on`` order.
 Then a request goes through the router, and the same one through the OpenAI door with the
-official ``openai`` client. One-shot services (the volume-owner step, which gives the volumes to the
+official ``openai`` client. The replay leaves out issue 23's credential flags (cli_flags.PENDING_FLAGS:
+auth files, tokens, TLS, signing keys, the health port: its checks then ask the service's port);
+the credentials are checked here by their wiring, and run by ``make compose-test`` in Docker. One-shot services (the volume-owner step, which gives the volumes to the
 image's user) have no loopback meaning: the temporary directories are this test's own, and are
 left out."""
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from cli_flags import parse_command_line
+from cli_flags import PENDING_FLAGS, flag_value, parse_command_line, pending, without_pending
 
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.ports import free_port
@@ -38,6 +40,19 @@ def _load() -> dict:
 def _daemons(compose: dict) -> dict[str, dict]:
     """The long-running services (each has a healthcheck); the rest run once and exit."""
     return {name: svc for name, svc in compose["services"].items() if "healthcheck" in svc}
+
+
+def _without_credentials(argv: list[str]) -> list[str]:
+    """``argv`` without the flags of :data:`cli_flags.PENDING_FLAGS` and their values."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in PENDING_FLAGS:
+            skip = True
+        else:
+            out.append(word)
+    return out
 
 
 def _started_after(compose: dict, name: str) -> set[str]:
@@ -74,6 +89,8 @@ class ComposeOnLoopback:
         for svc in self.services.values():
             for vol in svc.get("volumes", []):
                 name, target = vol.split(":")[:2]
+                if name.startswith("."):  # a read-only bind of credentials (left out: see above)
+                    continue
                 self.mounts[target] = str(tmp / name)
                 (tmp / name).mkdir(exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -95,14 +112,15 @@ class ComposeOnLoopback:
         if sep and port.isdigit():
             if host in self.services and port == _container_port(self.services[host]["command"]):
                 return f"127.0.0.1:{self.ports[host]}"
-            if host == "127.0.0.1" and port == _container_port(self.services[service]["command"]):
+            own = self.services[service]["command"]
+            if host == "127.0.0.1" and port in (_container_port(own), flag_value(own, "--health-port")):
                 return f"127.0.0.1:{self.ports[service]}"  # a healthcheck of the service itself
         if service and arg == _container_port(self.services[service]["command"]):
             return str(self.ports[service])
         return arg
 
     def command(self, name: str) -> list[str]:
-        argv = [self._arg(name, a) for a in self.services[name]["command"]]
+        argv = [self._arg(name, a) for a in _without_credentials(self.services[name]["command"])]
         if argv[3:5] == ["runner", "serve"]:  # not a compile test: no background compile on 2 cores
             argv += ["--compile", "off"]
         return argv
@@ -110,7 +128,7 @@ class ComposeOnLoopback:
     def healthcheck(self, name: str) -> list[str]:
         test = self.services[name]["healthcheck"]["test"]
         assert test[0] == "CMD"
-        return [self._arg(name, a) for a in test[1:]]
+        return [self._arg(name, a) for a in _without_credentials(test[1:])]
 
     def env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -160,7 +178,7 @@ def test_compose_file_shape() -> None:
     compose = _load()
     services = _daemons(compose)
     # docker-compose 1.29 rejects a top-level `name:` (the project name is `-p`); Compose v2 reads both
-    assert set(compose) == {"services", "volumes"} | {k for k in compose if k.startswith("x-")}
+    assert set(compose) == {"services", "volumes", "secrets"} | {k for k in compose if k.startswith("x-")}
     assert set(services) == {"kernel-cache", "weights", "runner-0", "runner-1", "router", "openai"}
     assert set(compose["services"]) == set(services) | {"volume-owner"}
     assert set(compose["volumes"]) == {"kernel-cache", "sidecars"}
@@ -187,16 +205,77 @@ def test_compose_file_shape() -> None:
 def test_every_compose_command_is_real_options_with_valid_values() -> None:
     """Each service's command uses only options of its command, spelled in full, with values the
     real parser accepts; a runner's flags are declared runner options (or the server's)."""
-    from runner_service.options import RUNNER_OPTIONS
+    import argparse
 
-    declared = {o.flag for o in RUNNER_OPTIONS} | {"--host", "--port"}
+    from runner_service.options import RUNNER_OPTIONS
+    from services.bootstrap import add_server_args
+    from services.signing import add_signing_args
+
+    server = argparse.ArgumentParser()
+    add_server_args(server, default_port=0)
+    add_signing_args(server)
+    declared = {o.flag for o in RUNNER_OPTIONS} | set(server._option_string_actions)
     for name, svc in _daemons(_load()).items():
-        command = svc["command"]
+        command = without_pending(svc["command"])  # issue 23's flags a daemon does not take yet: see below
         assert command[:3] == ["python", "-m", "warmserve.cli"], name
         args = parse_command_line(command[3:])
         assert args.host == "0.0.0.0", name
         if command[3:5] == ["runner", "serve"]:
             assert {w for w in command if w.startswith("--")} <= declared, name
+
+
+def test_credential_flags_are_taken_by_the_daemons() -> None:
+    missing = sorted({f"{' '.join(svc['command'][3:5])} {flag}" for svc in _daemons(_load()).values()
+                      for flag in pending(svc["command"][3:])})
+    if missing:
+        pytest.skip(f"not taken by the daemons yet (the other slices of issue 23): {', '.join(missing)}")
+
+
+def test_compose_takes_each_services_own_credentials_from_secrets() -> None:
+    """Every credential flag names a compose secret (/run/secrets/NAME) the service lists, whose
+    file is one ``make compose-secrets`` writes under the git-ignored deploy/compose/secrets/; no
+    service gets another's key or token; servers require client certificates (the door: HTTPS and
+    its API key); healthchecks ask the plaintext --health-port; nothing reaches the image."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "deploy" / "compose"))
+    import make_secrets
+
+    compose = _load()
+    made = set(make_secrets.expected_files(make_secrets.fleet("compose")))
+    files = {}
+    for secret, spec in compose["secrets"].items():
+        rel = spec["file"].removeprefix("./deploy/compose/secrets/")
+        assert spec["file"].startswith("./deploy/compose/secrets/") and rel in made, secret
+        files[secret] = rel
+    owners: dict[str, set[str]] = {}
+    for name, svc in _daemons(compose).items():
+        command, wanted = svc["command"], set()
+        for flag in ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--signing-key",
+                     "--api-key-file"):
+            path = flag_value(command, flag)
+            if path is not None:
+                assert path.startswith("/run/secrets/"), (name, flag)
+                wanted.add(path.removeprefix("/run/secrets/"))
+        assert wanted <= set(svc["secrets"]) and set(svc["secrets"]) - wanted <= {"ca"}, name
+        for secret in svc["secrets"]:
+            owners.setdefault(secret, set()).add(name)
+        is_door = command[3:5] == ["openai", "serve"]
+        assert (flag_value(command, "--tls-ca") is not None) != is_door, f"{name}: mTLS (the door: HTTPS + key)"
+        assert flag_value(command, "--tls-cert") and flag_value(command, "--tls-key"), name
+        if not is_door:
+            assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{flag_value(command, '--health-port')}", name
+            assert flag_value(command, "--auth-file"), name
+        if command[3:5] == ["runner", "serve"]:
+            assert f"./deploy/compose/secrets/trusted:{flag_value(command, '--trusted-keys')}:ro" in svc["volumes"]
+            runner_id = flag_value(command, "--runner-id")
+            for flag in ("--token-file", "--tls-key", "--signing-key"):  # per runner: its own
+                assert runner_id in files[flag_value(command, flag).removeprefix("/run/secrets/")], (name, flag)
+    for secret, users in owners.items():
+        if files[secret].endswith((".key", ".token")):
+            assert len(users) == 1, f"{secret} is given to {sorted(users)}"
+    assert "/deploy/compose/secrets/" in (REPO / ".gitignore").read_text().split()
+    assert "deploy" in (REPO / ".dockerignore").read_text().split()
 
 
 def test_compose_services_are_hardened() -> None:
@@ -217,7 +296,7 @@ def test_compose_services_are_hardened() -> None:
         env = svc["environment"]
         assert env["TMPDIR"] == env["HOME"] == "/tmp" and env["WARMSERVE_HOME"] == CONTAINER_STATE, name
         tmpfs = {t.split(":")[0]: t.split(":")[1].split(",") for t in svc["tmpfs"]}
-        writable = [*tmpfs, *(v.split(":")[1] for v in svc.get("volumes", []))]
+        writable = [*tmpfs, *(v.split(":")[1] for v in svc.get("volumes", []) if not v.endswith(":ro"))]
         assert "exec" in tmpfs["/tmp"] and "noexec" not in tmpfs["/tmp"], name
         if "runner" in svc["command"]:
             programs = f"{CONTAINER_STATE}/programs"
@@ -227,6 +306,9 @@ def test_compose_services_are_hardened() -> None:
         if "--root" in svc["command"]:
             assert svc["command"][svc["command"].index("--root") + 1] in writable, name
         for vol in svc.get("volumes", []):
+            if vol.startswith("./"):  # credentials: read-only binds from the git-ignored secrets dir
+                assert vol.startswith("./deploy/compose/secrets/") and vol.endswith(":ro"), f"{name}: {vol}"
+                continue
             assert vol.split(":")[0] in compose["volumes"], f"{name}: {vol} (only named volumes)"
             assert "volume-owner" in _started_after(compose, name), f"{name} may start before its volumes are its own"
     owner = compose["services"]["volume-owner"]
