@@ -246,7 +246,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             call.cancel()
         return first
 
-    @app.post("/v1/completions", responses={**ok_response(Completion, stream=True), **v1_errors})
+    @app.post("/v1/completions", responses={**ok_response(Completion, chunk=Completion), **v1_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _ignored(body)
         model = await served.check(body.model)
@@ -284,7 +284,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage)
         return EventStream(events, on_close=call.cancel)
 
-    @app.post("/v1/chat/completions", responses={**ok_response(ChatCompletion, stream=True), **v1_errors})
+    @app.post("/v1/chat/completions", responses={**ok_response(ChatCompletion, chunk=ChatCompletionChunk), **v1_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _ignored(body)
         model = await served.check(body.model)

@@ -2,7 +2,9 @@
 reference, with vLLM's additions where warmserve has the feature).
 
 Requests accept and ignore fields they do not know (as vLLM does; the app logs them), so a
-newer client's extra fields do not fail a request. Parameters warmserve does not implement are
+newer client's extra fields do not fail a request. Field types are strict (pydantic's strict
+mode: ``"16"`` is not an integer nor ``0`` a boolean; an integer is a number), as the schema
+says and as OpenAI's API refuses them. Parameters warmserve does not implement are
 declared, so that a value other than their default is refused with a sentence
 (:mod:`openai_service.convert`) instead of being silently ignored. Range checks that pydantic
 can state (``max_tokens >= 1``, ``0 <= top_logprobs <= 20``) live here; a failed one is an HTTP
@@ -26,7 +28,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from services.sampling_keys import FLOAT32_MAX
@@ -42,6 +52,20 @@ MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 FinishReason = Literal["stop", "length"]
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: An integer field of a request: strict (no strings, no booleans), but ``16.0`` is ``16``, as
+#: JSON Schema counts an integral number as an integer.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _int(**bounds: int) -> Any:
+    """:data:`Int` within pydantic ``Field`` bounds (``ge``, ``lt``, ...); the bounds come before
+    the validator so that they reach the JSON schema."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 #: Chat roles a request may use (``developer`` is sent as ``system``; the runner takes the rest).
 CHAT_ROLES = ("system", "user", "assistant", "developer")
@@ -101,7 +125,7 @@ class _Request(BaseModel):
     a string UTF-8 cannot encode is a validation error (type ``invalid_unicode``, ``ctx``
     ``where``: its path, ``param``: its top-level field)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -118,7 +142,7 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk (``choices: []``) with the usage."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool | None = False
 
@@ -126,10 +150,10 @@ class StreamOptions(BaseModel):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions. Token counts are tokens."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     model: str | None = None
-    n: int = Field(1, json_schema_extra={"enum": [1]})
+    n: Int = Field(1, json_schema_extra={"enum": [1]})
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
@@ -137,15 +161,15 @@ class _SamplingFields(_Request):
         {"type": "null"}]})] = None
     temperature: Annotated[float, Field(ge=0, le=FLOAT32_MAX)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    seed: _int(ge=0, lt=2**64) | None = None
     presence_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
     frequency_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # vLLM's sampling extras that the runner implements.
-    top_k: Annotated[int, Field(ge=-1, lt=INT32_END)] | None = None
+    top_k: _int(ge=-1, lt=INT32_END) | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT32_END)]] | None = None
+    stop_token_ids: list[_int(ge=0, lt=INT32_END)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -155,16 +179,16 @@ class CompletionRequest(_SamplingFields):
     leaves (the runner caps it: ``SamplingParams.default_max_tokens``). ``logprobs``: top-n per
     token, 0..20 (0: the sampled token's)."""
 
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema({"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
         {"type": "array", "items": _TOKEN_ID, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1,
          "maxItems": 1}]})]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: _int(ge=1, lt=INT32_END) | None = None
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    best_of: int | None = Field(None, json_schema_extra={"enum": [1, None]})
+    best_of: Int | None = Field(None, json_schema_extra={"enum": [1, None]})
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
 
 
@@ -178,7 +202,7 @@ class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported
     (anything else is refused by :mod:`openai_service.convert`, as the schema says)."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=_text_parts_only)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_text_parts_only)
 
     type: str
     text: str | None = None
@@ -187,7 +211,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message: ``role`` and ``content`` (text, a list of text parts, or null)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPart] | None = None
@@ -200,15 +224,15 @@ class ChatCompletionRequest(_SamplingFields):
     return the sampled tokens' logprobs; ``top_logprobs`` (0..20) adds that many alternatives
     per token and needs ``logprobs``."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [
         _STREAM_OPTIONS_NEED_STREAM,
         _if_then("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", {"const": True})]})
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1, "contains": _SOME_TEXT})
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
+    max_tokens: _int(ge=1, lt=INT32_END) | None = None
+    max_completion_tokens: _int(ge=1, lt=INT32_END) | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: Any = None
     response_format: dict[str, Any] | None = Field(
