@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     """Add ``openai`` and its ``serve`` subcommand to the ``warmserve`` parser."""
     openai = subparsers.add_parser("openai", help="the OpenAI-compatible HTTP API (over the router)")
     sub = openai.add_subparsers(dest="openai_command", metavar="ACTION", required=True)
-    serve = sub.add_parser("serve", help="serve /v1/models, /v1/completions and /v1/chat/completions over HTTP")
+    serve = sub.add_parser("serve", help="serve /v1/models, /v1/completions and /v1/chat/completions over HTTP",
+                           allow_abbrev=False)  # "--api-key K" must not pass for "--api-key-file K"
     serve.add_argument("--router", default=DEFAULT_ROUTER,
                        help=f"the router's (or a runner's) Generation address, host:port (default {DEFAULT_ROUTER})")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")

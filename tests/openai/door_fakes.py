@@ -1,7 +1,8 @@
 """A fake router for tests of the OpenAI door's own surface (guards, schema, TLS): a
 ``Generation`` service in this process that answers every ``Generate`` with two tokens
 (``"ok"``, with logprobs when asked) and a final LENGTH message, or, with ``overloaded`` set,
-with the router's capacity signal (UNAVAILABLE + ``warmserve-overloaded: 1``)."""
+with the router's capacity signal (UNAVAILABLE + ``warmserve-overloaded: 1``), or, with
+``crash`` set, with an exception (gRPC's UNKNOWN, whose details carry the exception's text)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ class FakeRouterGeneration(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.overloaded = False
+        self.crash: str | None = None  # raise RuntimeError(crash): gRPC answers UNKNOWN with its text
         self.calls = 0
 
     def Generate(self, request, context):
         self.calls += 1
+        if self.crash is not None:
+            raise RuntimeError(self.crash)
         if self.overloaded:
             context.set_trailing_metadata((OVERLOADED_METADATA,))
             context.abort(grpc.StatusCode.UNAVAILABLE, "every runner is busy: 4 of 4 streams in use")
