@@ -13,7 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 
 #: Initial-metadata key of every health ``Check`` answer of a warmserve server
 #: (``services.bootstrap``): the serving process's pid, so a launcher can tell its own child from
@@ -23,13 +23,15 @@ PID_METADATA_KEY = "warmserve-pid"
 FOREIGN = "FOREIGN"
 
 
-def check_health(address: str, *, service: str = "", timeout_s: float = 2.0, pid: int | None = None) -> str:
+def check_health(address: str, *, service: str = "", timeout_s: float = 2.0, pid: int | None = None,
+                 security: ClientSecurity | None = None) -> str:
     """The serving status name of ``service`` at ``address`` (``SERVING``, ``NOT_SERVING``, ...),
     or ``UNREACHABLE: <code>`` when the RPC fails within ``timeout_s`` seconds. With ``pid``, an
     answer from any other process (by the pid a warmserve server sends with it, see
     :data:`PID_METADATA_KEY`; none counts as another) is ``FOREIGN: pid N``: a
-    launcher's own child is not up just because something else answers on its port."""
-    channel = open_channel(address)
+    launcher's own child is not up just because something else answers on its port. ``security``:
+    the TLS files (and token) to dial with."""
+    channel = open_channel(address, security=security)
     try:
         resp, call = health_pb2_grpc.HealthStub(channel).Check.with_call(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True)
