@@ -16,7 +16,7 @@ RESOURCE_EXHAUSTED       400    a request that can never fit the KV cache: retry
 NOT_FOUND                404
 UNAUTHENTICATED          401
 UNAVAILABLE, overloaded  429    every runner is at capacity (trailing metadata
-                                ``warmserve-overloaded: 1``, :data:`OVERLOADED_METADATA`):
+                                ``warmserve-overloaded: 1``, ``services.errors.Overloaded``):
                                 ``rate_limit_error``, the one status clients retry later
 UNAVAILABLE              503    no runner is ready, or the runner serving the request went
                                 away or became unreachable, before or after the first token
@@ -44,6 +44,7 @@ from __future__ import annotations
 import grpc
 
 from openai_service.protocol import ErrorInfo, ErrorResponse
+from services.errors import is_overloaded
 
 #: vLLM's ``type`` for each HTTP status the door answers.
 ERROR_TYPES = {
@@ -69,10 +70,6 @@ GRPC_TO_HTTP = {
     grpc.StatusCode.FAILED_PRECONDITION: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-
-#: The trailing metadata of an UNAVAILABLE that means "at capacity, try later"
-#: (``services.errors.Overloaded`` of the limits slice; its key and value, here until it lands).
-OVERLOADED_METADATA = ("warmserve-overloaded", "1")
 
 
 class OpenAIError(Exception):
@@ -123,16 +120,6 @@ RUNNER_PARAMS = (
 )
 
 
-def overloaded(err: grpc.RpcError) -> bool:
-    """Whether ``err`` is the capacity signal: UNAVAILABLE with :data:`OVERLOADED_METADATA`
-    among its trailing metadata (sync or ``grpc.aio`` errors; values as text or bytes)."""
-    code = err.code() if hasattr(err, "code") else None
-    if code != grpc.StatusCode.UNAVAILABLE or not hasattr(err, "trailing_metadata"):
-        return False
-    key, value = OVERLOADED_METADATA
-    return any(k == key and v in (value, value.encode()) for k, v in (err.trailing_metadata() or ()))
-
-
 def from_rpc_error(err: grpc.RpcError, fields: dict[str, str] | None = None) -> OpenAIError:
     """The :class:`OpenAIError` for a failed ``Generate``/``ModelInfo`` call (see the module
     table), keeping the server's sentence as the message (not for UNKNOWN, whose details are an
@@ -140,7 +127,7 @@ def from_rpc_error(err: grpc.RpcError, fields: dict[str, str] | None = None) -> 
     names (``{"prompt": "messages"}``); given, an INVALID_ARGUMENT whose sentence is about a
     field sets ``param`` to it."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    if overloaded(err):
+    if is_overloaded(err):
         return OpenAIError(429, (err.details() if hasattr(err, "details") else None)
                            or "every runner is at capacity: retry later")
     if code == grpc.StatusCode.UNKNOWN:

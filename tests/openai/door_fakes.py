@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import grpc
 
-from openai_service.errors import OVERLOADED_METADATA
 from services.bootstrap import ServerConfig, ServiceServer
+from services.errors import OVERLOADED_METADATA
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2 as pb
 from services.proto import generation_pb2_grpc

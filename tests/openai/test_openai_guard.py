@@ -2,7 +2,7 @@
 an oversize body refused before it is read, invalid Unicode a 400 that leaks nothing, no
 exception text in a 500, ``/docs`` off unless asked for, the API key on every ``/v1`` route
 (health open), the ``Host`` check, 405 with ``Allow``, the router's overload signal as 429, and
-HTTPS / mTLS with a throw-away CA (tests/openai/pki.py)."""
+HTTPS / mTLS with a throw-away CA (``services.tls.make_dev_pki``)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ import sys
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.client import HTTPConnection
 from pathlib import Path
 
 import openai
 import pytest
 from door_fakes import FAKE_MODEL, fake_router
-from pki import make_pki
 
 from openai_service.app import create_app
 from openai_service.config import DEFAULT_MAX_BODY_BYTES, OpenAIConfig
 from openai_service.daemon import API_KEY_ENV, OpenAIServer, api_key_from
 from openai_service.healthcheck import check_http_health, client_tls
 from services.errors import InvalidArgument
+from services.tls import make_dev_pki
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-0123456789"
@@ -296,13 +297,23 @@ def test_the_api_key_comes_from_a_file_or_the_environment_never_argv(tmp_path) -
 # --- TLS and mTLS ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PKI:
+    ca: str
+    cert: str  # the door's certificate, and a client certificate from the same CA
+    key: str
+    stranger_cert: str  # a client certificate from another CA
+    stranger_key: str
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
+    ours, other = make_dev_pki(tmp_path_factory.mktemp("pki")), make_dev_pki(tmp_path_factory.mktemp("other-pki"))
+    return PKI(str(ours.ca), str(ours.cert), str(ours.key), str(other.cert), str(other.key))
 
 
 def test_tls_serves_https_and_refuses_plaintext(router, pki) -> None:
-    with door(router, tls_cert=pki.server_cert, tls_key=pki.server_key) as d:
+    with door(router, tls_cert=pki.cert, tls_key=pki.key) as d:
         assert d.url.startswith("https://")
         assert check_http_health(d.address, tls=client_tls(pki.ca)) == "SERVING"
         assert check_http_health(d.address, timeout_s=5) != "SERVING"  # plaintext HTTP
@@ -315,8 +326,8 @@ def test_tls_serves_https_and_refuses_plaintext(router, pki) -> None:
 
 
 def test_mtls_requires_a_client_certificate_from_the_ca(router, pki) -> None:
-    with door(router, tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca) as d:
-        assert check_http_health(d.address, tls=client_tls(pki.ca, pki.client_cert, pki.client_key)) == "SERVING"
+    with door(router, tls_cert=pki.cert, tls_key=pki.key, tls_ca=pki.ca) as d:
+        assert check_http_health(d.address, tls=client_tls(pki.ca, pki.cert, pki.key)) == "SERVING"
         assert check_http_health(d.address, tls=client_tls(pki.ca)).startswith("UNREACHABLE")  # no certificate
         stranger = client_tls(pki.ca, pki.stranger_cert, pki.stranger_key)  # another CA's certificate
         assert check_http_health(d.address, tls=stranger).startswith("UNREACHABLE")
