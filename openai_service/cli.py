@@ -40,6 +40,10 @@ def register(subparsers) -> None:
     serve.add_argument("--tls-key", default=None, metavar="F", help="the certificate's PEM private key")
     serve.add_argument("--tls-ca", default=None, metavar="F",
                        help="require client certificates signed by this PEM CA (mTLS)")
+    serve.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="the name the router's certificate carries (with --tls-ca the router is dialled over TLS)")
+    serve.add_argument("--token-file", default=None, metavar="F",
+                       help="the door's own token for the router (else $WARMSERVE_TOKEN)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                        help=f"refuse request bodies over N bytes with 413 (default {DEFAULT_MAX_BODY_BYTES})")
     serve.add_argument("--allowed-hosts", default=None, metavar="H,...",

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.address import format_address, parse_address
 from services.errors import InvalidArgument
 from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, OPENAI
+
+if TYPE_CHECKING:  # services.channel imports grpc; the CLI imports this module at start-up
+    from services.channel import ClientSecurity
 
 #: ``--max-body-bytes``' default: 4 MiB, room for a 1 MiB prompt JSON-escaped several times over.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -36,7 +40,8 @@ class OpenAIConfig:
     ``Host`` names answered, ``*.example.com`` wildcards allowed; empty: any), ``enable_docs``
     (serve ``/docs``, ``/redoc`` and ``/openapi.json``). TLS: ``tls_cert``/``tls_key`` (PEM
     files, both or neither) make the door HTTPS; ``tls_ca`` (needs them) requires client
-    certificates signed by that CA (mTLS).
+    certificates signed by that CA (mTLS). ``router_security``: what the door presents to the
+    router (its bearer token, TLS files; ``None``: plaintext, no token; never in ``repr``).
     """
 
     router: str = DEFAULT_ROUTER
@@ -51,6 +56,7 @@ class OpenAIConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    router_security: ClientSecurity | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         parse_address(self.router, what="--router")

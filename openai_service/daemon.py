@@ -9,6 +9,8 @@ embedding). A busy port is one sentence before anything starts (``Unavailable``:
 without a key logs ``api key off``). With ``tls_cert``/``tls_key`` uvicorn serves HTTPS; with
 ``tls_ca`` too it requires a client certificate signed by that CA (``ssl.CERT_REQUIRED``).
 The API key comes from ``--api-key-file`` or the environment (:data:`API_KEY_ENV`), never argv.
+Calls to the router carry the door's own token (``--token-file``/``$WARMSERVE_TOKEN``) and, with
+``--tls-ca``, go over TLS with the same files (``--tls-server-name`` for a router dialled by IP).
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import uvicorn
 from openai_service.app import create_app
 from openai_service.config import OpenAIConfig
 from services.address import bind_problem, format_address
+from services.auth import read_token
+from services.channel import ClientSecurity
 from services.errors import InvalidArgument, Unavailable
 from services.log import configure_logging
+from services.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +143,15 @@ def serve_from_args(args) -> int:
     """Entry point of ``warmserve openai serve``: serve until SIGINT/SIGTERM. Raises
     ``InvalidArgument`` for bad flags (exit 2) and ``Unavailable`` for a busy port (exit 1)."""
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
+    # Outbound, as every daemon: a CA means a TLS fleet (the router verified against it, the
+    # door's certificate presented); the token from --token-file or $WARMSERVE_TOKEN.
+    outbound = TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                        server_name=args.tls_server_name) if args.tls_ca else None
+    security = ClientSecurity(token=read_token(args.token_file), tls=outbound)
     config = OpenAIConfig(router=args.router, host=args.host, port=args.port, served_model_name=args.served_model_name,
                           api_key=api_key_from(args.api_key_file), max_body_bytes=args.max_body_bytes,
                           allowed_hosts=hosts, enable_docs=args.enable_docs, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key, tls_ca=args.tls_ca)
+                          tls_key=args.tls_key, tls_ca=args.tls_ca, router_security=security)
     configure_logging("openai", args.log_level)
     OpenAIServer(config, log_level=args.log_level).serve_forever()
     return 0

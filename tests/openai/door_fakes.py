@@ -16,6 +16,7 @@ from services.errors import OVERLOADED_METADATA
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2 as pb
 from services.proto import generation_pb2_grpc
+from services.tls import TLSFiles
 
 FAKE_MODEL = "fake-model"
 
@@ -27,9 +28,11 @@ class FakeRouterGeneration(generation_pb2_grpc.GenerationServicer):
         self.overloaded = False
         self.crash: str | None = None  # raise RuntimeError(crash): gRPC answers UNKNOWN with its text
         self.calls = 0
+        self.authorization: str | None = None  # the last call's authorization metadata
 
     def Generate(self, request, context):
         self.calls += 1
+        self.authorization = dict(context.invocation_metadata()).get("authorization")
         if self.crash is not None:
             raise RuntimeError(self.crash)
         if self.overloaded:
@@ -50,10 +53,11 @@ class FakeRouterGeneration(generation_pb2_grpc.GenerationServicer):
 
 
 @contextmanager
-def fake_router(port: int = 0) -> Iterator[tuple[str, FakeRouterGeneration]]:
-    """``(address, servicer)`` of a fake router on loopback ``port`` (0: a free one)."""
+def fake_router(port: int = 0, tls: TLSFiles | None = None) -> Iterator[tuple[str, FakeRouterGeneration]]:
+    """``(address, servicer)`` of a fake router on loopback ``port`` (0: a free one), serving
+    TLS with ``tls`` (mTLS when it has a CA)."""
     servicer = FakeRouterGeneration()
-    server = ServiceServer(ServerConfig(service="fake-router", port=port), [
+    server = ServiceServer(ServerConfig(service="fake-router", port=port, tls=tls), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, servicer, GENERATION_SERVICE)])
     server.start()
     try:

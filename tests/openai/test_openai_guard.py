@@ -26,8 +26,9 @@ from openai_service.app import create_app
 from openai_service.config import DEFAULT_MAX_BODY_BYTES, OpenAIConfig
 from openai_service.daemon import API_KEY_ENV, OpenAIServer, api_key_from
 from openai_service.healthcheck import check_http_health, client_tls
+from services.channel import ClientSecurity
 from services.errors import InvalidArgument
-from services.tls import make_dev_pki
+from services.tls import TLSFiles, make_dev_pki
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-0123456789"
@@ -332,6 +333,20 @@ def test_mtls_requires_a_client_certificate_from_the_ca(router, pki) -> None:
         stranger = client_tls(pki.ca, pki.stranger_cert, pki.stranger_key)  # another CA's certificate
         assert check_http_health(d.address, tls=stranger).startswith("UNREACHABLE")
         assert check_http_health(d.address, timeout_s=5) != "SERVING"  # plaintext
+
+
+def test_calls_to_the_router_carry_the_doors_token_and_tls(router, pki) -> None:
+    with door(router, router_security=ClientSecurity(token="wst_door-token")) as d:
+        assert request(d, "POST", "/v1/completions", COMPLETION)[0] == 200
+        assert router[1].authorization == "Bearer wst_door-token"
+        assert "wst_door-token" not in repr(d.config)
+    mtls = TLSFiles(cert=pki.cert, key=pki.key, ca=pki.ca)
+    with fake_router(tls=mtls) as secured:
+        with door(secured, router_security=ClientSecurity(tls=mtls)) as d:
+            status, _, doc = request(d, "POST", "/v1/completions", COMPLETION)
+            assert status == 200 and doc["choices"][0]["text"] == "ok"
+        with door(secured) as plaintext:  # a plaintext door cannot reach a TLS router
+            assert request(plaintext, "POST", "/v1/completions", COMPLETION)[0] == 503
 
 
 @pytest.mark.parametrize(("config", "message"), [
