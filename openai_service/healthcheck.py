@@ -1,10 +1,12 @@
 """An HTTP probe of an OpenAI door's ``GET /health``:
-``python -m openai_service.healthcheck HOST:PORT [--timeout S]``.
+``python -m openai_service.healthcheck HOST:PORT [--timeout S] [--tls-ca F [--tls-cert F --tls-key F]]``.
 
 Exits 0 when the door answers 200 (the router has a READY runner), 1 otherwise, printing one
 line. Used by ``compose.yaml``'s healthcheck of the ``openai`` service and by
 :mod:`warmserve.stack` (which also checks the ``warmserve-pid`` header, as it does for its gRPC
-children, so another program on the port is never taken for its own child).
+children, so another program on the port is never taken for its own child). With ``--tls-ca``
+it speaks HTTPS, verifying the door against that CA (and presenting a client certificate to a
+door that requires one).
 """
 
 from __future__ import annotations
@@ -59,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m openai_service.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("address", help="host:port of the OpenAI door")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    parser.add_argument("--tls-ca", default=None, metavar="F", help="speak HTTPS, trusting this PEM CA")
+    parser.add_argument("--tls-cert", default=None, metavar="F", help="client certificate (for an mTLS door)")
+    parser.add_argument("--tls-key", default=None, metavar="F", help="the client certificate's key")
     args = parser.parse_args(argv)
     try:
-        status = check_http_health(args.address, timeout_s=args.timeout)
-    except InvalidArgument as e:
+        tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+        status = check_http_health(args.address, timeout_s=args.timeout, tls=tls)
+    except (InvalidArgument, OSError) as e:
         parser.error(str(e))
-    print(f"http://{args.address}/health: {status}")
+    print(f"{'https' if tls else 'http'}://{args.address}/health: {status}")
     return 0 if status == "SERVING" else 1
 
 
