@@ -24,9 +24,18 @@ Method (one run, one machine):
    streamed token is its arrival time minus the native one for the same decode step. With the
    instant runner: wall time per token through each door minus the native router path.
 
+4. *Oversize prompt beside a small request* (issue 23): the small greedy request's inter-token
+   gaps (median, max) through the router alone, then while another client sends a 4 MB text
+   prompt through the same router every 0.2 s, each refused by the runner before it is tokenized
+   (``--max-prompt-bytes``, 1 MiB). Before the limit each was tokenized holding the GIL for
+   seconds, stalling every stream of the runner; now the gaps should not move.
+5. *TLS* (issue 23): the instant runner behind a router, plaintext and mTLS on every hop side
+   by side (:func:`bench_tls`): wall time per token and time to first token, direct and routed.
+   ``--tls-only`` runs just this part.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
-    python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json]
+    python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json] [--tls-only]
 """
 
 from __future__ import annotations
@@ -185,17 +194,62 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
                 d1, d2 = _together(direct, direct2, request)
                 noise += _aligned_gaps(d1, d2)[1]
             single = _arrivals(direct, request)
+            oversize = _oversize_beside(routed, request, stack.router_address, rounds=max(2, rounds // 4))
             doors = _bench_doors(routed, request, stack.router_address,
                                  f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
         "doors": doors,
+        "oversize_prompt_beside": oversize,
         "tokens_per_request": tokens, "rounds": rounds, "samples": len(added),
         "step_offsets_seen": sorted(set(shifts)),
         "added_ms_p50": _pct(added, 50), "added_ms_p99": _pct(added, 99),
         "aa_noise_ms_p50": _pct([abs(x) for x in noise], 50), "aa_noise_ms_p99": _pct([abs(x) for x in noise], 99),
         "inter_token_ms_p50_direct": statistics.median(itl) if itl else float("nan"),
     }
+
+
+def _gaps_ms(stub, request) -> list[float]:
+    """Inter-token gaps of one streamed request, in milliseconds."""
+    t = _arrivals(stub, request)
+    return [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
+
+
+def _oversize_beside(routed, request, router_address: str, rounds: int, every_s: float = 0.2) -> dict:
+    """Item 4 of the module docstring: ``request``'s inter-token gaps (ms) over ``rounds``
+    requests alone, then while a second client sends a 4 MB prompt every ``every_s`` seconds (on
+    its own channel); with the status and answer time of those."""
+    big = generation_pb2.GenerateRequest(text="the " * (1 << 20), sampling=generation_pb2.SamplingParams(max_tokens=1))
+    before = [g for _ in range(rounds) for g in _gaps_ms(routed, request)]
+    stop, answers, codes = threading.Event(), [], set()
+
+    def flood() -> None:
+        import grpc
+
+        with open_channel(router_address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    list(stub.Generate(big, timeout=120))
+                    codes.add("OK")
+                except grpc.RpcError as e:
+                    codes.add(e.code().name)
+                answers.append((time.perf_counter() - t0) * 1e3)
+                stop.wait(every_s)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        during = [g for _ in range(rounds) for g in _gaps_ms(routed, request)]
+    finally:
+        stop.set()
+        thread.join(300)
+    return {"prompt_bytes": len(big.text), "rounds": rounds, "oversize_sent": len(answers),
+            "oversize_codes": sorted(codes), "oversize_answer_ms_p50": _pct(answers, 50),
+            "gap_ms_p50_before": _pct(before, 50), "gap_ms_max_before": max(before, default=float("nan")),
+            "gap_ms_p50_during": _pct(during, 50), "gap_ms_max_during": max(during, default=float("nan"))}
 
 
 def _paired(native, door, rounds: int) -> dict:
@@ -233,6 +287,31 @@ def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: 
         }
 
 
+class _Instant(generation_pb2_grpc.GenerationServicer):
+    """A Generation servicer that streams ``max_tokens`` tokens with no compute."""
+
+    def Generate(self, request, context):  # noqa: N802 (the RPC's name)
+        for i in range(request.sampling.max_tokens):
+            yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
+        yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant",
+                                              usage=generation_pb2.Usage(prompt_tokens=1,
+                                                                         completion_tokens=request.sampling.max_tokens))
+
+    def ModelInfo(self, request, context):  # noqa: N802
+        return generation_pb2.ModelInfoResponse(runner_id="instant", model="instant", max_model_len=1 << 20,
+                                                vocab_size=1 << 16)
+
+
+def _instant_runner(config):
+    """A started ``ServiceServer`` of :class:`_Instant` with ``config``."""
+    from services.bootstrap import ServiceServer
+
+    runner = ServiceServer(config, [(generation_pb2_grpc.add_GenerationServicer_to_server, _Instant(),
+                                     "warmserve.v1.Generation")])
+    runner.start()
+    return runner
+
+
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute; per-token wall
     time direct, through the router natively, and through each front door on the router."""
@@ -240,24 +319,10 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     from openai_service.config import OpenAIConfig
     from openai_service.daemon import OpenAIServer
     from router_service.config import RouterConfig
-    from services.bootstrap import ServerConfig, ServiceServer
+    from services.bootstrap import ServerConfig
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 
-    class Instant(generation_pb2_grpc.GenerationServicer):
-        def Generate(self, request, context):
-            for i in range(request.sampling.max_tokens):
-                yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
-            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant",
-                                                  usage=generation_pb2.Usage(prompt_tokens=1,
-                                                                             completion_tokens=request.sampling.max_tokens))
-
-        def ModelInfo(self, request, context):
-            return generation_pb2.ModelInfoResponse(runner_id="instant", model="instant", max_model_len=1 << 20,
-                                                    vocab_size=1 << 16)
-
-    runner = ServiceServer(ServerConfig(service="instant", port=0), [
-        (generation_pb2_grpc.add_GenerationServicer_to_server, Instant(), "warmserve.v1.Generation")])
-    runner.start()
+    runner = _instant_runner(ServerConfig(service="instant", port=0))
     router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2,
                                        served_model_name="instant"), ServerConfig(service="router", port=0))
     router.start()
@@ -306,19 +371,95 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     return out
 
 
+def bench_tls(tokens: int, rounds: int) -> dict:
+    """Per-token cost of TLS: two instant runners, each behind its own router, one pair
+    plaintext and one pair mTLS (servers require client certificates of a throw-away CA; the
+    router dials its runner with its certificate; this client presents one). Each round streams
+    ``tokens`` tokens over every path (direct and through the router, TLS off and on) in turn;
+    wall time per token (ms) and time to first token (ms), medians."""
+    from kserve_service.door import router_server
+    from router_service.config import RouterConfig
+    from services.bootstrap import ServerConfig
+    from services.channel import ClientSecurity
+    from services.tls import make_dev_pki
+
+    request = generation_pb2.GenerateRequest(text="x", sampling=generation_pb2.SamplingParams(max_tokens=tokens))
+    servers, stubs, channels = [], {}, []
+    with tempfile.TemporaryDirectory(prefix="warmserve-bench-tls-") as tmp:
+        pki = make_dev_pki(tmp)
+        try:
+            for label, tls in (("off", None), ("on", pki.files())):
+                security = ClientSecurity(tls=tls) if tls is not None else None
+                runner = _instant_runner(ServerConfig(service="instant", port=0, tls=tls))
+                servers.append(runner)
+                router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2),
+                                       ServerConfig(service="router", port=0, tls=tls), security=security)
+                servers.append(router)
+                router.start()
+                if not router.router.wait_ready(1, 10):
+                    raise RuntimeError(f"the TLS {label} runner never became READY")
+                for path, address in (("direct", runner.address), ("router", router.address)):
+                    channels.append(open_channel(address, security=security))
+                    stubs[f"{path}_tls_{label}"] = generation_pb2_grpc.GenerationStub(channels[-1])
+            per_token = {k: [] for k in stubs}
+            ttft = {k: [] for k in stubs}
+            for stub in stubs.values():  # warm every path (the TLS handshakes happen here)
+                _arrivals(stub, request)
+            for _ in range(rounds):
+                for k, stub in stubs.items():
+                    t = _arrivals(stub, request)
+                    per_token[k].append(t[-1] / len(t) * 1e3)
+                    ttft[k].append(t[0] * 1e3)
+        finally:
+            for ch in channels:
+                ch.close()
+            for server in reversed(servers):
+                server.stop()
+    out = {"tokens_per_request": tokens, "rounds": rounds}
+    for k in stubs:
+        out[f"per_token_ms_{k}_p50"] = statistics.median(per_token[k])
+        out[f"ttft_ms_{k}_p50"] = statistics.median(ttft[k])
+    for path in ("direct", "router"):
+        out[f"tls_added_per_token_ms_{path}_p50"] = (out[f"per_token_ms_{path}_tls_on_p50"]
+                                                     - out[f"per_token_ms_{path}_tls_off_p50"])
+    return out
+
+
+def print_tls_table(tls: dict) -> None:
+    """The Markdown rows of :func:`bench_tls`."""
+    print(f"\nTLS (mTLS on every hop) vs plaintext, instant runner, {tls['tokens_per_request']} tokens "
+          f"x {tls['rounds']} rounds:\n")
+    print("| path | per token, TLS off (p50) | per token, TLS on (p50) | added per token | TTFT off | TTFT on |")
+    print("|---|---|---|---|---|---|")
+    for path in ("direct", "router"):
+        print(f"| {path} | {tls[f'per_token_ms_{path}_tls_off_p50']:.3f} ms | "
+              f"{tls[f'per_token_ms_{path}_tls_on_p50']:.3f} ms | {tls[f'tls_added_per_token_ms_{path}_p50']:.3f} ms | "
+              f"{tls[f'ttft_ms_{path}_tls_off_p50']:.2f} ms | {tls[f'ttft_ms_{path}_tls_on_p50']:.2f} ms |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--rounds", type=int, default=12, help="rounds per measurement (default 12)")
     parser.add_argument("--home", default=None, help="stack home (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the JSON here")
+    parser.add_argument("--tls-only", action="store_true",
+                        help="only the TLS on vs off comparison (instant runners: seconds, no model)")
     args = parser.parse_args(argv)
+    tls = bench_tls(256, max(args.rounds, 20))
+    if args.tls_only:
+        result = {"benchmark": "router", "tls": tls}
+        print(json.dumps(result, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print_tls_table(tls)
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="warmserve-bench-router-") as tmp:
         home = Path(args.home) if args.home else Path(tmp)
         real = bench_real(args.tokens, args.rounds, home)
     instant = bench_instant(256, max(args.rounds, 20))
-    result = {"benchmark": "router", "real_runner_smollm2": real, "instant_runner": instant}
+    result = {"benchmark": "router", "real_runner_smollm2": real, "instant_runner": instant, "tls": tls}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -347,6 +488,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{instant[f'per_token_ms_{key}_p50']:.3f} ms | {instant[f'{key}_added_per_token_ms_p50']:.3f} ms | "
               f"{instant[f'{key}_added_per_token_ms_p99']:.3f} ms |")
     print(f"\nSmolLM2 direct inter-token time p50: {real['inter_token_ms_p50_direct']:.1f} ms")
+    big = real["oversize_prompt_beside"]
+    print(f"\nA small request's inter-token gaps through the router, alone and while {big['oversize_sent']} prompts "
+          f"of {big['prompt_bytes'] / 2**20:.0f} MiB were sent beside it (answered {', '.join(big['oversize_codes'])} "
+          f"in {big['oversize_answer_ms_p50']:.0f} ms p50):\n")
+    print("| small request | gap p50 | gap max |")
+    print("|---|---|---|")
+    for when in ("before", "during"):
+        print(f"| {when} | {big[f'gap_ms_p50_{when}']:.1f} ms | {big[f'gap_ms_max_{when}']:.1f} ms |")
+    print_tls_table(tls)
     return 0
 
 

@@ -2,12 +2,13 @@
 
 Commands::
 
-    warmserve cache serve --root DIR [--store s3://BUCKET/PREFIX] [--port 50051] [--max-bytes N] [--token-file F]
-    warmserve cache put NAME FINGERPRINT PATH   (--addr HOST:PORT | --root DIR) [--token-file F]
+    warmserve cache serve --root DIR [--store s3://BUCKET/PREFIX] [--port 50051] [--max-bytes N] [--auth-file F] [TLS flags]
+                          [--max-streams N] [--publish-idle-timeout SECONDS]
+    warmserve cache put NAME FINGERPRINT PATH   (--addr HOST:PORT | --root DIR) [--token-file F] [TLS flags]
     warmserve cache get NAME FINGERPRINT OUT    (--addr HOST:PORT | --root DIR)
     warmserve cache ls [PREFIX]                 (--addr HOST:PORT | --root DIR)
     warmserve cache stat                        (--addr HOST:PORT | --root DIR)
-    warmserve cache evict [NAME [FINGERPRINT]] [--all]  (--addr | --root) [--token-file F]
+    warmserve cache evict [NAME [FINGERPRINT]] [--all]  (--addr | --root) [--token-file F] [TLS flags]
 
 ``--root`` uses an embedded store in that directory (no daemon); ``--addr`` talks to a daemon.
 Neither given: the daemon at ``$WARMSERVE_KERNEL_CACHE_ADDR`` if set, else the embedded store at
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
-from services.bootstrap import add_server_args, int_at_least, read_token_file
+from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S
+from services.bootstrap import add_server_args, int_at_least, positive_seconds
+from services.channel import add_client_security_args, client_security_from_args
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.ports import DEFAULT_PORTS, KERNEL_CACHE
 from services.table import format_table
@@ -46,6 +49,9 @@ def register(subparsers) -> None:
     serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
                        help="share the programs through this S3 bucket, --root its local tier (AWS environment "
                             "for endpoint and credentials; docs/architecture.md section 6.1)")
+    serve.add_argument("--publish-idle-timeout", type=positive_seconds, default=DEFAULT_PUBLISH_IDLE_S,
+                       metavar="SECONDS", help="cancel a Publish whose client sends nothing for this long, freeing "
+                                               f"its stream slot (default {DEFAULT_PUBLISH_IDLE_S:g})")
     add_server_args(serve, default_port=DEFAULT_PORTS[KERNEL_CACHE])
     serve.set_defaults(func=_cmd_serve)
 
@@ -54,7 +60,7 @@ def register(subparsers) -> None:
     put.add_argument("fingerprint")
     put.add_argument("path", help="file or directory to publish")
     put.add_argument("--producer", default="", help="free text stored with the entry")
-    _target_args(put, token=True)
+    _target_args(put)
     put.set_defaults(func=_cmd_put)
 
     get = sub.add_parser("get", help="fetch an entry to OUT (a file, or a directory for dir entries)")
@@ -78,16 +84,15 @@ def register(subparsers) -> None:
     evict.add_argument("name", nargs="?", default=None)
     evict.add_argument("fingerprint", nargs="?", default=None)
     evict.add_argument("--all", action="store_true", help="evict every entry")
-    _target_args(evict, token=True)
+    _target_args(evict)
     evict.set_defaults(func=_cmd_evict)
 
 
-def _target_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
+def _target_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--addr", default=None, help="daemon address HOST:PORT")
     group.add_argument("--root", default=None, help="embedded store directory (no daemon)")
-    if token:
-        parser.add_argument("--token-file", default=None, help="file holding the daemon's bearer token")
+    add_client_security_args(parser)
 
 
 def _client(args, *, create: bool = False):
@@ -97,10 +102,9 @@ def _client(args, *, create: bool = False):
     from kernel_cache_service.client import KernelCacheClient
     from services.paths import default_kernel_cache_root
 
-    token = read_token_file(args.token_file) if getattr(args, "token_file", None) else None
     address = args.addr or (None if args.root else os.environ.get(ADDR_ENV) or None)
     if address is not None:
-        return KernelCacheClient(address, token=token)
+        return KernelCacheClient(address, security=client_security_from_args(args))
     root = Path(args.root or default_kernel_cache_root()).expanduser()
     if not create and not (root / "entries").is_dir():
         raise NotFound(f"no kernel-cache store at {root}, so every key is a MISS (nothing was created there)")

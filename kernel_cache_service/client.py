@@ -53,8 +53,7 @@ from kernel_cache_service.leases import WAIT, Claim, Lease, validate_ttl
 from kernel_cache_service.single_flight import Flight
 from kernel_cache_service.store import KernelStore
 from kernel_cache_service.store_api import KernelStoreAPI
-from services.bootstrap import bearer_metadata
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 from services.errors import InvalidArgument, WarmserveError, from_rpc_error
 from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
@@ -110,20 +109,19 @@ class KernelCacheClient:
 
     ``store``: with an embedded store, an ``s3://BUCKET/PREFIX`` to share through (``root`` is
     then its local tier, see :mod:`kernel_cache_service.s3_store`).
-    ``token`` is sent as a bearer token (needed for publish/evict when the daemon has one).
+    ``security`` is what the client presents to a daemon (its bearer token and TLS files).
     ``timeout_s`` bounds each unary call (seconds); streams (fetch, publish) have no deadline.
     Raises ``InvalidArgument`` when both ``address`` and ``root`` (or ``store``) are given, and for
     a ``store`` that cannot be used (malformed URL, unreachable endpoint, missing bucket, ...).
     """
 
     def __init__(self, address: str | None = None, *, root: str | Path | None = None,
-                 token: str | None = None, max_bytes: int = 0, timeout_s: float = 30.0,
+                 security: ClientSecurity | None = None, max_bytes: int = 0, timeout_s: float = 30.0,
                  store: str | None = None) -> None:
         if address is not None and (root is not None or store is not None):
             raise InvalidArgument("give a daemon address or an embedded store (root, store), not both")
         self.address = address
         self.timeout_s = timeout_s
-        self._metadata = bearer_metadata(token)
         self._store: KernelStoreAPI | None = None
         self._channel: grpc.Channel | None = None
         if address is None and store:
@@ -133,7 +131,7 @@ class KernelCacheClient:
         elif address is None:
             self._store = KernelStore(root or default_kernel_cache_root(), max_bytes=max_bytes)
         else:
-            self._channel = open_channel(address)
+            self._channel = open_channel(address, security=security)
             self._stub = pb_grpc.KernelCacheStub(self._channel)
 
     # ---------------------------------------------------------------- helpers
@@ -149,7 +147,7 @@ class KernelCacheClient:
 
     def _unary(self, method, request):
         try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return method(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise self._error(err) from None
 
@@ -173,7 +171,7 @@ class KernelCacheClient:
         if self._store is not None:
             return self._store.fetch(name, fingerprint, dest)
         request = pb.FetchRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint), chunk_bytes=chunk_bytes)
-        responses = self._stub.Fetch(request, metadata=self._metadata)
+        responses = self._stub.Fetch(request)
         try:
             try:
                 first = next(responses)
@@ -237,7 +235,7 @@ class KernelCacheClient:
             return ClaimHandle(claim, lambda: store.wait_build(name, fingerprint))
         request = pb.ClaimRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint),
                                   holder=holder or _default_producer(), ttl_s=ttl)
-        responses = self._stub.Claim(request, metadata=self._metadata)
+        responses = self._stub.Claim(request)
 
         def next_event() -> Claim:
             try:
@@ -318,7 +316,7 @@ class KernelCacheClient:
                 yield pb.PublishRequest(chunk=block)
 
         try:
-            resp = self._stub.Publish(requests(), metadata=self._metadata)
+            resp = self._stub.Publish(requests())
         except grpc.RpcError as err:
             raise self._error(err) from None
         return publish_from_proto(resp)

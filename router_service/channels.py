@@ -6,14 +6,16 @@ import threading
 
 import grpc
 
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 
 
 class ChannelPool:
     """Lazily opened ``grpc.Channel`` per ``host:port``; :meth:`close` / :meth:`close_all` end
-    them (closing a channel cancels the calls still running on it)."""
+    them (closing a channel cancels the calls still running on it). Every channel presents
+    ``security`` (the router's token and TLS files)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: ClientSecurity | None = None) -> None:
+        self._security = security
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
@@ -25,7 +27,7 @@ class ChannelPool:
                 raise RuntimeError("channel pool is closed")
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = open_channel(address)
+                ch = self._channels[address] = open_channel(address, security=self._security)
             return ch
 
     def close(self, address: str) -> None:

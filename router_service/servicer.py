@@ -4,7 +4,8 @@ behind the server bootstrap.
 The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
 and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
 behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
-drain) and exports per-runner gauges; on the same port it serves the doors a layer above passes
+drain) and exports per-runner gauges and the refusals (:attr:`Router.refusals
+<router_service.router.Router.refusals>`); on the same port it serves the doors a layer above passes
 in (:data:`Door`: ``warmserve router serve`` adds the KServe v2 / Triton door, :mod:`kserve_service`).
 """
 
@@ -22,6 +23,7 @@ from router_service.registry import RunnerState
 from router_service.router import Router
 from services.address import format_address, parse_address
 from services.bootstrap import Registration, ServerConfig, ServiceServer
+from services.channel import ClientSecurity
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
@@ -65,16 +67,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         """Relay the request to a runner and stream its answer back."""
+        refusals = self._router.refusals
         try:
             self._slots.take(context)
             stream = self._router.generate(request, timeout_s=time_left(context))
         except WarmserveError as e:
-            abort_with(context, e)
+            refusals.abort(context, e)
         context.add_callback(stream.cancel)  # client cancel / deadline -> cancel the runner's call
         try:
             yield from stream
         except WarmserveError as e:
-            abort_with(context, e)
+            refusals.abort(context, e)
 
     def ModelInfo(self, request, context):
         """A READY runner's ``ModelInfo``."""
@@ -147,9 +150,11 @@ class RouterServer:
     the server, then stops the router; ``stop()`` stops both at once (tests).
     """
 
-    def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = ()) -> None:
-        """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``."""
-        self.router = Router(config)
+    def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = (),
+                 security: ClientSecurity | None = None) -> None:
+        """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``;
+        ``security``: what the router presents to runners (:class:`Router`)."""
+        self.router = Router(config, security)
         #: One cap for every door's streams (:mod:`services.stream_slots`).
         self.slots = StreamSlots(server_config.max_streams, "the router")
         self.server = ServiceServer(server_config, [
@@ -158,7 +163,7 @@ class RouterServer:
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
             *(door(self.router, self.slots) for door in doors),
-        ])
+        ], self.router.refusals)
         self.server.registry.register(_RunnerGauges(self.router))
 
     @property

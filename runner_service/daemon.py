@@ -20,6 +20,7 @@ from pathlib import Path
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine, StartupPhase
 from runner_service.options import engine_fields
+from services.channel import ClientSecurity
 from services.paths import default_sidecar_root
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidecar_dir: str | None,
-                   token: str | None = None) -> tuple[Path, StartupPhase]:
+                   security: ClientSecurity | None = None) -> tuple[Path, StartupPhase]:
     """Prepare the ``weights_dtype`` sidecar (``auto`` is resolved by whoever prepares it)
     locally (``weight_service.prepare``) or, with ``weights``, have the weight service prepare it
     and fetch it into ``sidecar_dir``. Returns its directory and the timed ``sidecar`` phase
@@ -41,7 +42,7 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
     if weights:
         from weight_service.client import WeightsClient
 
-        client = WeightsClient(weights, token=token)
+        client = WeightsClient(weights, security=security)
         handle = client.prepare(model, dtype=weights_dtype)
         path = client.fetch(handle, root)
         where = f"from {weights}"
@@ -56,29 +57,22 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
     return Path(path), StartupPhase("sidecar", time.perf_counter() - t0, detail)
 
 
-def kernel_cache_from_args(args):
+def kernel_cache_from_args(args, security: ClientSecurity | None = None):
     """What the engine's programs use as their kernel cache (see
-    :func:`runner_service.programs.open_kernel_cache`): ``--kernel-cache ADDR`` (a client carrying
-    ``--kernel-cache-token-file``'s token when given and not empty), else ``--kernel-cache-dir``,
-    else ``None``.
-    Raises ``InvalidArgument`` for a token file without ``--kernel-cache`` or one that is absent
-    or empty."""
-    from services.bootstrap import read_token_file
-    from services.errors import InvalidArgument
-
-    token_file = getattr(args, "kernel_cache_token_file", None)
-    if not token_file:  # absent, or "" (a manifest's way to say none)
-        return args.kernel_cache or args.kernel_cache_dir
+    :func:`runner_service.programs.open_kernel_cache`): ``--kernel-cache ADDR`` (a client
+    presenting ``security``, the runner's own token and TLS files), else ``--kernel-cache-dir``,
+    else ``None``."""
     if not args.kernel_cache:
-        raise InvalidArgument("--kernel-cache-token-file needs --kernel-cache ADDR (a directory takes no token)")
+        return args.kernel_cache_dir
     from kernel_cache_service.client import KernelCacheClient
 
-    return KernelCacheClient(args.kernel_cache, token=read_token_file(token_file))
+    return KernelCacheClient(args.kernel_cache, security=security)
 
 
 def serve_from_args(args) -> int:
     """Run the runner daemon until SIGTERM/SIGINT; returns the exit code."""
     from services.bootstrap import ServiceServer, config_from_args, ensure_bindable
+    from services.channel import client_security_from_args
     from services.generation_client import GENERATION_SERVICE
     from services.log import configure_logging
     from services.proto import generation_pb2_grpc
@@ -87,15 +81,16 @@ def serve_from_args(args) -> int:
     configure_logging("runner", args.log_level)
     config = engine_config_from_args(args)
     server_config = config_from_args(args, "runner")
+    security = client_security_from_args(args)  # what the runner presents to the cache, weights and router
     ensure_bindable(server_config)  # a busy port fails now, not after the model is loaded
-    kernel_cache = kernel_cache_from_args(args)
+    kernel_cache = kernel_cache_from_args(args, security)
 
     def build() -> LLMEngine:
         # one line per slow phase: a launcher waiting on this runner shows the latest (warmserve up)
         log.info("preparing the weight sidecar %s (packed once, on a first launch)",
                  f"through the weight service at {args.weights}" if args.weights else "locally")
         path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
-                                     sidecar_dir=args.sidecar_dir, token=server_config.token)
+                                     sidecar_dir=args.sidecar_dir, security=security)
         log.info("loading the model from the sidecar (%s)", phase.detail)
         return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
 
@@ -107,7 +102,7 @@ def serve_from_args(args) -> int:
         servicer = GenerationServicer(engine, config.runner_id,
                                       StreamSlots(server_config.max_streams, f"runner {config.runner_id}"))
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
-                                                GENERATION_SERVICE)])
+                                                GENERATION_SERVICE)], servicer.refusals)
         server.registry.register(RunnerCollector(engine))
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"
@@ -118,7 +113,7 @@ def serve_from_args(args) -> int:
 
             registration = RunnerRegistration(
                 args.router, runner_id=servicer.runner_id, address=server.address, model=args.model,
-                max_num_seqs=config.max_num_seqs, load_fn=engine.stats)
+                max_num_seqs=config.max_num_seqs, load_fn=engine.stats, security=security)
             registration.start()
             server.on_drain.append(registration.stop)
         server.serve_forever()

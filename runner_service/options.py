@@ -111,8 +111,6 @@ MODEL = Option("--model", "model source: a GGUF file or an HF checkpoint dir", r
 WEIGHTS = Option("--weights", "weight-sidecar service address (default: prepare the sidecar here)", metavar="ADDR")
 KERNEL_CACHE = Option("--kernel-cache", "kernel-cache service address", metavar="ADDR", group="cache")
 KERNEL_CACHE_DIR = Option("--kernel-cache-dir", "local kernel-cache directory", metavar="DIR", group="cache")
-KERNEL_CACHE_TOKEN_FILE = Option("--kernel-cache-token-file", metavar="F",
-                                 help="file holding the kernel-cache service's bearer token (to publish and claim)")
 DTYPE = Option("--dtype", "compute and KV-cache dtype (auto: bf16 where the CPU has AVX512-BF16 or AMX, else f32)",
                default="f32", cli_default="auto", choices=DTYPES, field="dtype", forwarded=True)
 WEIGHTS_DTYPE = Option("--weights-dtype", "the sidecar's dtype; int4/int8 stay quantized (auto: the checkpoint's own)",
@@ -141,14 +139,16 @@ DEVICE = Option("--device", "auto | cpu | cuda[:N] | npu[:N]", default="auto", f
 PREFIX_CACHING = Option("--no-prefix-caching", "do not reuse KV blocks across requests sharing a prompt prefix",
                         kind="off", dest="prefix_caching", default=True, field="enable_prefix_caching",
                         forwarded=True)
+MAX_PROMPT_BYTES = Option("--max-prompt-bytes", "largest prompt in UTF-8 bytes, refused before it is tokenized",
+                          default=1 << 20, type=_positive_int, metavar="BYTES", field="max_prompt_bytes")
 THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
                  field="num_threads")
 
 #: Every ``runner serve`` flag but the server ones (:func:`services.bootstrap.add_server_args`).
 RUNNER_OPTIONS: tuple[Option, ...] = (
-    MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, KERNEL_CACHE_TOKEN_FILE, DTYPE, WEIGHTS_DTYPE, COMPILE,
+    MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, COMPILE,
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
-    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS)
+    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS, MAX_PROMPT_BYTES)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 from services.errors import InvalidArgument
 from services.proto import router_pb2, router_pb2_grpc
 
@@ -40,12 +40,13 @@ class RunnerRegistration:
 
     def __init__(self, router_address: str, *, runner_id: str, address: str, model: str,
                  max_num_seqs: int, load_fn: Callable[[], dict], lease_seconds: float = 0.0,
-                 retry_s: float = 0.5, rpc_timeout_s: float = 2.0) -> None:
+                 retry_s: float = 0.5, rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None) -> None:
         if not router_address or not runner_id or not address:
             raise InvalidArgument("router address, runner id and runner address must be non-empty")
         if lease_seconds < 0 or retry_s <= 0 or rpc_timeout_s <= 0:
             raise InvalidArgument("lease_seconds must be >= 0 and retry/timeout > 0 seconds")
         self.router_address = router_address
+        self._security = security
         self.runner_id = runner_id
         self.address = address
         self.model = model
@@ -65,7 +66,7 @@ class RunnerRegistration:
         """Start registering and heartbeating on a daemon thread (returns at once)."""
         if self._thread is not None:
             return
-        self._channel = open_channel(self.router_address)
+        self._channel = open_channel(self.router_address, security=self._security)
         self._thread = threading.Thread(target=self._loop, name="router-registration", daemon=True)
         self._thread.start()
 

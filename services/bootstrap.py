@@ -6,12 +6,14 @@
 - ``grpc.health.v1.Health`` (overall ``""`` plus each registered service name); a ``Check``
   answer carries the server's pid as initial metadata (:data:`PID_METADATA_KEY`);
 - server reflection, so ``grpcurl -plaintext 127.0.0.1:PORT list`` works;
-- a request that does not parse is ``INVALID_ARGUMENT``, not grpcio's ``INTERNAL``
-  (:mod:`services.decode_guard`);
-- an optional bearer-token check (``authorization: Bearer <token>`` metadata) on all or on a
-  chosen set of methods, answering ``UNAUTHENTICATED``;
+- an optional scoped bearer-token check (:mod:`services.auth`, :mod:`services.scopes`);
+- optional TLS or mTLS (:mod:`services.tls`), and a plaintext health-only port for probes
+  (``--health-port``);
 - per-method Prometheus metrics (``warmserve_rpc_total``, ``warmserve_rpc_seconds``) in a
-  per-server registry, exported on ``--metrics-port`` when one is given;
+  per-server registry, exported on ``--metrics-port`` when one is given, with the requests
+  refused at a limit (``warmserve_refused_total``, :mod:`services.refusals`);
+- a request whose bytes protobuf cannot parse (bad UTF-8 in a string field) is
+  ``INVALID_ARGUMENT``, not grpcio's ``INTERNAL`` (:class:`services.utf8.UndecodableRequests`);
 - graceful drain on SIGTERM/SIGINT: health goes ``NOT_SERVING``, new RPCs are refused, in-flight
   RPCs get ``drain_grace_s`` seconds to finish, then :meth:`ServiceServer.wait` returns.
 
@@ -22,7 +24,6 @@ Servicers stay thin: they validate, call a core object, and translate
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import signal
@@ -31,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,24 +39,26 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from services.address import bind_problem, format_address, os_reason
-from services.channel import MAX_MESSAGE_BYTES
-from services.decode_guard import DecodeGuard
+from services.auth import ENV_AUTH_FILE, AuthInterceptor, AuthTable, load_auth_table
+from services.channel import MAX_MESSAGE_BYTES, add_client_security_args
 from services.errors import InvalidArgument
+from services.handlers import wrap_behaviour
 from services.healthcheck import PID_METADATA_KEY
+from services.refusals import Refusals
+from services.tls import TLSFiles, tls_from_args
+from services.utf8 import UndecodableRequests
 
 log = logging.getLogger(__name__)
-
-#: Methods that never need a token: health checks and reflection.
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Settings shared by every daemon; validated at construction (raises ``InvalidArgument``).
 
-    ``protected_methods`` lists full method names (``/warmserve.v1.KernelCache/Publish``) that
-    need the token; ``None`` protects every method except health and reflection. The token is
-    ignored when ``token`` is ``None``. Sizes are bytes, times seconds.
+    ``auth`` is the credential table every RPC is checked against (``None``: no check);
+    ``tls`` the server's certificate (``None``: plaintext); ``health_port`` an extra plaintext
+    port serving only ``grpc.health.v1`` (for probes that cannot present a client certificate).
+    Sizes are bytes, times seconds.
 
     Threads (:mod:`services.stream_slots`): a server's streaming RPCs that take a slot hold at
     most ``max_streams`` threads at once; the pool has ``max_streams + control_threads`` threads,
@@ -68,8 +70,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int | None = None
-    token: str | None = None
-    protected_methods: frozenset[str] | None = None
+    auth: AuthTable | None = None
+    tls: TLSFiles | None = None
+    health_port: int | None = None
     max_workers: int | None = None
     max_streams: int = 256
     control_threads: int = 16
@@ -89,67 +92,15 @@ class ServerConfig:
                                   f"and {self.control_threads}")
         if self.drain_grace_s < 0:
             raise InvalidArgument(f"drain grace must be >= 0 seconds, got {self.drain_grace_s}")
-        if self.token is not None and not self.token:
-            raise InvalidArgument("the bearer token is empty")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise InvalidArgument(f"health port must be in [0, 65535], got {self.health_port}")
+        if self.tls is not None and not self.tls.cert:
+            raise InvalidArgument("a TLS server needs --tls-cert and --tls-key")
 
     @property
     def pool_threads(self) -> int:
         """Threads of the server's pool: ``max_workers``, else ``max_streams + control_threads``."""
         return self.max_workers if self.max_workers is not None else self.max_streams + self.control_threads
-
-
-def read_token_file(path: str | Path) -> str:
-    """Read a bearer token (first line, stripped). Raises ``InvalidArgument`` if absent or empty."""
-    try:
-        token = Path(path).read_text().strip().splitlines()
-    except OSError as e:
-        raise InvalidArgument(f"cannot read token file {path}: {e.strerror}") from e
-    if not token or not token[0].strip():
-        raise InvalidArgument(f"token file {path} is empty")
-    return token[0].strip()
-
-
-def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Client-side call metadata carrying ``token`` (empty when ``token`` is ``None``)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-class _AuthInterceptor(grpc.ServerInterceptor):
-    """Rejects protected methods whose ``authorization`` metadata lacks the bearer token."""
-
-    def __init__(self, token: str, protected: frozenset[str] | None) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._protected = protected
-
-    def _needs_token(self, method: str) -> bool:
-        if method.startswith(_OPEN_PREFIXES):
-            return False
-        return self._protected is None or method in self._protected
-
-    def intercept_service(self, continuation, handler_call_details):
-        if not self._needs_token(handler_call_details.method):
-            return continuation(handler_call_details)
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self._expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        msg = f"{handler_call_details.method} needs a valid bearer token"
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-
-        def deny_stream(request_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny_stream)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny_stream)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _MetricsInterceptor(grpc.ServerInterceptor):
@@ -177,7 +128,19 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                 code = grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
             return code.name if hasattr(code, "name") else str(code)
 
-        def wrap_unary(fn):
+        def bind(fn, streaming: bool):
+            if streaming:
+                def inner_stream(request, context):
+                    start, exc = time.perf_counter(), None
+                    try:
+                        yield from fn(request, context)
+                    except BaseException as e:
+                        exc = e
+                        raise
+                    finally:
+                        self._observe(method, start, code_of(context, exc))
+                return inner_stream
+
             def inner(request, context):
                 start, exc = time.perf_counter(), None
                 try:
@@ -187,33 +150,9 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                     raise
                 finally:
                     self._observe(method, start, code_of(context, exc))
-
             return inner
 
-        def wrap_stream(fn):
-            def inner(request, context):
-                start, exc = time.perf_counter(), None
-                try:
-                    yield from fn(request, context)
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    self._observe(method, start, code_of(context, exc))
-
-            return inner
-
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+        return wrap_behaviour(handler, bind)
 
 
 #: ``add_XServicer_to_server``-style function, the servicer, and the service's full name.
@@ -229,6 +168,18 @@ def ensure_bindable(config: ServerConfig) -> None:
     problem = bind_problem(config.host, config.port)
     if problem is not None:
         raise OSError(f"cannot bind {format_address(config.host, config.port)}: {problem}")
+
+
+def _bind(server: grpc.Server, address: str, tls: TLSFiles | None) -> int:
+    """Add a (TLS when ``tls``) port to ``server``; returns the bound port, raises ``OSError``."""
+    try:
+        port = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
+                else server.add_insecure_port(address))
+    except RuntimeError:  # grpcio >= 1.5x raises on a failed bind instead of returning 0
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return port
 
 
 class _HealthServicer(health.HealthServicer):
@@ -250,12 +201,17 @@ class ServiceServer:
         srv.serve_forever()  # until SIGTERM/SIGINT, then drains
 
     ``registry`` is this server's Prometheus registry; services add their own gauges to it.
+    ``refusals`` counts the requests refused at a limit (the servicers' own, when they share
+    theirs: pass it in; else a new one), and is registered on ``registry``.
     ``on_drain`` callbacks run when a drain starts (before in-flight RPCs are awaited).
     """
 
-    def __init__(self, config: ServerConfig, registrations: Iterable[Registration]) -> None:
+    def __init__(self, config: ServerConfig, registrations: Iterable[Registration],
+                 refusals: Refusals | None = None) -> None:
         self.config = config
         self.registry = CollectorRegistry()
+        self.refusals = refusals or Refusals()
+        self.registry.register(self.refusals)
         self.health = _HealthServicer(experimental_non_blocking=True)
         self._registrations = list(registrations)
         self._server: grpc.Server | None = None
@@ -265,6 +221,8 @@ class ServiceServer:
         self.on_drain: list[Callable[[], None]] = []
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._health_server: grpc.Server | None = None
         self._metrics_httpd = None
 
     @property
@@ -280,9 +238,12 @@ class ServiceServer:
     def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
         cfg = self.config
-        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry), DecodeGuard()]
-        if cfg.token is not None:
-            interceptors.insert(0, _AuthInterceptor(cfg.token, cfg.protected_methods))
+        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry),
+                                                      UndecodableRequests(self.refusals)]
+        if cfg.auth is not None:
+            refused = Counter("warmserve_auth_refused", "RPCs refused by the token check", ["reason"],
+                              registry=self.registry)
+            interceptors.insert(0, AuthInterceptor(cfg.auth, lambda reason: refused.labels(reason).inc()))
         options = [
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -301,14 +262,11 @@ class ServiceServer:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
         address = format_address(cfg.host, cfg.port)
         ensure_bindable(cfg)
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError:  # grpcio >= 1.5x raises on a failed bind instead of returning 0
-            port = 0
-        if port == 0:
-            raise OSError(f"cannot bind {address}")
+        port = _bind(server, address, cfg.tls)
         server.start()
         self._server, self.port = server, port
+        if cfg.health_port is not None:
+            self._start_health_server(cfg)
         if cfg.metrics_port is not None:
             try:
                 self._metrics_httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
@@ -320,8 +278,25 @@ class ServiceServer:
             self.metrics_port = self._metrics_httpd.server_port
         self.set_serving(True)
         log.info("serving", extra={"address": self.address, "services": self.service_names,
-                                   "metrics_port": self.metrics_port, "auth": cfg.token is not None})
+                                   "metrics_port": self.metrics_port, "health_port": self.health_port,
+                                   "auth": "on" if cfg.auth is not None else "off",
+                                   "tls": "off" if cfg.tls is None else ("mtls" if cfg.tls.mutual else "tls")})
         return port
+
+    def _start_health_server(self, cfg: ServerConfig) -> None:
+        """Serve ``grpc.health.v1`` alone, plaintext, on ``cfg.health_port`` (the same statuses)."""
+        hs = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{cfg.service}-health"),
+                         options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+        address = format_address(cfg.host, cfg.health_port)
+        try:
+            self.health_port = _bind(hs, address, None)
+        except OSError:
+            self._server.stop(None)
+            self._server = None
+            raise
+        hs.start()
+        self._health_server = hs
 
     def set_serving(self, serving: bool) -> None:
         """Set health of the overall server and of every registered service."""
@@ -349,6 +324,8 @@ class ServiceServer:
                 log.exception("drain callback failed")
         if self._server is not None:
             self._server.stop(grace).wait()
+        if self._health_server is not None:
+            self._health_server.stop(None)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
@@ -391,7 +368,11 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=default_port, help=f"gRPC port (default {default_port})")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
-    parser.add_argument("--token-file", default=None, help="file holding the bearer token clients must send")
+    parser.add_argument("--auth-file", default=None, metavar="F",
+                        help=f"credential table callers are checked against (else ${ENV_AUTH_FILE}; none: no check)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="extra plaintext port serving only grpc.health.v1, for probes (off by default)")
+    add_client_security_args(parser, server=True)
     parser.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight RPCs get on SIGTERM")
     parser.add_argument("--max-streams", type=int_at_least(1), default=ServerConfig.max_streams,
                         help=f"streams (Generate, ModelStreamInfer) served at once; one more is UNAVAILABLE "
@@ -428,16 +409,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def config_from_args(args, service: str, protected_methods: frozenset[str] | None = None) -> ServerConfig:
-    """Build a :class:`ServerConfig` from :func:`add_server_args` flags."""
-    token = read_token_file(args.token_file) if args.token_file else None
+def config_from_args(args, service: str) -> ServerConfig:
+    """Build a :class:`ServerConfig` from :func:`add_server_args` flags (the daemon's own
+    outbound credentials come from :func:`services.channel.client_security_from_args`)."""
     return ServerConfig(
         service=service,
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
-        token=token,
-        protected_methods=protected_methods,
+        auth=load_auth_table(getattr(args, "auth_file", None)),
+        tls=tls_from_args(args),
+        health_port=getattr(args, "health_port", None),
         drain_grace_s=args.drain_grace,
         max_streams=getattr(args, "max_streams", ServerConfig.max_streams),
     )

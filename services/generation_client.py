@@ -16,7 +16,7 @@ from typing import TextIO
 
 import grpc
 
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 from services.errors import InvalidArgument, from_rpc_error
 from services.proto import generation_pb2, generation_pb2_grpc
 from services.sampling_keys import FLOAT32_MAX
@@ -111,14 +111,16 @@ class GenerationClient:
 
     ``ready_timeout_s``: seconds to wait for the connection (``Unavailable`` after that);
     ``fail_fast``: a refused or unreachable address raises ``Unavailable`` at once. Raises
-    ``InvalidArgument`` for an address that is not ``host:port``."""
+    ``InvalidArgument`` for an address that is not ``host:port``. ``security``: the token and TLS
+    files the client presents."""
 
-    def __init__(self, address: str, *, ready_timeout_s: float = 10.0, fail_fast: bool = False) -> None:
+    def __init__(self, address: str, *, ready_timeout_s: float = 10.0, fail_fast: bool = False,
+                 security: ClientSecurity | None = None) -> None:
         from services.address import parse_address
 
         parse_address(address)
         self.address = address
-        self._channel = open_channel(address, ready_timeout_s=ready_timeout_s, fail_fast=fail_fast)
+        self._channel = open_channel(address, security=security, ready_timeout_s=ready_timeout_s, fail_fast=fail_fast)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> GenerationClient:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from services.bootstrap import bearer_metadata
-from services.channel import open_channel
+from services.channel import ClientSecurity, open_channel
 from services.errors import FailedPrecondition, WarmserveError, from_rpc_error
 from services.proto import weights_pb2, weights_pb2_grpc
 from weight_service.catalog import find_sidecar
@@ -31,10 +30,10 @@ class WeightsClient:
     """Talks to a ``Weights`` server at ``address`` (``host:port``). Errors come back as
     :class:`services.errors.WarmserveError` subclasses (``from_rpc_error``)."""
 
-    def __init__(self, address: str, *, token: str | None = None, ready_timeout_s: float | None = 10.0) -> None:
-        self._channel = open_channel(address, ready_timeout_s=ready_timeout_s)
+    def __init__(self, address: str, *, security: ClientSecurity | None = None,
+                 ready_timeout_s: float | None = 10.0) -> None:
+        self._channel = open_channel(address, security=security, ready_timeout_s=ready_timeout_s)
         self._stub = weights_pb2_grpc.WeightsStub(self._channel)
-        self._metadata = bearer_metadata(token)
 
     def prepare(self, source: str, dtype: str = "f32", force: bool = False,
                 progress: Callable[[ProgressEvent], None] | None = None,
@@ -43,7 +42,7 @@ class WeightsClient:
         (its ``path`` is on the server's host)."""
         request = weights_pb2.PrepareRequest(source=source, dtype=dtype, force=force, cold_policy=cold_policy)
         try:
-            for event in self._stub.Prepare(request, metadata=self._metadata):
+            for event in self._stub.Prepare(request):
                 if event.HasField("handle"):
                     return handle_from_proto(event.handle)
                 if progress is not None:
@@ -68,7 +67,7 @@ class WeightsClient:
         except WarmserveError:
             pass
         request = weights_pb2.WeightsFetchRequest(fingerprint=fingerprint, chunk_bytes=chunk_bytes)
-        stream = self._stub.Fetch(request, metadata=self._metadata)
+        stream = self._stub.Fetch(request)
         try:
             first = next(stream)
             files = {f.name: f for f in first.handle.files}
@@ -120,7 +119,7 @@ class WeightsClient:
     def list(self) -> list[SidecarHandle]:
         """Every valid sidecar on the server."""
         try:
-            response = self._stub.List(weights_pb2.WeightsListRequest(), metadata=self._metadata)
+            response = self._stub.List(weights_pb2.WeightsListRequest())
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
         return [handle_from_proto(h) for h in response.sidecars]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from auth_tokens import make_creds
 from kc_workers import REPO, child_env, tree_digest
 
 from warmserve.cli import main
@@ -102,32 +103,34 @@ def test_bad_input_and_failed_operations(capsys, tmp_path, artifacts, grpc_cache
     assert run(capsys, "ls", "--root", "r", "--addr", "127.0.0.1:1")[0] == 2  # mutually exclusive
     code, _, err = run(capsys, "stat", "--addr", "127.0.0.1:1")
     assert code == 1 and "127.0.0.1:1" in err and len(err.strip().splitlines()) == 1
-    # A daemon with a token: put needs --token-file; reads do not.
-    cache = grpc_cache(token="tok")
-    (tmp_path / "token").write_text("tok\n")
+    # A daemon with an auth file: every command needs --token-file with its scope.
+    creds = make_creds(tmp_path / "auth", publisher="read,publish", admin="admin")
+    cache = grpc_cache(auth=creds.table)
     addr = ["--addr", cache.address]
     code, _, err = run(capsys, "put", "n", "f", str(f), *addr)
     assert code == 1 and "bearer token" in err
-    assert run(capsys, "put", "n", "f", str(f), *addr, "--token-file", str(tmp_path / "token"))[0] == 0
+    pub = ["--token-file", str(creds.token_file("publisher"))]
+    assert run(capsys, "put", "n", "f", str(f), *addr, *pub)[0] == 0
     assert run(capsys, "put", "n", "g", str(f), *addr, "--token-file", str(tmp_path / "nope"))[0] == 2
-    assert run(capsys, "get", "n", "f", str(tmp_path / "o2"), *addr)[0] == 0
-    assert run(capsys, "evict", "--all", *addr)[0] == 1
-    assert run(capsys, "evict", "--all", *addr, "--token-file", str(tmp_path / "token"))[0] == 0
+    assert run(capsys, "get", "n", "f", str(tmp_path / "o2"), *addr, *pub)[0] == 0
+    assert run(capsys, "evict", "--all", *addr, *pub)[0] == 1
+    assert run(capsys, "evict", "--all", *addr, "--token-file", str(creds.token_file("admin")))[0] == 0
 
 
 def test_real_processes_and_daemon(tmp_path, artifacts, daemon):
     f, _ = artifacts
-    (tmp_path / "token").write_text("s3cret\n")
-    d = daemon("--token-file", str(tmp_path / "token"), "--max-bytes", "1000000")
+    creds = make_creds(tmp_path / "auth", publisher="read,publish")
+    d = daemon("--auth-file", str(creds.auth_file), "--max-bytes", "1000000")
     bad = run_process("put", "../x", "f", str(f), "--addr", d.address)
     assert bad.returncode == 2 and bad.stderr.startswith("warmserve: error:")
     denied = run_process("put", "n", "f", str(f), "--addr", d.address)
     assert denied.returncode == 1 and "bearer token" in denied.stderr
-    ok = run_process("put", "n", "f", str(f), "--addr", d.address, "--token-file", str(tmp_path / "token"))
+    ok = run_process("put", "n", "f", str(f), "--addr", d.address, "--token-file", str(creds.token_file("publisher")))
     assert ok.returncode == 0 and ok.stdout.startswith("PUBLISHED")
-    miss = run_process("get", "n", "g", str(tmp_path / "o"), "--addr", d.address)
+    pub = ("--token-file", str(creds.token_file("publisher")))
+    miss = run_process("get", "n", "g", str(tmp_path / "o"), "--addr", d.address, *pub)
     assert miss.returncode == 1 and "MISS" in miss.stderr
-    stat = run_process("stat", "--addr", d.address)
+    stat = run_process("stat", "--addr", d.address, *pub)
     assert stat.returncode == 0 and json.loads(stat.stdout)["max_bytes"] == 1_000_000
     busy = run_process("serve", "--root", str(tmp_path / "r2"), "--port", d.address.rsplit(":", 1)[1])
     assert busy.returncode == 1

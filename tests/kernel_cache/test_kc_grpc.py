@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from auth_tokens import make_creds
 from kc_workers import tree_digest
 
 from kernel_cache_service import artifact
 from kernel_cache_service.client import KernelCacheClient
-from services.bootstrap import bearer_metadata
 from services.errors import InvalidArgument, Unauthenticated, Unavailable
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
@@ -181,25 +181,35 @@ def test_a_full_disk_in_the_daemon_is_resource_exhausted_and_leaves_nothing(grpc
     assert list((cache.store.root / "tmp").iterdir()) == []
 
 
-def test_publish_and_evict_need_the_token_when_the_daemon_has_one(grpc_cache, tmp_path):
-    cache = grpc_cache(token="s3cret")
+def test_every_rpc_needs_a_token_with_its_scope_when_the_daemon_has_an_auth_file(grpc_cache, tmp_path):
+    creds = make_creds(tmp_path / "auth", publisher="read,publish", reader="read", admin="admin,read")
+    cache = grpc_cache(auth=creds.table)
     stub = _stub(cache.address)
-    for metadata in ((), bearer_metadata("wrong")):
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Publish(_publish_requests("p", "f", b"data"), metadata=metadata)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Evict(pb.EvictRequest(all=True), metadata=metadata)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # Reads stay open.
-    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f"))).status == pb.LookupResponse.STATUS_MISS
-    assert stub.Stat(pb.StatRequest()).entries == 0
+    wrong = (("authorization", "Bearer wst_wrong"),)
+    for metadata in ((), wrong):
+        for call in (lambda md: stub.Publish(_publish_requests("p", "f", b"data"), metadata=md),
+                     lambda md: stub.Evict(pb.EvictRequest(all=True), metadata=md),
+                     lambda md: stub.Lookup(pb.LookupRequest(key=_key("p", "f")), metadata=md)):
+            with pytest.raises(grpc.RpcError) as e:
+                call(metadata)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reader = creds.metadata("reader")
+    assert stub.Lookup(pb.LookupRequest(key=_key("p", "f")), metadata=reader).status == pb.LookupResponse.STATUS_MISS
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Publish(_publish_requests("p", "f", b"data"), metadata=reader)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "reader lacks the 'publish' scope" in e.value.details()
     (tmp_path / "a").write_bytes(b"data")
     with pytest.raises(Unauthenticated):
         KernelCacheClient(cache.address).publish("p", "f", tmp_path / "a")
-    assert KernelCacheClient(cache.address, token="s3cret").publish("p", "f", tmp_path / "a") == "PUBLISHED"
-    assert KernelCacheClient(cache.address).fetch("p", "f", tmp_path / "b").size_bytes == 4
-    assert stub.Evict(pb.EvictRequest(all=True), metadata=bearer_metadata("s3cret")).evicted == 1
+    assert KernelCacheClient(cache.address, security=creds.security("publisher")).publish(
+        "p", "f", tmp_path / "a") == "PUBLISHED"
+    assert KernelCacheClient(cache.address, security=creds.security("reader")).fetch(
+        "p", "f", tmp_path / "b").size_bytes == 4
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Evict(pb.EvictRequest(all=True), metadata=creds.metadata("publisher"))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert stub.Evict(pb.EvictRequest(all=True), metadata=creds.metadata("admin")).evicted == 1
+    assert cache.store.list() == []
 
 
 def test_corrupt_entry_is_not_found_over_grpc_and_quarantined(grpc_cache, tmp_path):
@@ -289,26 +299,25 @@ def test_sigterm_lets_an_in_flight_fetch_finish(daemon, tmp_path):
     assert '"msg": "stopped"' in Path(d.log).read_text()
 
 
-def test_a_runner_given_the_kernel_cache_token_file_can_publish_to_a_protected_daemon(grpc_cache, tmp_path):
-    """`runner serve --kernel-cache-token-file F`: the runner's programs talk to a token-protected
-    kernel cache with that token (its own --token-file guards its Generation service instead)."""
+def test_a_runner_presents_its_own_token_file_to_a_protected_kernel_cache(grpc_cache, tmp_path):
+    """`runner serve --token-file F`: the runner's programs talk to a protected kernel cache with
+    the runner's own credential."""
     from runner_service.daemon import kernel_cache_from_args
     from runner_service.programs.cache import open_kernel_cache
+    from services.channel import client_security_from_args
     from warmserve.cli import build_parser
 
-    cache = grpc_cache(token="s3cret")
-    (tmp_path / "kc-token").write_text("s3cret\n")
+    creds = make_creds(tmp_path / "auth", **{"runner-0": "read,publish"})
+    cache = grpc_cache(auth=creds.table)
     (tmp_path / "a").write_bytes(b"data")
     parse = build_parser().parse_args
     base = ["runner", "serve", "--model", "m", "--kernel-cache", cache.address]
-    with_token = kernel_cache_from_args(parse([*base, "--kernel-cache-token-file", str(tmp_path / "kc-token")]))
+    args = parse([*base, "--token-file", str(creds.token_file("runner-0"))])
+    with_token = kernel_cache_from_args(args, client_security_from_args(args, env={}))
     assert open_kernel_cache(with_token).publish("p", "f", tmp_path / "a") == "PUBLISHED"
-    without = kernel_cache_from_args(parse(base))
-    assert without == cache.address
+    args = parse(base)
+    without = kernel_cache_from_args(args, client_security_from_args(args, env={}))
     with pytest.raises(Unauthenticated):
         open_kernel_cache(without).publish("p", "g", tmp_path / "a")
-    with pytest.raises(InvalidArgument, match="needs --kernel-cache ADDR"):
-        kernel_cache_from_args(parse(["runner", "serve", "--model", "m", "--kernel-cache-dir", str(tmp_path),
-                                      "--kernel-cache-token-file", str(tmp_path / "kc-token")]))
     with pytest.raises(InvalidArgument, match="cannot read token file"):
-        kernel_cache_from_args(parse([*base, "--kernel-cache-token-file", str(tmp_path / "absent")]))
+        client_security_from_args(parse([*base, "--token-file", str(tmp_path / "absent")]), env={})

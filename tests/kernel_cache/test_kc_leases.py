@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from auth_tokens import make_creds
 
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.leases import LeaseFile
@@ -178,12 +179,13 @@ def test_bad_claims_are_refused(clients, tmp_path):
     assert _lease_files(tmp_path / "root") == []
 
 
-def test_claim_rpcs_need_the_token(grpc_cache):
-    cache = grpc_cache(token="s3cret")
+def test_claim_rpcs_need_the_token(grpc_cache, tmp_path):
+    creds = make_creds(tmp_path / "auth", builder="read,publish")
+    cache = grpc_cache(auth=creds.table)
     with KernelCacheClient(cache.address) as anon:
         with pytest.raises(Unauthenticated):
             anon.claim("p.decode", FP)
-    with KernelCacheClient(cache.address, token="s3cret") as ok:
+    with KernelCacheClient(cache.address, security=creds.security("builder")) as ok:
         h = ok.claim("p.decode", FP)
         assert h.status == "OWNER" and ok.release(h.claim.lease) is True
 
