@@ -28,11 +28,12 @@ C = grpc.StatusCode
 #: raised, or a request that did not parse) are crashes, DEADLINE_EXCEEDED a hang: never listed.
 #: CANCELLED is allowed only for a case whose client cancelled (:func:`run_case`).
 #: RESOURCE_EXHAUSTED: a message over the server's size limit, or (runner) a request that can
-#: never fit; UNAVAILABLE: no runner to route to, or every stream slot held.
+#: never fit; UNAVAILABLE: no runner to route to, or every stream slot (Weights: Prepare worker)
+#: held; PERMISSION_DENIED (Weights): a source outside the service's model roots.
 STATUSES: dict[str, frozenset[grpc.StatusCode]] = {
     "warmserve.v1.KernelCache": frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED}),
     "warmserve.v1.Weights": frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION,
-                                       C.RESOURCE_EXHAUSTED}),
+                                       C.RESOURCE_EXHAUSTED, C.PERMISSION_DENIED, C.UNAVAILABLE}),
     "warmserve.v1.Generation@runner": frozenset({C.OK, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED}),
     "warmserve.v1.Generation@router": frozenset({C.OK, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED,
                                                  C.UNAVAILABLE}),

@@ -72,7 +72,7 @@ def cache(tmp_path_factory):
     for (name, fp), data in SEEDED.items():
         (src / fp).write_bytes(data)
         store.publish(name, fp, src / fp)
-    server = build_server(store, ServerConfig(service="kernel-cache-fuzz", max_streams=8))
+    server = build_server(store, ServerConfig(service="kernel-cache-fuzz", max_streams=64))
     server.start()
     channel = fuzz_channel(server.address)
     try:

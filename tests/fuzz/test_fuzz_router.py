@@ -50,7 +50,7 @@ CONTROL_HINTS = {
 
 @pytest.fixture(scope="module")
 def control():
-    server = RouterServer(CONTROL_CONFIG, ServerConfig(service="router-control-fuzz", max_streams=8))
+    server = RouterServer(CONTROL_CONFIG, ServerConfig(service="router-control-fuzz", max_streams=64))
     server.start()
     channel = fuzz_channel(server.address)
     try:

@@ -47,7 +47,7 @@ def runner(tmp_path_factory):
     cfg = tiny_config(max_num_seqs=4, max_model_len=64, kv_cache_bytes=kv_bytes(ARGS, 24))
     engine = LLMEngine(ARGS, LLAMA.random_weights(ARGS, seed=1), cfg, Tokenizer.from_dir(tok_dir), model="tiny-fuzz")
     engine.start()
-    server = ServiceServer(ServerConfig(service="runner-fuzz", max_streams=8), [
+    server = ServiceServer(ServerConfig(service="runner-fuzz", max_streams=64), [
         (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(engine, "r-fuzz"),
          GENERATION_SERVICE)])
     server.start()

@@ -62,7 +62,7 @@ def weights(tmp_path_factory):
             continue
         if dtype == "f32":
             TINY["fingerprint"] = handle.fingerprint
-    server = build_server(ServerConfig(service="weights-fuzz", max_streams=8), root)
+    server = build_server(ServerConfig(service="weights-fuzz", max_streams=64), root, model_roots=[ckpt.parent])
     server.start()
     channel = fuzz_channel(server.address)
     try:
