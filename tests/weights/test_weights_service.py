@@ -19,6 +19,7 @@ from services.proto import weights_pb2, weights_pb2_grpc
 from weight_service.client import WeightsClient
 from weight_service.servicer import build_server
 from weight_service.sidecar import validate_sidecar
+from weight_service.sources import resolve_source
 
 
 @pytest.fixture
@@ -85,17 +86,19 @@ def test_prepare_errors_are_invalid_argument(client, server, ckpt, tmp_path):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_source_name_too_long_for_the_file_system_is_invalid_argument(server):
+def test_a_source_name_too_long_for_the_file_system_is_invalid_argument(server, tmp_path):
     """Found by tests/fuzz: a 300-byte name made the path probe raise ENAMETOOLONG, an UNKNOWN
     status from Fetch and INTERNAL from Prepare."""
+    source = str(tmp_path / ("a" * 300))  # under the server's model root
+    with pytest.raises(InvalidArgument, match="is not a usable path: File name too long"):
+        resolve_source(source)
     with grpc.insecure_channel(server.address) as ch:
         stub = weights_pb2_grpc.WeightsStub(ch)
-        for call in (lambda: list(stub.Prepare(weights_pb2.PrepareRequest(source="a" * 300))),
-                     lambda: list(stub.Fetch(weights_pb2.WeightsFetchRequest(source="a" * 300)))):
+        for call in (lambda: list(stub.Prepare(weights_pb2.PrepareRequest(source=source))),
+                     lambda: list(stub.Fetch(weights_pb2.WeightsFetchRequest(source=source)))):
             with pytest.raises(grpc.RpcError) as err:
                 call()
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "is not a usable path: File name too long" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
 def test_fetch_into_a_fresh_directory_is_byte_identical_and_valid(client, ckpt, tmp_path):
