@@ -110,7 +110,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
             return early
         with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=h.format or "file",
                                       producer=h.producer, size=h.size_bytes,
-                                      sha256=h.sha256.lower()) as pending:
+                                      sha256=h.sha256.lower(), signature=h.signature) as pending:
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InvalidArgument("only chunks may follow the PublishHeader")
