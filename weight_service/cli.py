@@ -14,6 +14,7 @@ from services.ports import DEFAULT_PORTS, WEIGHTS
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
     from services.bootstrap import add_server_args
+    from services.signing import add_signing_args
     from weight_service.sidecar import DTYPE_CHOICES
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
@@ -24,6 +25,7 @@ def register(subparsers) -> None:
                        help="share sidecars through this S3 bucket: upload those packed here, fetch those missing "
                             "(AWS environment for endpoint and credentials)")
     add_server_args(serve, default_port=DEFAULT_PORTS[WEIGHTS])
+    add_signing_args(serve, verify=False)
     serve.set_defaults(func=_serve)
 
     prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")

@@ -2,7 +2,8 @@
 run from the command-line flags until SIGTERM/SIGINT drains it; with ``--store s3://BUCKET/PREFIX``
 they are shared through that bucket (:mod:`weight_service.s3_sidecars`). A bad ``--store``
 (malformed URL, unreachable endpoint, missing bucket, denied access) fails before the server
-starts: ``InvalidArgument``, exit 2."""
+starts: ``InvalidArgument``, exit 2. With ``--signing-key`` every sidecar it prepares carries a
+signed manifest (:mod:`weight_service.manifest`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from services.bootstrap import config_from_args, ensure_bindable
 from services.log import configure_logging
 from services.paths import default_sidecar_root
+from services.signing import signing_key_from
 from weight_service.servicer import build_server
 
 
@@ -25,5 +27,6 @@ def serve_from_args(args) -> None:
         from weight_service.s3_sidecars import RemoteSidecars
 
         remote = RemoteSidecars.open_url(args.store)  # a bad --store: InvalidArgument (exit 2) before serving
-    server = build_server(config, root, remote)
+    signing_key = signing_key_from(getattr(args, "signing_key", None))  # else $WARMSERVE_SIGNING_KEY
+    server = build_server(config, root, remote, signing_key)
     server.serve_forever()

@@ -42,7 +42,9 @@ from model_families import family_for_architecture
 from model_families.family import ModelFamily
 from services.errors import InvalidArgument, WarmserveError
 from services.paths import default_sidecar_root
+from services.signing import SigningKey
 from weight_service.checkpoint import native_weights_dtype, source_architecture
+from weight_service.manifest import sign_sidecar
 from weight_service.packer import pack_sidecar
 from weight_service.progress import ProgressEvent
 from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
@@ -132,7 +134,7 @@ def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource,
 
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
             cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None,
-            remote: RemoteSidecars | None = None) -> SidecarHandle:
+            remote: RemoteSidecars | None = None, signing_key: SigningKey | None = None) -> SidecarHandle:
     """Return a valid sidecar for ``source`` in the weights dtype ``dtype`` (or ``auto``, see
     the module docstring), packing it when needed.
 
@@ -142,6 +144,8 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
     ``progress``: called with :class:`ProgressEvent` s (at least one "validate" event).
     ``remote``: an object store to fetch the sidecar from instead of packing it, and to upload
     what is packed to (see the module docstring).
+    ``signing_key``: the sidecar returned carries a manifest signed by it
+    (:func:`weight_service.manifest.sign_sidecar`; written only when missing or not current).
 
     Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint
     (or one the dtype's layout cannot hold, e.g. int4 of a matrix whose width is not a multiple
@@ -179,6 +183,7 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
                 if state == "HOT" or cold_policy == "accept":
                     if state == "COLD":
                         advise_willneed(directory / WEIGHTS_FILE)
+                    _sign(info, signing_key)
                     if remote is not None:
                         _share(remote, family, dtype, info, only_if_missing=True)
                     return SidecarHandle.from_info(info, residency=residency, state=state,
@@ -188,6 +193,7 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
         if remote is not None and not force:
             info = _fetch_remote(remote, family, dtype, directory, source_fingerprint(src), emit)
             if info is not None:
+                _sign(info, signing_key)
                 residency = probe_residency(directory / WEIGHTS_FILE)
                 return SidecarHandle.from_info(info, residency=residency, state=residency_state(residency),
                                                seconds=time.perf_counter() - start)
@@ -196,11 +202,18 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
         emit(ProgressEvent("validate", message="validating the new sidecar"))
         info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
         log.info("packed sidecar", extra={"sidecar": str(directory), "dtype": dtype, "bytes": info.size_bytes})
+        _sign(info, signing_key)
         if remote is not None:
             _share(remote, family, dtype, info, only_if_missing=False)
         residency = probe_residency(directory / WEIGHTS_FILE)
         return SidecarHandle.from_info(info, residency=residency, state="REBUILT" if existed else "BUILT",
                                        seconds=time.perf_counter() - start)
+
+
+def _sign(info: SidecarInfo, key: SigningKey | None) -> None:
+    """Sign ``info``'s manifest with ``key`` (no-op without one; see :func:`sign_sidecar`)."""
+    if key is not None:
+        sign_sidecar(info, key)
 
 
 def _fetch_remote(remote: RemoteSidecars, family: ModelFamily, dtype: str, directory: Path, source_fp: str,

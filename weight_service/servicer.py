@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
+from services.signing import SigningKey
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
 from weight_service.convert import handle_to_proto, progress_to_proto
 from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state
@@ -44,11 +45,13 @@ def _current_handle(info: SidecarInfo) -> SidecarHandle:
 class WeightsServicer(weights_pb2_grpc.WeightsServicer):
     """Serves the sidecars under ``root`` (a directory; created on first Prepare). ``remote``: an
     object store Prepare fetches sidecars from instead of packing, and uploads packs to
-    (:mod:`weight_service.s3_sidecars`)."""
+    (:mod:`weight_service.s3_sidecars`). ``signing_key``: every prepared sidecar carries a
+    manifest signed by it, which Fetch streams with the other files."""
 
-    def __init__(self, root: Path, remote: RemoteSidecars | None = None) -> None:
+    def __init__(self, root: Path, remote: RemoteSidecars | None = None,
+                 signing_key: SigningKey | None = None) -> None:
         self.root = Path(root)
-        self.remote = remote
+        self.remote, self.signing_key = remote, signing_key
         self._sha_cache: dict[tuple, str] = {}
         self._sha_lock = threading.Lock()
 
@@ -61,7 +64,8 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         def work() -> None:
             try:
                 handle = prepare(request.source, dtype=dtype, root=self.root, force=request.force,
-                                 cold_policy=cold_policy, progress=events.put, remote=self.remote)
+                                 cold_policy=cold_policy, progress=events.put, remote=self.remote,
+                                 signing_key=self.signing_key)
                 events.put((_DONE, handle))
             except WarmserveError as e:
                 events.put((_DONE, e))
@@ -132,9 +136,10 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 
 
-def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None) -> ServiceServer:
+def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None,
+                 signing_key: SigningKey | None = None) -> ServiceServer:
     """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root`` (shared
-    through ``remote`` when given)."""
-    servicer = WeightsServicer(root, remote)
+    through ``remote`` when given; signed by ``signing_key`` when given)."""
+    servicer = WeightsServicer(root, remote, signing_key)
     return ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)])
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.single_flight import Flight, holder_name, holder_who
 from services.address import parse_address
-from services.errors import InvalidArgument, WarmserveError
+from services.errors import InvalidArgument, Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -63,11 +63,15 @@ def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, hol
 
 def fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> EntryInfo | None:
     """Fetch ``name``/``fp`` into ``dest``: its entry, or ``None`` (no cache, ``UNKNOWN`` key, a
-    MISS, or a failed fetch, logged)."""
+    MISS, a failed fetch, or an entry refused by the client's trusted keys: logged; nothing of a
+    refused entry is written)."""
     if cache is None or fp == UNKNOWN:
         return None
     try:
         return cache.fetch(name, fp, dest)
+    except Untrusted as e:  # refused before a byte was written: never loaded
+        log.warning("refused the kernel cache's %s/%s, compiling locally: %s", name, fp[:12], e)
+        return None
     except (WarmserveError, OSError) as e:
         log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
         return None
@@ -121,3 +125,15 @@ def get_or_build(spec: ProgramSpec, cache: KernelCacheClient | None, name: str, 
         return flight.value, "hit", "", f"kernel cache HIT {name} ({mib:.1f} MiB)"
     return flight.value, "hit", "", (f"fetched {name} from {holder_who(entry.producer)}'s publish after waiting "
                                      f"{flight.waited_s:.1f} s ({mib:.1f} MiB)")
+
+
+def trust_note(cache: KernelCacheClient | None, refused_before: int = 0) -> str:
+    """A phrase for the report: whether fetched programs were verified (``artifacts not
+    verified`` without trusted keys) and why each entry refused since ``refused_before`` was."""
+    if cache is None:
+        return "no kernel cache"
+    if cache.trusted_keys is None:
+        return "artifacts not verified"
+    refused = cache.refusals[refused_before:]
+    note = f"artifacts verified against {len(cache.trusted_keys.key_ids)} trusted key(s)"
+    return note + "".join(f"; refused {r}" for r in refused)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import aoti, inductor
-from runner_service.programs.cache import open_kernel_cache
+from runner_service.programs.cache import open_kernel_cache, trust_note
 from runner_service.programs.key import program_key
 from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
 from services.errors import WarmserveError
@@ -75,7 +75,10 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step.
     ``progress``: called with a phrase at each step that can take long ("compiling
     llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). Returns the
-    report; on any failure nothing is installed for that program (the runner stays eager).
+    report; on any failure nothing is installed for that program (the runner stays eager). A
+    client with trusted keys refuses a fetched program whose signature fails before writing it
+    (the program is compiled here instead); the report's detail ends with
+    :func:`~runner_service.programs.cache.trust_note` (``artifacts not verified``, or each refusal).
     """
     mode = spec.mode
     progress = progress or (lambda _what: None)
@@ -89,6 +92,7 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     except WarmserveError as e:
         log.warning("kernel cache unusable, compiling locally: %s", e)
         cache = None
+    refused_before = len(cache.refusals) if cache is not None else 0
     try:
         try:
             work.mkdir(parents=True, exist_ok=True)
@@ -99,15 +103,16 @@ def load_programs(spec: ProgramSpec, install: Install, *,
                 program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
         except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
             log.exception("compiled programs unavailable; running eager")
-            return ProgramsReport(mode, time.perf_counter() - t0,
-                                  f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
+            return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
+                                  f"{trust_note(cache, refused_before)}", source="eager")
         defer(lambda: install("decode", program))
         prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress)
+        trust = trust_note(cache, refused_before)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
     seconds = time.perf_counter() - t0
-    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}", source=source,
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}; {trust}", source=source,
                           fingerprint=fp, published=published, prefill_source=prefill_source)
 
 
