@@ -63,15 +63,15 @@ def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, hol
 
 def fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> EntryInfo | None:
     """Fetch ``name``/``fp`` into ``dest``: its entry, or ``None`` (no cache, ``UNKNOWN`` key, a
-    MISS, a failed fetch, or an entry refused by the client's trusted keys: logged; nothing of a
-    refused entry is written)."""
+    MISS, or a failed fetch, logged). Raises ``Untrusted`` (logged) for an entry the client's
+    trusted keys refuse: nothing of it was written; the caller builds the program here."""
     if cache is None or fp == UNKNOWN:
         return None
     try:
         return cache.fetch(name, fp, dest)
     except Untrusted as e:  # refused before a byte was written: never loaded
         log.warning("refused the kernel cache's %s/%s, compiling locally: %s", name, fp[:12], e)
-        return None
+        raise
     except (WarmserveError, OSError) as e:
         log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
         return None

@@ -17,6 +17,7 @@ from torch import nn
 from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import cache as kc
 from runner_service.programs.spec import ProgramSpec
+from services.errors import Untrusted
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -60,7 +61,10 @@ def load_inductor(spec: ProgramSpec, name: str, fp: str, cache: KernelCacheClien
         cache_dir = Path(tempfile.mkdtemp(dir=work, prefix="inductor-"))
     else:
         cache_dir = work / f"{name}-{fp[:24]}"
-    hit = kc.fetch(cache, name, fp, cache_dir)
+    try:
+        hit = kc.fetch(cache, name, fp, cache_dir)
+    except Untrusted:
+        hit = None
     if hit is None and cache is not None and cache.trusted_keys is not None:
         shutil.rmtree(cache_dir, ignore_errors=True)  # nothing unverified (an older fetch) is compiled from
     t = time.perf_counter()
