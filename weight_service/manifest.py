@@ -26,7 +26,14 @@ from pathlib import Path
 from services.errors import Untrusted
 from services.signing import SIDECAR_DOMAIN, SigningKey, TrustedKeys, canonical_payload
 from weight_service.catalog import sidecar_files
-from weight_service.sidecar import MANIFEST_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SidecarInfo, write_temp_file
+from weight_service.sidecar import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    WEIGHTS_FILE,
+    InvalidSidecar,
+    SidecarInfo,
+    write_temp_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +94,26 @@ def _read_signed(directory: Path) -> tuple[dict, str]:
     return manifest, sig
 
 
-def sign_sidecar(info: SidecarInfo, key: SigningKey) -> bool:
-    """Make sure ``info``'s sidecar carries a manifest signed by ``key`` for its current
-    fingerprint; returns whether one was written (``False``: the present one is current, nothing
-    rehashed). Both files are written to temp files and renamed into place. Call holding the
-    sidecar's lock. Raises ``OSError`` when they cannot be written."""
+def check_own_manifest(info: SidecarInfo, key: SigningKey) -> None:
+    """Cheap check (no hashing) that ``info``'s sidecar carries a manifest signed by ``key`` for
+    its fingerprint, weights size and file set; raises ``InvalidSidecar`` otherwise (the caller
+    repacks: bytes it did not just pack itself are never signed)."""
     try:
         manifest, sig = _read_signed(info.path)
-        TrustedKeys([key.public_key()]).verify(manifest_payload(manifest), sig, "own manifest")
-        if manifest.get("fingerprint") == info.fingerprint \
-                and manifest.get("weights", {}).get("size_bytes") == info.size_bytes \
-                and sorted(manifest.get("files", {})) == _covered_files(info.path):
-            return False
-    except Untrusted:
-        pass
+        TrustedKeys([key.public_key()]).verify(manifest_payload(manifest), sig, "the manifest")
+    except Untrusted as e:
+        raise InvalidSidecar(f"sidecar {info.path.name} is not signed by this signing key ({e})") from None
+    weights = manifest.get("weights")
+    if manifest.get("fingerprint") != info.fingerprint or not isinstance(weights, dict) \
+            or weights.get("size_bytes") != info.size_bytes \
+            or sorted(manifest.get("files") or {}) != _covered_files(info.path):
+        raise InvalidSidecar(f"sidecar {info.path.name}: its signed manifest is not this sidecar's")
+
+
+def sign_sidecar(info: SidecarInfo, key: SigningKey) -> None:
+    """Write ``info``'s manifest (every byte hashed) and its signature by ``key``: call right
+    after packing it, holding the sidecar's lock (what is signed is what is on disk). Both files
+    go to temp files renamed into place. Raises ``OSError`` when they cannot be written."""
     manifest = build_manifest(info)
     text = key.sign(manifest_payload(manifest)).to_text()
     body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
@@ -109,7 +122,6 @@ def sign_sidecar(info: SidecarInfo, key: SigningKey) -> bool:
     for name, tmp in temps.items():
         os.replace(tmp, info.path / name)
     log.info("signed the sidecar manifest", extra={"sidecar": info.path.name, "key_id": key.key_id})
-    return True
 
 
 def _identity(directory: Path) -> dict[str, list[int]]:
