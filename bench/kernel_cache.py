@@ -12,10 +12,18 @@ measures:
   ``--repeats`` runs, each with a new fingerprint / destination;
 - peak RSS of the daemon and of this process, to show the artifact is never held in memory.
 
+Lookups and the artifact runs are measured once per *variant* (``--variants``, default
+``off,signatures``): ``off`` is unsigned entries and clients that verify nothing;
+``signatures`` publishes with a signing key and reads with a trust list (every lookup answer's
+signature checked, as a verifying runner would before a fetch; every fetch verified before a
+byte is written). :data:`VARIANTS` is the hook for more (TLS on/off: a variant adds the
+client's ``security``); ``overhead`` gives each variant's rates relative to ``off``.
+
 Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
 MB = 10^6 bytes.
 
     python bench/kernel_cache.py [--artifact-mb 200] [--clients 32] [--lookup-seconds 3] [--repeats 3]
+                                 [--variants off,signatures]
 """
 
 from __future__ import annotations
@@ -38,9 +46,41 @@ sys.path.insert(0, str(REPO))
 
 from kernel_cache_service.client import KernelCacheClient  # noqa: E402
 from services.procs import stop_process, wait_for_log_record  # noqa: E402
+from services.signing import SigningKey, TrustedKeys  # noqa: E402
 
 MB = 1_000_000
 KEY = ("bench.lookup", "hit")
+
+
+def _variant_files(work: Path, name: str) -> dict:
+    """Picklable description of a variant's clients: key file paths (``None``: not used)."""
+    if name == "off":
+        return {"signing_key": None, "trusted_keys": None}
+    if name == "signatures":
+        key_path, pub_path = SigningKey.generate().write(work / "keys", "bench")
+        return {"signing_key": str(key_path), "trusted_keys": str(pub_path)}
+    raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+#: Variant name -> what it turns on (TLS on/off is added here as another variant).
+VARIANTS = {"off": "unsigned entries, nothing verified",
+            "signatures": "Ed25519-signed entries, every lookup answer and fetch verified"}
+
+
+def client_for(address: str, files: dict, **kw) -> KernelCacheClient:
+    """A client of ``address`` with the variant's keys (``files`` from :func:`_variant_files`)."""
+    return KernelCacheClient(address, signing_key=SigningKey.load(files["signing_key"]) if files["signing_key"] else None,
+                             trusted_keys=TrustedKeys.load(files["trusted_keys"]) if files["trusted_keys"] else None,
+                             **kw)
+
+
+def checked_lookup(client: KernelCacheClient, key: tuple[str, str]) -> None:
+    """One lookup; a HIT's signature is verified when the client has trusted keys."""
+    info = client.lookup(*key)
+    if info is None:
+        raise RuntimeError("expected a HIT")
+    if client.trusted_keys is not None:
+        client.trusted_keys.verify(info.signed_payload(), info.signature, "bench entry")
 
 
 def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -66,27 +106,26 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _lookup_worker(address: str, ready, go, stop_at_holder, results) -> None:
-    client = KernelCacheClient(address)
-    client.lookup(*KEY)  # connect before the clock starts
+def _lookup_worker(address: str, files: dict, key: tuple[str, str], ready, go, stop_at_holder, results) -> None:
+    client = client_for(address, files)
+    checked_lookup(client, key)  # connect before the clock starts
     ready.wait()
     go.wait()
     stop_at = stop_at_holder.value
     n = 0
     while time.time() < stop_at:
-        if client.lookup(*KEY) is None:
-            raise RuntimeError("expected a HIT")
+        checked_lookup(client, key)
         n += 1
     results.put((n, time.time()))
     client.close()
 
 
-def bench_lookups(address: str, clients: int, seconds: float) -> dict:
+def bench_lookups(address: str, files: dict, key: tuple[str, str], clients: int, seconds: float) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
     stop_at = ctx.Value("d", 0.0)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results))
+    procs = [ctx.Process(target=_lookup_worker, args=(address, files, key, ready, go, stop_at, results))
              for _ in range(clients)]
     for p in procs:
         p.start()
@@ -103,11 +142,11 @@ def bench_lookups(address: str, clients: int, seconds: float) -> dict:
                 p.kill()
     total = sum(n for n, _ in rows)
     elapsed = max(t for _, t in rows) - start
-    single = KernelCacheClient(address)
+    single = client_for(address, files)
     latencies = []
     for _ in range(300):
         t = time.perf_counter()
-        single.lookup(*KEY)
+        checked_lookup(single, key)
         latencies.append(time.perf_counter() - t)
     single.close()
     return {"clients": clients, "client_kind": "processes", "seconds": round(elapsed, 3),
@@ -124,20 +163,20 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def bench_artifact(address: str, work: Path, size: int, repeats: int) -> dict:
+def bench_artifact(address: str, work: Path, files: dict, variant: str, size: int, repeats: int) -> dict:
     src = work / "artifact.bin"
     write_random(src, size)
-    client = KernelCacheClient(address, timeout_s=600)
+    client = client_for(address, files, timeout_s=600)
     publish_s, fetch_s = [], []
     for i in range(repeats):
         t = time.perf_counter()
-        status = client.publish("bench.artifact", f"r{i}", src)
+        status = client.publish("bench.artifact", f"{variant}-r{i}", src)
         publish_s.append(time.perf_counter() - t)
         if status != "PUBLISHED":
             raise RuntimeError(f"publish {i}: {status}")
         dest = work / f"fetched-{i}.bin"
         t = time.perf_counter()
-        info = client.fetch("bench.artifact", f"r{i}", dest)
+        info = client.fetch("bench.artifact", f"{variant}-r{i}", dest)
         fetch_s.append(time.perf_counter() - t)
         if info is None or dest.stat().st_size != size:
             raise RuntimeError(f"fetch {i} failed")
@@ -160,16 +199,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--lookup-seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="off,signatures", help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="warmserve-bench-kc-"))
     proc = None
+    variants: dict[str, dict] = {}
     try:
         proc, address = start_daemon(work / "root", work / "daemon.log")
         (work / "small.bin").write_bytes(os.urandom(4096))
-        KernelCacheClient(address).publish(*KEY, work / "small.bin")
-        lookups = bench_lookups(address, args.clients, args.lookup_seconds)
-        artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats)
+        for name in args.variants.split(","):
+            files = _variant_files(work, name)
+            key = (KEY[0], f"{KEY[1]}-{name}")
+            client_for(address, files).publish(*key, work / "small.bin")
+            variants[name] = {"what": VARIANTS[name],
+                              "lookup": bench_lookups(address, files, key, args.clients, args.lookup_seconds),
+                              "artifact": bench_artifact(address, work, files, name, args.artifact_mb * MB,
+                                                         args.repeats)}
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
     finally:
@@ -177,19 +223,27 @@ def main(argv: list[str] | None = None) -> int:
             stop_process(proc, grace_s=30)
         shutil.rmtree(work, ignore_errors=True)
 
+    base = variants.get("off")
+    overhead = {name: {"lookups_per_s": round(v["lookup"]["lookups_per_s"] / base["lookup"]["lookups_per_s"], 3),
+                       "fetch_mb_per_s": round(v["artifact"]["fetch_mb_per_s"] / base["artifact"]["fetch_mb_per_s"], 3)}
+                for name, v in variants.items() if base is not None and name != "off"}
     result = {"bench": "kernel_cache", "cpus": os.cpu_count(),
-              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "lookup": lookups, "artifact": artifact,
-              "memory": memory}
+              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "variants": variants,
+              "overhead_vs_off": overhead, "memory": memory}
     print(json.dumps(result, indent=2))
     print()
-    print("| metric | value |")
-    print("|---|---|")
-    print(f"| lookups/s, {lookups['clients']} concurrent client processes | {lookups['lookups_per_s']:.0f} |")
-    print(f"| lookup latency, 1 client (median) | {lookups['single_client_median_ms']:.2f} ms |")
-    print(f"| publish, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
-          f"{artifact['publish_mb_per_s']:.0f} MB/s |")
-    print(f"| fetch, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
-          f"{artifact['fetch_mb_per_s']:.0f} MB/s |")
+    print("| metric | " + " | ".join(variants) + " |")
+    print("|---|" + "---|" * len(variants))
+
+    def row(label: str, fmt) -> None:
+        print(f"| {label} | " + " | ".join(fmt(v) for v in variants.values()) + " |")
+
+    row(f"lookups/s, {args.clients} concurrent client processes", lambda v: f"{v['lookup']['lookups_per_s']:.0f}")
+    row("lookup latency, 1 client (median)", lambda v: f"{v['lookup']['single_client_median_ms']:.2f} ms")
+    row(f"publish, {args.artifact_mb} MB artifact (median of {args.repeats})",
+        lambda v: f"{v['artifact']['publish_mb_per_s']:.0f} MB/s")
+    row(f"fetch, {args.artifact_mb} MB artifact (median of {args.repeats})",
+        lambda v: f"{v['artifact']['fetch_mb_per_s']:.0f} MB/s")
     print(f"| daemon peak RSS | {memory['daemon_peak_rss_mb']:.0f} MB |")
     print(f"| bench process peak RSS | {memory['bench_peak_rss_mb']:.0f} MB |")
     return 0
