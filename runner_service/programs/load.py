@@ -15,7 +15,7 @@ from runner_service.programs import aoti, inductor
 from runner_service.programs.cache import open_kernel_cache, trust_note
 from runner_service.programs.key import program_key
 from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
-from services.errors import WarmserveError
+from services.errors import Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -118,8 +118,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
 
 def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClient | str | Path | None) -> bool:
     """Whether every program ``load_programs`` would install in ``mode`` is already in
-    ``kernel_cache`` (a lookup per key, no download): then loading them is quick. ``False`` for
-    no cache, an unusable one or an ``UNKNOWN`` key."""
+    ``kernel_cache`` (a lookup per key, no download) and, when it has trusted keys, signed by one:
+    then loading them is quick. ``False`` for no cache, an unusable one or an ``UNKNOWN`` key."""
     if mode not in MODES or kernel_cache is None:
         return False
     kinds = PROGRAM_KINDS if mode == "aoti" else ("decode",)
@@ -129,12 +129,24 @@ def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClien
         return False
     try:
         keys = [program_key(spec, mode, kind=k) for k in kinds]
-        return all(fp != UNKNOWN and cache.lookup(name, fp) is not None for name, fp in keys)
+        return all(fp != UNKNOWN and _trusted_hit(cache, name, fp) for name, fp in keys)
     except (WarmserveError, OSError):
         return False
     finally:
         if cache is not kernel_cache:
             cache.close()
+
+
+def _trusted_hit(cache: KernelCacheClient, name: str, fp: str) -> bool:
+    """A HIT whose signature the client's trusted keys accept (any HIT without trusted keys)."""
+    entry = cache.lookup(name, fp)
+    if entry is None or cache.trusted_keys is None:
+        return entry is not None
+    try:
+        cache.trusted_keys.verify(entry.signed_payload(), entry.signature, f"program {name}")
+    except Untrusted:
+        return False
+    return True
 
 
 def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path, sources: list | None,
