@@ -50,9 +50,11 @@ def _is_address(text: str) -> bool:
 
 
 def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, holder: str) -> str:
-    """Publish ``path`` as ``name``/``fp``: the cache's answer, ``""`` without a cache or for an
-    ``UNKNOWN`` key, ``"FAILED"`` when the publish failed (logged; the program is still used)."""
-    if cache is None or fp == UNKNOWN:
+    """Publish ``path`` as ``name``/``fp``: the cache's answer, ``""`` without a cache, for an
+    ``UNKNOWN`` key or for a verifying client without a signing key (an unsigned entry would be
+    refused by every verifier and hold the key against a signed publish: designated builders
+    publish instead), ``"FAILED"`` when the publish failed (logged; the program is still used)."""
+    if cache is None or fp == UNKNOWN or (cache.trusted_keys is not None and cache.signing_key is None):
         return ""
     try:
         return cache.publish(name, fp, path, producer=holder)

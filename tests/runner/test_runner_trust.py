@@ -169,3 +169,13 @@ def test_a_tampered_or_foreign_program_is_refused_before_load_and_compiled_here(
     assert FakeProgram.loaded == fake_aoti[2:] and len(FakeProgram.loaded) == 2
     assert not list(work.glob("*.pt2"))  # nothing fetched was written where the loader reads
     assert _tokens(eng) == eager_tokens
+
+
+def test_a_verifying_runner_without_a_signing_key_publishes_nothing(tmp_path, keys, eager_tokens):
+    """Designated builders: a runner that only verifies compiles a missing program for itself and
+    leaves the key free for a signed publish (an unsigned entry would be refused everywhere)."""
+    _key, trusted = keys
+    eng = _engine(KernelCacheClient(root=tmp_path / "kc", trusted_keys=trusted))
+    assert "compiled llama.decode.aoti" in _programs(eng) and "(not published)" in _programs(eng)
+    assert KernelCacheClient(root=tmp_path / "kc").list() == []
+    assert _tokens(eng) == eager_tokens
