@@ -1,7 +1,7 @@
 """``warmserve router ...``: the router daemon and its control commands.
 
 ``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
-[--health-interval S] [--eject-after K] [--served-model-name NAME]`` runs the router (``warmserve.v1``
+[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-stream-requests N]`` runs the router (``warmserve.v1``
 and the KServe v2 / Triton ``inference.GRPCInferenceService`` on one port); ``warmserve router
 drain RUNNER_ID`` stops routing new requests to one runner. Heavy imports happen inside the handlers.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES, RouterConfig
 from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, ROUTER
 
 
@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
 
     serve = sub.add_parser("serve", help="run the router daemon")
-    from services.bootstrap import add_server_args
+    from services.bootstrap import add_server_args, int_at_least
 
     add_server_args(serve, default_port=DEFAULT_PORTS[ROUTER])
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     serve.add_argument("--served-model-name", default="", metavar="NAME",
                        help="the model name KServe v2 / Triton clients use (default: derived from the runners' "
                             "model source, e.g. smollm2-135m-instruct)")
+    serve.add_argument("--max-stream-requests", type=int_at_least(1), default=RouterConfig.max_stream_requests,
+                       metavar="N", help="requests in flight at once on one KServe ModelStreamInfer stream; one more "
+                                         f"is refused in the stream (default {RouterConfig.max_stream_requests})")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")

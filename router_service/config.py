@@ -38,6 +38,9 @@ class RouterConfig:
     - ``served_model_name``: the model name the KServe v2 door (:mod:`kserve_service`)
       answers to, as vLLM's ``--served-model-name``; ``""`` derives it from the runners' model
       source (:func:`services.model_name.served_model_name`). Requests may also name the source.
+    - ``max_stream_requests``: requests in flight at once on one KServe ``ModelStreamInfer``
+      stream (which takes one stream slot); one more is refused, in the stream, as
+      :class:`~services.errors.Overloaded` (:mod:`kserve_service.stream`).
     """
 
     static_runners: tuple[str, ...] = ()
@@ -55,6 +58,7 @@ class RouterConfig:
     prefix_block_bytes: int = 64
     ring_replicas: int = 64
     served_model_name: str = ""
+    max_stream_requests: int = 8
 
     def __post_init__(self) -> None:
         if self.served_model_name != self.served_model_name.strip():
@@ -75,6 +79,6 @@ class RouterConfig:
         if self.first_token_timeout_s < 0:
             raise InvalidArgument(f"first-token timeout must be >= 0 seconds (0: off), got {self.first_token_timeout_s}")
         for name in ("eject_after", "readmit_after", "max_attempts", "prefix_block_tokens",
-                     "prefix_block_bytes", "ring_replicas"):
+                     "prefix_block_bytes", "ring_replicas", "max_stream_requests"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

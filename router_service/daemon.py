@@ -24,6 +24,7 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         eject_after=args.eject_after,
         first_token_timeout_s=args.first_token_timeout,
         served_model_name=args.served_model_name,
+        max_stream_requests=args.max_stream_requests,
     )
     server = RouterServer(config, config_from_args(args, "router"), doors)
     server.start()

@@ -169,7 +169,8 @@ def test_a_runner_refuses_a_tampered_local_sidecar_repacks_it_and_serves_the_sam
 def test_a_signed_sidecar_travels_through_weights_fetch_and_a_tampered_copy_is_fetched_again(tmp_path, ckpt,
                                                                                             keys, mapped):
     key, trusted = keys
-    server = build_server(ServerConfig(service="weights", port=0), tmp_path / "server-root", signing_key=key)
+    server = build_server(ServerConfig(service="weights", port=0), tmp_path / "server-root", model_roots=[ckpt.parent],
+                          signing_key=key)
     server.start()
     try:
         with WeightsClient(server.address) as client:
