@@ -10,20 +10,20 @@ measures:
   end through :class:`KernelCacheClient` (publish = client-side sha256 pass + stream + daemon-side
   hash and rename; fetch = stream + daemon- and client-side sha256 + rename), median of
   ``--repeats`` runs, each with a new fingerprint / destination;
-- peak RSS of the daemon and of this process, to show the artifact is never held in memory.
-
-Lookups and the artifact runs are measured once per *variant* (``--variants``, default
-``off,signatures``): ``off`` is unsigned entries and clients that verify nothing;
-``signatures`` publishes with a signing key and reads with a trust list (every lookup answer's
-signature checked, as a verifying runner would before a fetch; every fetch verified before a
-byte is written). :data:`VARIANTS` is the hook for more (TLS on/off: a variant adds the
-client's ``security``); ``overhead`` gives each variant's rates relative to ``off``.
+- peak RSS of the daemon and of this process, to show the artifact is never held in memory;
+- TLS off vs on (:func:`bench_tls`): a second daemon serving mTLS beside the first, the
+  lookups and one publish/fetch on each in turn, ``--repeats`` rounds: lookups/s and fetch MB/s
+  with TLS off and on (``--no-tls`` skips it);
+- signatures off vs on (:func:`bench_signatures`), interleaved the same way on the plaintext
+  daemon: unsigned entries read by clients that verify nothing, against entries published with
+  an Ed25519 signing key and read with a trust list (every lookup answer's signature checked,
+  as a verifying runner would before a fetch; every fetch verified before a byte is written)
+  (``--no-signatures`` skips it).
 
 Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
 MB = 10^6 bytes.
 
     python bench/kernel_cache.py [--artifact-mb 200] [--clients 32] [--lookup-seconds 3] [--repeats 3]
-                                 [--variants off,signatures]
 """
 
 from __future__ import annotations
@@ -52,42 +52,11 @@ MB = 1_000_000
 KEY = ("bench.lookup", "hit")
 
 
-def _variant_files(work: Path, name: str) -> dict:
-    """Picklable description of a variant's clients: key file paths (``None``: not used)."""
-    if name == "off":
-        return {"signing_key": None, "trusted_keys": None}
-    if name == "signatures":
-        key_path, pub_path = SigningKey.generate().write(work / "keys", "bench")
-        return {"signing_key": str(key_path), "trusted_keys": str(pub_path)}
-    raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-
-
-#: Variant name -> what it turns on (TLS on/off is added here as another variant).
-VARIANTS = {"off": "unsigned entries, nothing verified",
-            "signatures": "Ed25519-signed entries, every lookup answer and fetch verified"}
-
-
-def client_for(address: str, files: dict, **kw) -> KernelCacheClient:
-    """A client of ``address`` with the variant's keys (``files`` from :func:`_variant_files`)."""
-    return KernelCacheClient(address, signing_key=SigningKey.load(files["signing_key"]) if files["signing_key"] else None,
-                             trusted_keys=TrustedKeys.load(files["trusted_keys"]) if files["trusted_keys"] else None,
-                             **kw)
-
-
-def checked_lookup(client: KernelCacheClient, key: tuple[str, str]) -> None:
-    """One lookup; a HIT's signature is verified when the client has trusted keys."""
-    info = client.lookup(*key)
-    if info is None:
-        raise RuntimeError("expected a HIT")
-    if client.trusted_keys is not None:
-        client.trusted_keys.verify(info.signed_payload(), info.signature, "bench entry")
-
-
-def start_daemon(root: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """Run the daemon on a free loopback port; returns (process, address)."""
+def start_daemon(root: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Run the daemon on a free loopback port with ``extra`` flags; returns (process, address)."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0"],
+            [sys.executable, "-m", "warmserve.cli", "cache", "serve", "--root", str(root), "--port", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
         )
     try:
@@ -106,8 +75,26 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _lookup_worker(address: str, files: dict, key: tuple[str, str], ready, go, stop_at_holder, results) -> None:
-    client = client_for(address, files)
+def client_for(address: str, security=None, keys: dict | None = None, **kw) -> KernelCacheClient:
+    """A client of ``address``; ``keys`` (``signing_key`` / ``trusted_keys`` file paths, picklable
+    for the worker processes) gives it a signing key and a trust list."""
+    keys = keys or {}
+    return KernelCacheClient(address, security=security, **kw,
+                             signing_key=SigningKey.load(keys["signing_key"]) if keys.get("signing_key") else None,
+                             trusted_keys=TrustedKeys.load(keys["trusted_keys"]) if keys.get("trusted_keys") else None)
+
+
+def checked_lookup(client: KernelCacheClient, key: tuple[str, str] = KEY) -> None:
+    """One lookup of ``key``; a HIT's signature is verified when the client has trusted keys."""
+    info = client.lookup(*key)
+    if info is None:
+        raise RuntimeError("expected a HIT")
+    if client.trusted_keys is not None:
+        client.trusted_keys.verify(info.signed_payload(), info.signature, "bench entry")
+
+
+def _lookup_worker(address: str, ready, go, stop_at_holder, results, security=None, keys=None, key=KEY) -> None:
+    client = client_for(address, security, keys)
     checked_lookup(client, key)  # connect before the clock starts
     ready.wait()
     go.wait()
@@ -120,12 +107,13 @@ def _lookup_worker(address: str, files: dict, key: tuple[str, str], ready, go, s
     client.close()
 
 
-def bench_lookups(address: str, files: dict, key: tuple[str, str], clients: int, seconds: float) -> dict:
+def bench_lookups(address: str, clients: int, seconds: float, security=None, keys: dict | None = None,
+                  key: tuple[str, str] = KEY) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
     stop_at = ctx.Value("d", 0.0)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, args=(address, files, key, ready, go, stop_at, results))
+    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results, security, keys, key))
              for _ in range(clients)]
     for p in procs:
         p.start()
@@ -142,7 +130,7 @@ def bench_lookups(address: str, files: dict, key: tuple[str, str], clients: int,
                 p.kill()
     total = sum(n for n, _ in rows)
     elapsed = max(t for _, t in rows) - start
-    single = client_for(address, files)
+    single = client_for(address, security, keys)
     latencies = []
     for _ in range(300):
         t = time.perf_counter()
@@ -163,20 +151,21 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def bench_artifact(address: str, work: Path, files: dict, variant: str, size: int, repeats: int) -> dict:
+def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None, tag: str = "",
+                   keys: dict | None = None) -> dict:
     src = work / "artifact.bin"
     write_random(src, size)
-    client = client_for(address, files, timeout_s=600)
+    client = client_for(address, security, keys, timeout_s=600)
     publish_s, fetch_s = [], []
     for i in range(repeats):
         t = time.perf_counter()
-        status = client.publish("bench.artifact", f"{variant}-r{i}", src)
+        status = client.publish("bench.artifact", f"{tag}r{i}", src)
         publish_s.append(time.perf_counter() - t)
         if status != "PUBLISHED":
             raise RuntimeError(f"publish {i}: {status}")
         dest = work / f"fetched-{i}.bin"
         t = time.perf_counter()
-        info = client.fetch("bench.artifact", f"{variant}-r{i}", dest)
+        info = client.fetch("bench.artifact", f"{tag}r{i}", dest)
         fetch_s.append(time.perf_counter() - t)
         if info is None or dest.stat().st_size != size:
             raise RuntimeError(f"fetch {i} failed")
@@ -193,59 +182,116 @@ def bench_artifact(address: str, work: Path, files: dict, variant: str, size: in
     }
 
 
+def bench_tls(work: Path, args, plain_address: str) -> dict:
+    """TLS off vs on, interleaved so both see the same machine: a second daemon serving mTLS (a
+    throw-away CA; every client presents a certificate) beside the plaintext one at
+    ``plain_address``; ``args.repeats`` rounds, each measuring lookups then one publish and fetch
+    on the plaintext daemon and then on the TLS one. Medians of lookups/s, single-client lookup
+    latency (ms), publish and fetch MB/s, each off and on, and the change in %."""
+    from services.channel import ClientSecurity
+    from services.tls import make_dev_pki
+
+    pki = make_dev_pki(work / "pki")
+    security = ClientSecurity(tls=pki.files())
+    proc, address = start_daemon(work / "root-tls", work / "daemon-tls.log",
+                                 ("--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)))
+    try:
+        KernelCacheClient(address, security=security).publish(*KEY, work / "small.bin")
+        return interleaved(work, args, "tls", {"off": (plain_address, None, None, KEY),
+                                               "on": (address, security, None, KEY)})
+    finally:
+        stop_process(proc, grace_s=30)
+
+
+def bench_signatures(work: Path, args, address: str) -> dict:
+    """Signatures off vs on on the daemon at ``address``, interleaved (:func:`interleaved`): off
+    reads an unsigned entry with clients that verify nothing; on publishes with a fresh signing
+    key and reads with a trust list of it (lookups and fetches verified)."""
+    key_path, pub_path = SigningKey.generate().write(work / "keys", "bench")
+    keys = {"signing_key": str(key_path), "trusted_keys": str(pub_path)}
+    signed = (KEY[0], "signed")
+    client_for(address, None, keys).publish(*signed, work / "small.bin")
+    return interleaved(work, args, "sig", {"off": (address, None, None, KEY), "on": (address, None, keys, signed)})
+
+
+def interleaved(work: Path, args, tag: str, sides: dict[str, tuple]) -> dict:
+    """``args.repeats`` rounds, each measuring lookups then one publish and fetch for side
+    ``off`` then side ``on`` (each ``(address, security, keys, lookup key)``): medians of
+    lookups/s, single-client lookup latency (ms), publish and fetch MB/s, and the change in %."""
+    rows: dict[str, dict[str, list[float]]] = {k: {"off": [], "on": []} for k in
+                                               ("lookups_per_s", "single_client_median_ms", "publish_mb_per_s",
+                                                "fetch_mb_per_s")}
+    for i in range(args.repeats):
+        for label, (addr, sec, keys, key) in sides.items():
+            lookups = bench_lookups(addr, args.clients, args.lookup_seconds, sec, keys, key)
+            artifact = bench_artifact(addr, work, args.artifact_mb * MB, 1, sec, tag=f"{tag}{i}{label}-", keys=keys)
+            for name, value in (*((k, lookups[k]) for k in ("lookups_per_s", "single_client_median_ms")),
+                                *((k, artifact[k]) for k in ("publish_mb_per_s", "fetch_mb_per_s"))):
+                rows[name][label].append(value)
+    out: dict[str, dict] = {"rounds": args.repeats}
+    for key, values in rows.items():
+        off, on = statistics.median(values["off"]), statistics.median(values["on"])
+        out[key] = {"off": off, "on": on, "change_pct": round((on / off - 1) * 100, 1)}
+    return out
+
+
+def print_tls_rows(tls: dict, what_on: str = "TLS off -> mTLS on") -> None:
+    """The Markdown rows of :func:`bench_tls` (TLS off -> on, and the change) or, with
+    ``what_on``, of :func:`bench_signatures`."""
+    for key, what, unit in (("lookups_per_s", "lookups/s", ""), ("single_client_median_ms", "lookup latency", " ms"),
+                            ("fetch_mb_per_s", "fetch", " MB/s"), ("publish_mb_per_s", "publish", " MB/s")):
+        row = tls[key]
+        print(f"| {what}, {what_on} (median of {tls['rounds']}, interleaved) | {row['off']:.4g}{unit} -> "
+              f"{row['on']:.4g}{unit} ({row['change_pct']:+.1f}%) |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact-mb", type=int, default=200)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--lookup-seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default="off,signatures", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--no-tls", dest="tls", action="store_false", help="skip the TLS on vs off comparison")
+    ap.add_argument("--no-signatures", dest="signatures", action="store_false",
+                    help="skip the signatures on vs off comparison")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="warmserve-bench-kc-"))
     proc = None
-    variants: dict[str, dict] = {}
     try:
         proc, address = start_daemon(work / "root", work / "daemon.log")
         (work / "small.bin").write_bytes(os.urandom(4096))
-        for name in args.variants.split(","):
-            files = _variant_files(work, name)
-            key = (KEY[0], f"{KEY[1]}-{name}")
-            client_for(address, files).publish(*key, work / "small.bin")
-            variants[name] = {"what": VARIANTS[name],
-                              "lookup": bench_lookups(address, files, key, args.clients, args.lookup_seconds),
-                              "artifact": bench_artifact(address, work, files, name, args.artifact_mb * MB,
-                                                         args.repeats)}
+        KernelCacheClient(address).publish(*KEY, work / "small.bin")
+        lookups = bench_lookups(address, args.clients, args.lookup_seconds)
+        artifact = bench_artifact(address, work, args.artifact_mb * MB, args.repeats)
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
+        tls = bench_tls(work, args, address) if args.tls else None
+        signatures = bench_signatures(work, args, address) if args.signatures else None
     finally:
         if proc is not None:
             stop_process(proc, grace_s=30)
         shutil.rmtree(work, ignore_errors=True)
 
-    base = variants.get("off")
-    overhead = {name: {"lookups_per_s": round(v["lookup"]["lookups_per_s"] / base["lookup"]["lookups_per_s"], 3),
-                       "fetch_mb_per_s": round(v["artifact"]["fetch_mb_per_s"] / base["artifact"]["fetch_mb_per_s"], 3)}
-                for name, v in variants.items() if base is not None and name != "off"}
     result = {"bench": "kernel_cache", "cpus": os.cpu_count(),
-              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "variants": variants,
-              "overhead_vs_off": overhead, "memory": memory}
+              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "lookup": lookups, "artifact": artifact,
+              "memory": memory, **({"tls": tls} if tls else {}), **({"signatures": signatures} if signatures else {})}
     print(json.dumps(result, indent=2))
     print()
-    print("| metric | " + " | ".join(variants) + " |")
-    print("|---|" + "---|" * len(variants))
-
-    def row(label: str, fmt) -> None:
-        print(f"| {label} | " + " | ".join(fmt(v) for v in variants.values()) + " |")
-
-    row(f"lookups/s, {args.clients} concurrent client processes", lambda v: f"{v['lookup']['lookups_per_s']:.0f}")
-    row("lookup latency, 1 client (median)", lambda v: f"{v['lookup']['single_client_median_ms']:.2f} ms")
-    row(f"publish, {args.artifact_mb} MB artifact (median of {args.repeats})",
-        lambda v: f"{v['artifact']['publish_mb_per_s']:.0f} MB/s")
-    row(f"fetch, {args.artifact_mb} MB artifact (median of {args.repeats})",
-        lambda v: f"{v['artifact']['fetch_mb_per_s']:.0f} MB/s")
+    print("| metric | value |")
+    print("|---|---|")
+    print(f"| lookups/s, {lookups['clients']} concurrent client processes | {lookups['lookups_per_s']:.0f} |")
+    print(f"| lookup latency, 1 client (median) | {lookups['single_client_median_ms']:.2f} ms |")
+    print(f"| publish, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
+          f"{artifact['publish_mb_per_s']:.0f} MB/s |")
+    print(f"| fetch, {artifact['artifact_mb']:.0f} MB artifact (median of {args.repeats}) | "
+          f"{artifact['fetch_mb_per_s']:.0f} MB/s |")
     print(f"| daemon peak RSS | {memory['daemon_peak_rss_mb']:.0f} MB |")
     print(f"| bench process peak RSS | {memory['bench_peak_rss_mb']:.0f} MB |")
+    if tls:
+        print_tls_rows(tls)
+    if signatures:
+        print_tls_rows(signatures, "signatures off -> on")
     return 0
 
 

@@ -47,6 +47,9 @@ def register(subparsers) -> None:
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")
     drain.add_argument("runner_id")
     drain.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
+    from services.channel import add_client_security_args
+
+    add_client_security_args(drain)
     drain.set_defaults(func=_drain)
 
 
@@ -59,9 +62,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     from router_service.client import drain_runner
+    from services.channel import client_security_from_args
     from services.errors import NotFound
 
-    if not drain_runner(args.addr, args.runner_id):
+    if not drain_runner(args.addr, args.runner_id, security=client_security_from_args(args)):
         raise NotFound(f"the router at {args.addr} knows no runner {args.runner_id!r}")
     print(f"draining {args.runner_id}")
     return 0

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from router_service.config import RouterConfig
 from router_service.servicer import Door, RouterServer
 from services.bootstrap import config_from_args
+from services.channel import client_security_from_args
 from services.log import configure_logging
 
 
@@ -26,6 +27,8 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         served_model_name=args.served_model_name,
         max_stream_requests=args.max_stream_requests,
     )
-    server = RouterServer(config, config_from_args(args, "router"), doors)
+    # What the router presents to the runners it dials (by the address each registered: an IP in
+    # a pod network, hence --tls-server-name for their certificates' DNS name).
+    server = RouterServer(config, config_from_args(args, "router"), doors, security=client_security_from_args(args))
     server.start()
     server.serve_forever()

@@ -20,6 +20,7 @@ from router_service.health_checker import HealthChecker
 from router_service.policy import PolicySet
 from router_service.registry import Runner, RunnerRegistry, RunnerState
 from router_service.relay import InFlight, RelayStream, upstream_error
+from services.channel import ClientSecurity
 from services.errors import Unavailable
 from services.proto import generation_pb2, generation_pb2_grpc
 from services.refusals import Refusals
@@ -28,12 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    """Routes ``Generate`` calls to runners (see the package modules for each part)."""
+    """Routes ``Generate`` calls to runners (see the package modules for each part); every call
+    to a runner presents ``security`` (the router's token and TLS files: ``--tls-server-name``
+    names the certificate runners dialled by IP must carry)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, security: ClientSecurity | None = None) -> None:
         self.config = config
         self.registry = RunnerRegistry(config)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(security)
         self.policies = PolicySet(config)
         self.health = HealthChecker(config, self.registry, self.channels)
         #: Relays calling each runner now: an ejected runner's calls without output are retried.

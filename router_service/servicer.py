@@ -23,6 +23,7 @@ from router_service.registry import RunnerState
 from router_service.router import Router
 from services.address import format_address, parse_address
 from services.bootstrap import Registration, ServerConfig, ServiceServer
+from services.channel import ClientSecurity
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
@@ -149,9 +150,11 @@ class RouterServer:
     the server, then stops the router; ``stop()`` stops both at once (tests).
     """
 
-    def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = ()) -> None:
-        """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``."""
-        self.router = Router(config)
+    def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = (),
+                 security: ClientSecurity | None = None) -> None:
+        """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``;
+        ``security``: what the router presents to runners (:class:`Router`)."""
+        self.router = Router(config, security)
         #: One cap for every door's streams (:mod:`services.stream_slots`).
         self.slots = StreamSlots(server_config.max_streams, "the router")
         self.server = ServiceServer(server_config, [

@@ -13,6 +13,7 @@ import argparse
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
 from runner_service.options import add_forwarded_options
 from services.bootstrap import positive_seconds
+from services.channel import add_client_security_args, client_security_from_args
 from services.ports import DEFAULT_BASE_PORT, DEFAULT_ROUTER
 from weight_service.sources import BUNDLED_SMOLLM2
 
@@ -45,6 +46,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--timeout", type=positive_seconds, default=120.0,
                    help="request deadline in seconds, > 0 (default 120)")
+    add_client_security_args(p)
 
 
 def register(subparsers) -> None:
@@ -58,6 +60,8 @@ def register(subparsers) -> None:
                     help="do not start the OpenAI-compatible HTTP API")
     up.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name both doors publish (default: derived from the model source)")
+    up.add_argument("--tls", action="store_true",
+                    help="mTLS everywhere: a throw-away CA and certificate in HOME/tls/ for every daemon and door")
     up.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
                     help="share programs and sidecars with other hosts through this S3 bucket (AWS environment "
                          "for endpoint and credentials)")
@@ -90,6 +94,7 @@ def register(subparsers) -> None:
     status.add_argument("--home", default=None,
                         help="report the services and restarts of the `warmserve up` of this home too "
                              "(default $WARMSERVE_HOME)")
+    add_client_security_args(status)
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
@@ -155,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
         messages = ([("system", args.system)] if args.system is not None else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
     out = _Streamed(sys.stdout)
-    with GenerationClient(args.addr, fail_fast=True) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=client_security_from_args(args)) as client:
         try:
             result = client.stream_to(request, out, timeout_s=args.timeout)
         except WarmserveError as e:
@@ -176,7 +181,7 @@ def _chat(args: argparse.Namespace) -> int:
     from services.generation_client import GenerationClient
     from warmserve.chat import interactive_chat
 
-    with GenerationClient(args.addr, fail_fast=True) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=client_security_from_args(args)) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
                                 stdin=sys.stdin, stdout=sys.stdout)
 
@@ -207,7 +212,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"note: no running `warmserve up` with home {home} serves the router at {args.addr}; showing that "
               "router alone", file=sys.stderr)
     services = {**own, **services}  # a running `up`'s own, then --service
-    code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
+    code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr),
+                        security=client_security_from_args(args))
     if code:
         print(f"warmserve: error: no router answers at {args.addr} (is `warmserve up` running?)", file=sys.stderr)
     return code
