@@ -13,7 +13,12 @@ measures:
 - peak RSS of the daemon and of this process, to show the artifact is never held in memory;
 - TLS off vs on (:func:`bench_tls`): a second daemon serving mTLS beside the first, the
   lookups and one publish/fetch on each in turn, ``--repeats`` rounds: lookups/s and fetch MB/s
-  with TLS off and on (``--no-tls`` skips it).
+  with TLS off and on (``--no-tls`` skips it);
+- signatures off vs on (:func:`bench_signatures`), interleaved the same way on the plaintext
+  daemon: unsigned entries read by clients that verify nothing, against entries published with
+  an Ed25519 signing key and read with a trust list (every lookup answer's signature checked,
+  as a verifying runner would before a fetch; every fetch verified before a byte is written)
+  (``--no-signatures`` skips it).
 
 Prints one JSON object, then a Markdown table. Everything (daemon, temp files) is cleaned up.
 MB = 10^6 bytes.
@@ -41,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from kernel_cache_service.client import KernelCacheClient  # noqa: E402
 from services.procs import stop_process, wait_for_log_record  # noqa: E402
+from services.signing import SigningKey, TrustedKeys  # noqa: E402
 
 MB = 1_000_000
 KEY = ("bench.lookup", "hit")
@@ -69,27 +75,45 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _lookup_worker(address: str, ready, go, stop_at_holder, results, security=None) -> None:
-    client = KernelCacheClient(address, security=security)
-    client.lookup(*KEY)  # connect before the clock starts
+def client_for(address: str, security=None, keys: dict | None = None, **kw) -> KernelCacheClient:
+    """A client of ``address``; ``keys`` (``signing_key`` / ``trusted_keys`` file paths, picklable
+    for the worker processes) gives it a signing key and a trust list."""
+    keys = keys or {}
+    return KernelCacheClient(address, security=security, **kw,
+                             signing_key=SigningKey.load(keys["signing_key"]) if keys.get("signing_key") else None,
+                             trusted_keys=TrustedKeys.load(keys["trusted_keys"]) if keys.get("trusted_keys") else None)
+
+
+def checked_lookup(client: KernelCacheClient, key: tuple[str, str] = KEY) -> None:
+    """One lookup of ``key``; a HIT's signature is verified when the client has trusted keys."""
+    info = client.lookup(*key)
+    if info is None:
+        raise RuntimeError("expected a HIT")
+    if client.trusted_keys is not None:
+        client.trusted_keys.verify(info.signed_payload(), info.signature, "bench entry")
+
+
+def _lookup_worker(address: str, ready, go, stop_at_holder, results, security=None, keys=None, key=KEY) -> None:
+    client = client_for(address, security, keys)
+    checked_lookup(client, key)  # connect before the clock starts
     ready.wait()
     go.wait()
     stop_at = stop_at_holder.value
     n = 0
     while time.time() < stop_at:
-        if client.lookup(*KEY) is None:
-            raise RuntimeError("expected a HIT")
+        checked_lookup(client, key)
         n += 1
     results.put((n, time.time()))
     client.close()
 
 
-def bench_lookups(address: str, clients: int, seconds: float, security=None) -> dict:
+def bench_lookups(address: str, clients: int, seconds: float, security=None, keys: dict | None = None,
+                  key: tuple[str, str] = KEY) -> dict:
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
     stop_at = ctx.Value("d", 0.0)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results, security))
+    procs = [ctx.Process(target=_lookup_worker, args=(address, ready, go, stop_at, results, security, keys, key))
              for _ in range(clients)]
     for p in procs:
         p.start()
@@ -106,11 +130,11 @@ def bench_lookups(address: str, clients: int, seconds: float, security=None) -> 
                 p.kill()
     total = sum(n for n, _ in rows)
     elapsed = max(t for _, t in rows) - start
-    single = KernelCacheClient(address, security=security)
+    single = client_for(address, security, keys)
     latencies = []
     for _ in range(300):
         t = time.perf_counter()
-        single.lookup(*KEY)
+        checked_lookup(single, key)
         latencies.append(time.perf_counter() - t)
     single.close()
     return {"clients": clients, "client_kind": "processes", "seconds": round(elapsed, 3),
@@ -127,10 +151,11 @@ def write_random(path: Path, size: int) -> None:
             left -= n
 
 
-def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None, tag: str = "") -> dict:
+def bench_artifact(address: str, work: Path, size: int, repeats: int, security=None, tag: str = "",
+                   keys: dict | None = None) -> dict:
     src = work / "artifact.bin"
     write_random(src, size)
-    client = KernelCacheClient(address, timeout_s=600, security=security)
+    client = client_for(address, security, keys, timeout_s=600)
     publish_s, fetch_s = [], []
     for i in range(repeats):
         t = time.perf_counter()
@@ -170,20 +195,39 @@ def bench_tls(work: Path, args, plain_address: str) -> dict:
     security = ClientSecurity(tls=pki.files())
     proc, address = start_daemon(work / "root-tls", work / "daemon-tls.log",
                                  ("--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)))
+    try:
+        KernelCacheClient(address, security=security).publish(*KEY, work / "small.bin")
+        return interleaved(work, args, "tls", {"off": (plain_address, None, None, KEY),
+                                               "on": (address, security, None, KEY)})
+    finally:
+        stop_process(proc, grace_s=30)
+
+
+def bench_signatures(work: Path, args, address: str) -> dict:
+    """Signatures off vs on on the daemon at ``address``, interleaved (:func:`interleaved`): off
+    reads an unsigned entry with clients that verify nothing; on publishes with a fresh signing
+    key and reads with a trust list of it (lookups and fetches verified)."""
+    key_path, pub_path = SigningKey.generate().write(work / "keys", "bench")
+    keys = {"signing_key": str(key_path), "trusted_keys": str(pub_path)}
+    signed = (KEY[0], "signed")
+    client_for(address, None, keys).publish(*signed, work / "small.bin")
+    return interleaved(work, args, "sig", {"off": (address, None, None, KEY), "on": (address, None, keys, signed)})
+
+
+def interleaved(work: Path, args, tag: str, sides: dict[str, tuple]) -> dict:
+    """``args.repeats`` rounds, each measuring lookups then one publish and fetch for side
+    ``off`` then side ``on`` (each ``(address, security, keys, lookup key)``): medians of
+    lookups/s, single-client lookup latency (ms), publish and fetch MB/s, and the change in %."""
     rows: dict[str, dict[str, list[float]]] = {k: {"off": [], "on": []} for k in
                                                ("lookups_per_s", "single_client_median_ms", "publish_mb_per_s",
                                                 "fetch_mb_per_s")}
-    try:
-        KernelCacheClient(address, security=security).publish(*KEY, work / "small.bin")
-        for i in range(args.repeats):
-            for label, addr, sec in (("off", plain_address, None), ("on", address, security)):
-                lookups = bench_lookups(addr, args.clients, args.lookup_seconds, sec)
-                artifact = bench_artifact(addr, work, args.artifact_mb * MB, 1, sec, tag=f"tls{i}-")
-                for key, value in (*((k, lookups[k]) for k in ("lookups_per_s", "single_client_median_ms")),
-                                   *((k, artifact[k]) for k in ("publish_mb_per_s", "fetch_mb_per_s"))):
-                    rows[key][label].append(value)
-    finally:
-        stop_process(proc, grace_s=30)
+    for i in range(args.repeats):
+        for label, (addr, sec, keys, key) in sides.items():
+            lookups = bench_lookups(addr, args.clients, args.lookup_seconds, sec, keys, key)
+            artifact = bench_artifact(addr, work, args.artifact_mb * MB, 1, sec, tag=f"{tag}{i}{label}-", keys=keys)
+            for name, value in (*((k, lookups[k]) for k in ("lookups_per_s", "single_client_median_ms")),
+                                *((k, artifact[k]) for k in ("publish_mb_per_s", "fetch_mb_per_s"))):
+                rows[name][label].append(value)
     out: dict[str, dict] = {"rounds": args.repeats}
     for key, values in rows.items():
         off, on = statistics.median(values["off"]), statistics.median(values["on"])
@@ -191,12 +235,13 @@ def bench_tls(work: Path, args, plain_address: str) -> dict:
     return out
 
 
-def print_tls_rows(tls: dict) -> None:
-    """The Markdown rows of :func:`bench_tls` (TLS off -> on, and the change)."""
+def print_tls_rows(tls: dict, what_on: str = "TLS off -> mTLS on") -> None:
+    """The Markdown rows of :func:`bench_tls` (TLS off -> on, and the change) or, with
+    ``what_on``, of :func:`bench_signatures`."""
     for key, what, unit in (("lookups_per_s", "lookups/s", ""), ("single_client_median_ms", "lookup latency", " ms"),
                             ("fetch_mb_per_s", "fetch", " MB/s"), ("publish_mb_per_s", "publish", " MB/s")):
         row = tls[key]
-        print(f"| {what}, TLS off -> mTLS on (median of {tls['rounds']}, interleaved) | {row['off']:.4g}{unit} -> "
+        print(f"| {what}, {what_on} (median of {tls['rounds']}, interleaved) | {row['off']:.4g}{unit} -> "
               f"{row['on']:.4g}{unit} ({row['change_pct']:+.1f}%) |")
 
 
@@ -207,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-seconds", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-tls", dest="tls", action="store_false", help="skip the TLS on vs off comparison")
+    ap.add_argument("--no-signatures", dest="signatures", action="store_false",
+                    help="skip the signatures on vs off comparison")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="warmserve-bench-kc-"))
@@ -220,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = {"daemon_peak_rss_mb": round(peak_rss_mb(proc.pid), 1),
                   "bench_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB, 1)}
         tls = bench_tls(work, args, address) if args.tls else None
+        signatures = bench_signatures(work, args, address) if args.signatures else None
     finally:
         if proc is not None:
             stop_process(proc, grace_s=30)
@@ -227,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"bench": "kernel_cache", "cpus": os.cpu_count(),
               "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "lookup": lookups, "artifact": artifact,
-              "memory": memory, **({"tls": tls} if tls else {})}
+              "memory": memory, **({"tls": tls} if tls else {}), **({"signatures": signatures} if signatures else {})}
     print(json.dumps(result, indent=2))
     print()
     print("| metric | value |")
@@ -242,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| bench process peak RSS | {memory['bench_peak_rss_mb']:.0f} MB |")
     if tls:
         print_tls_rows(tls)
+    if signatures:
+        print_tls_rows(signatures, "signatures off -> on")
     return 0
 
 

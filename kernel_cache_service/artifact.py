@@ -183,3 +183,24 @@ def install_stream(chunks: Iterable[bytes], fmt: str, dest: str | Path) -> None:
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+
+
+def install_verified(chunks: Iterable[bytes], fmt: str, dest: str | Path) -> None:
+    """As :func:`install_stream`, but a ``"dir"`` artifact is first written whole to a temp file
+    beside ``dest`` (so the verifying ``chunks`` reach their final size/sha256 check) and only
+    then unpacked: no byte of an artifact that fails its checks is ever extracted. A ``"file"``
+    artifact is already renamed into place only after its last chunk."""
+    if fmt != "dir":
+        install_stream(chunks, fmt, dest)
+        return
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        raise InvalidArgument(f"directory {dest.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=_temp_sibling(dest, "tar"))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in chunks:
+                f.write(block)
+        install_stream(iter_file(Path(tmp)), "dir", dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

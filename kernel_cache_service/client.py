@@ -16,6 +16,12 @@ Memory stays bounded for any artifact size: publishing a file hashes it in one p
 it in a second; a directory is packed into a temporary tar while being hashed, then streamed;
 fetch writes chunks to a temp file (or unpacks the tar as it arrives) next to ``dest`` and
 renames it into place only after the sha256 matched.
+
+Signed artifacts (``docs/architecture.md`` §6, "signed entries"): a client given a
+``signing_key`` signs what it publishes (:meth:`EntryInfo.signed_payload`); one given
+``trusted_keys`` verifies the signature of every entry it fetches before writing a byte of it,
+and (a directory) the whole tar's sha256 before unpacking it; a refusal raises
+``services.errors.Untrusted`` and is recorded in :attr:`KernelCacheClient.refusals`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from kernel_cache_service.artifact import (
     HashingWriter,
     hash_file,
     install_stream,
+    install_verified,
     iter_file,
     pack_directory,
 )
@@ -54,10 +61,11 @@ from kernel_cache_service.single_flight import Flight
 from kernel_cache_service.store import KernelStore
 from kernel_cache_service.store_api import KernelStoreAPI
 from services.channel import ClientSecurity, open_channel
-from services.errors import InvalidArgument, WarmserveError, from_rpc_error
+from services.errors import InvalidArgument, Untrusted, WarmserveError, from_rpc_error
 from services.paths import default_kernel_cache_root
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.signing import SigningKey, TrustedKeys
 
 __all__ = ["ClaimHandle", "EntryInfo", "KernelCacheClient", "Lease"]
 
@@ -111,17 +119,23 @@ class KernelCacheClient:
     then its local tier, see :mod:`kernel_cache_service.s3_store`).
     ``security`` is what the client presents to a daemon (its bearer token and TLS files).
     ``timeout_s`` bounds each unary call (seconds); streams (fetch, publish) have no deadline.
+    ``signing_key``: what publishes are signed with; ``trusted_keys``: the keys a fetched entry
+    must be signed by (``None``: fetched entries are not verified, as before signing existed).
     Raises ``InvalidArgument`` when both ``address`` and ``root`` (or ``store``) are given, and for
     a ``store`` that cannot be used (malformed URL, unreachable endpoint, missing bucket, ...).
     """
 
     def __init__(self, address: str | None = None, *, root: str | Path | None = None,
                  security: ClientSecurity | None = None, max_bytes: int = 0, timeout_s: float = 30.0,
-                 store: str | None = None) -> None:
+                 store: str | None = None, signing_key: SigningKey | None = None,
+                 trusted_keys: TrustedKeys | None = None) -> None:
         if address is not None and (root is not None or store is not None):
             raise InvalidArgument("give a daemon address or an embedded store (root, store), not both")
         self.address = address
         self.timeout_s = timeout_s
+        self.signing_key, self.trusted_keys = signing_key, trusted_keys
+        #: One sentence per entry refused by :meth:`fetch` (its signature failed), oldest first.
+        self.refusals: list[str] = []
         self._store: KernelStoreAPI | None = None
         self._channel: grpc.Channel | None = None
         if address is None and store:
@@ -166,10 +180,13 @@ class KernelCacheClient:
         (an existing ``dest`` directory is swapped out). ``None`` on a MISS, including an entry
         found corrupt (the store quarantines it) or bytes that fail the sha256 check in transit.
         ``chunk_bytes``: stream chunk size asked of the daemon (0 = its default, 1 MiB).
+        With ``trusted_keys``, raises ``Untrusted`` (nothing written) for an entry whose signature
+        is missing, malformed, by an untrusted key or wrong.
         """
         validate_key(name, fingerprint)
+        check = None if self.trusted_keys is None else self._check_signature
         if self._store is not None:
-            return self._store.fetch(name, fingerprint, dest)
+            return self._store.fetch(name, fingerprint, dest, check)
         request = pb.FetchRequest(key=pb.ProgramKey(name=name, fingerprint=fingerprint), chunk_bytes=chunk_bytes)
         responses = self._stub.Fetch(request)
         try:
@@ -180,13 +197,25 @@ class KernelCacheClient:
                     return None
                 raise self._error(err) from None
             info = entry_from_proto(first.entry)
+            install = install_stream if check is None else install_verified
+            if check is not None:
+                check(info)
             try:
-                install_stream(self._verified(info, first.data, responses), info.format, dest)
+                install(self._verified(info, first.data, responses), info.format, dest)
             except CorruptArtifact:
                 return None
             return info
         finally:
             responses.cancel()
+
+    def _check_signature(self, info: EntryInfo) -> str:
+        """The key id that signed ``info``; ``Untrusted`` (recorded in :attr:`refusals`) otherwise."""
+        try:
+            return self.trusted_keys.verify(info.signed_payload(), info.signature,
+                                            f"program {info.name}/{info.fingerprint[:12]}")
+        except Untrusted as e:
+            self.refusals.append(str(e))
+            raise
 
     def _verified(self, info: EntryInfo, first: bytes, responses) -> Iterator[bytes]:
         sha, size = hashlib.sha256(first), len(first)
@@ -280,7 +309,8 @@ class KernelCacheClient:
         return self.publish_result(name, fingerprint, path, producer=producer).status
 
     def publish_result(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
-        """Like :meth:`publish` but returns the whole :class:`PublishResult` (status, reason, entry).
+        """Like :meth:`publish` but returns the whole :class:`PublishResult` (status, reason, entry);
+        signed with :attr:`signing_key` when the client has one.
 
         Raises ``InvalidArgument`` for a bad key or a ``path`` that is neither file nor directory.
         """
@@ -289,7 +319,8 @@ class KernelCacheClient:
         if not (path.is_file() or path.is_dir()):
             raise InvalidArgument(f"{path} is not a file or a directory")
         if self._store is not None:
-            return self._store.publish(name, fingerprint, path, producer=producer or _default_producer())
+            return self._store.publish(name, fingerprint, path, producer=producer or _default_producer(),
+                                       signer=self.signing_key)
         if fingerprint == UNKNOWN:
             return PublishResult(REJECTED, "the fingerprint is UNKNOWN; unknown keys are never stored")
         present = self.lookup(name, fingerprint)
@@ -307,8 +338,13 @@ class KernelCacheClient:
 
     def _stream_publish(self, name: str, fingerprint: str, blob: Path, size: int, sha: str,
                         fmt: str, producer: str) -> PublishResult:
+        producer = producer or _default_producer()
+        signature = ""
+        if self.signing_key is not None:
+            unsigned = EntryInfo(name, fingerprint, size, sha, created=0.0, producer=producer, format=fmt)
+            signature = self.signing_key.sign(unsigned.signed_payload()).to_text()
         header = pb.PublishHeader(key=pb.ProgramKey(name=name, fingerprint=fingerprint), size_bytes=size,
-                                  sha256=sha, producer=producer or _default_producer(), format=fmt)
+                                  sha256=sha, producer=producer, format=fmt, signature=signature)
 
         def requests():
             yield pb.PublishRequest(header=header)

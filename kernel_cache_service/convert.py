@@ -25,6 +25,7 @@ def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
         last_access_unix_s=info.last_access,
         producer=info.producer,
         format=info.format,
+        signature=info.signature,
     )
 
 
@@ -39,6 +40,7 @@ def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
         producer=msg.producer,
         format=msg.format,
         last_access=msg.last_access_unix_s,
+        signature=msg.signature,
     )
 
 

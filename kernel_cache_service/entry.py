@@ -2,13 +2,16 @@
 
 An entry is an artifact blob (a file, or a directory stored as one uncompressed tar) plus a
 manifest, ``manifest.json``, holding the fields of :class:`EntryInfo` except ``last_access``,
-which is the manifest's mtime (touched on every read, so LRU order needs no rewrite).
+which is the manifest's mtime (touched on every read, so LRU order needs no rewrite); the
+publisher's signature, when it gave one, is a manifest field, so it lands atomically with the entry.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+
+from services.signing import program_payload
 
 #: Artifact formats: a single file, or a directory packed as one uncompressed tar.
 FORMATS = ("file", "dir")
@@ -23,7 +26,9 @@ MANIFEST_VERSION = 1
 @dataclass(frozen=True)
 class EntryInfo:
     """One stored entry. Sizes in bytes, times in unix seconds; ``sha256`` is the blob's hex digest;
-    ``format`` is ``"file"`` or ``"dir"``; ``producer`` is free text (host, pid, tool)."""
+    ``format`` is ``"file"`` or ``"dir"``; ``producer`` is free text (host, pid, tool);
+    ``signature`` the publisher's (``services.signing.Signature.to_text``: ``KEYID:BASE64``) over
+    :meth:`signed_payload`, ``""`` when unsigned."""
 
     name: str
     fingerprint: str
@@ -33,6 +38,12 @@ class EntryInfo:
     producer: str
     format: str
     last_access: float = 0.0
+    signature: str = ""
+
+    def signed_payload(self) -> bytes:
+        """The bytes a publisher signs (:func:`services.signing.program_payload` of this entry)."""
+        return program_payload(self.name, self.fingerprint, self.sha256, self.size_bytes, self.format,
+                               self.producer)
 
     def to_dict(self) -> dict:
         """Every field by name (JSON-ready: ``cache ls --json`` prints it)."""
@@ -42,6 +53,8 @@ class EntryInfo:
         """The manifest file's content (``last_access`` lives in the file's mtime instead)."""
         doc = {"version": MANIFEST_VERSION, **self.to_dict()}
         doc.pop("last_access")
+        if not doc["signature"]:
+            doc.pop("signature")
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     @classmethod
@@ -59,6 +72,7 @@ class EntryInfo:
             producer=str(doc["producer"]),
             format=str(doc["format"]),
             last_access=last_access,
+            signature=str(doc.get("signature", "")),
         )
         if info.format not in FORMATS or info.size_bytes < 0 or len(info.sha256) != 64:
             raise ValueError("malformed manifest")

@@ -9,6 +9,7 @@ import errno
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from kernel_cache_service.artifact import HashingWriter, iter_file, pack_directory
@@ -20,6 +21,7 @@ from kernel_cache_service.limits import check_publish_header
 from kernel_cache_service.locks import OwnedTempDir
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, WarmserveError
 from services.fsmode import default_dir_mode, default_file_mode
+from services.signing import Signature, SigningKey
 
 #: Installs a verified temp entry directory as its key: PUBLISHED, ALREADY_PRESENT or REJECTED.
 Install = Callable[[Path, EntryInfo], PublishResult]
@@ -80,12 +82,15 @@ class PendingPublish:
     commit discards everything. Bytes beyond the announced size are dropped and make the commit
     REJECTED; so do a size or sha256 different from the announced ones, or a size over
     ``max_bytes`` (0 = no budget). The bytes go to a private directory under ``tmp_root``; a
-    verified entry is handed to ``install``.
+    verified entry is handed to ``install``. The entry keeps ``signature`` (the sender's, as
+    given) or, with ``signer``, its signature over the entry made at commit (embedded publishes).
     """
 
     def __init__(self, tmp_root: Path, max_bytes: int, install: Install, name: str, fingerprint: str, *,
-                 fmt: str, producer: str, size: int | None, sha256: str | None) -> None:
+                 fmt: str, producer: str, size: int | None, sha256: str | None, signature: str = "",
+                 signer: SigningKey | None = None) -> None:
         self.name, self.fingerprint, self.fmt, self.producer = name, fingerprint, fmt, producer
+        self.signature, self._signer = signature, signer
         self._expected_size, self._expected_sha = size, sha256
         self._max_bytes, self._install = max_bytes, install
         self._what = f"publishing {name}/{fingerprint[:12]}"
@@ -148,7 +153,10 @@ class PendingPublish:
             if self._sink.size == 0:
                 raise empty_artifact(self.name, self.fingerprint)
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
-                             created=time.time(), producer=self.producer, format=self.fmt)
+                             created=time.time(), producer=self.producer, format=self.fmt,
+                             signature=self.signature)
+            if self._signer is not None:
+                info = replace(info, signature=self._signer.sign(info.signed_payload()).to_text())
             try:
                 finish_temp_entry(self._tmp.path, info)
                 return self._install(self._tmp.path, info)
@@ -176,21 +184,30 @@ class PendingPublish:
 
 
 def begin_publish(tmp_root: Path, max_bytes: int, install: Install, name: str, fingerprint: str, *,
-                  fmt: str, producer: str, size: int | None, sha256: str | None) -> PendingPublish:
+                  fmt: str, producer: str, size: int | None, sha256: str | None, signature: str = "",
+                  signer: SigningKey | None = None) -> PendingPublish:
     """A :class:`PendingPublish` of ``fmt`` (``"file"`` or ``"dir"``, i.e. a tar) bytes;
     ``size`` (bytes) and ``sha256`` (hex), when given, are what the sender announced and are
-    verified at commit. Raises ``InvalidArgument`` for a bad key, format, producer, size or sha256
-    (:func:`kernel_cache_service.limits.check_publish_header`)."""
+    verified at commit. ``signature`` (``KEYID:BASE64``) is kept with the entry as given (the
+    store trusts no key: verifiers check it); ``signer`` signs the entry at commit instead.
+    Raises ``InvalidArgument`` for a bad key, format, producer, size, sha256
+    (:func:`kernel_cache_service.limits.check_publish_header`) or a malformed signature."""
     check_publish_header(name, fingerprint, fmt=fmt, producer=producer, sha256=sha256)
     if size is not None and size < 0:
         raise InvalidArgument(f"size must be >= 0 bytes, got {size}")
+    if signature:
+        try:
+            Signature.from_text(signature)
+        except WarmserveError as e:
+            raise InvalidArgument(f"publishing {name}/{fingerprint[:12]}: {e}") from None
     return PendingPublish(tmp_root, max_bytes, install, name, fingerprint, fmt=fmt, producer=producer,
-                          size=size, sha256=sha256)
+                          size=size, sha256=sha256, signature=signature, signer=signer)
 
 
-def publish_path(store, name: str, fingerprint: str, path: str | Path, producer: str) -> PublishResult:
+def publish_path(store, name: str, fingerprint: str, path: str | Path, producer: str,
+                 signer: SigningKey | None = None) -> PublishResult:
     """Publish the file or directory at ``path`` (a directory as one tar) into ``store`` (its
-    ``precheck`` and ``begin_publish``). Raises ``InvalidArgument`` for a bad key or a ``path``
+    ``precheck`` and ``begin_publish``; signed by ``signer`` when given). Raises ``InvalidArgument`` for a bad key or a ``path``
     that is neither a file nor a directory; otherwise PUBLISHED, ALREADY_PRESENT or REJECTED."""
     path = Path(path)
     validate_key(name, fingerprint)
@@ -200,7 +217,7 @@ def publish_path(store, name: str, fingerprint: str, path: str | Path, producer:
     if early is not None:
         return early
     fmt = "dir" if path.is_dir() else "file"
-    with store.begin_publish(name, fingerprint, fmt=fmt, producer=producer) as pending:
+    with store.begin_publish(name, fingerprint, fmt=fmt, producer=producer, signer=signer) as pending:
         if fmt == "file":
             for block in iter_file(path):
                 pending.write(block)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from kernel_cache_service.artifact import CHUNK_BYTES, CorruptArtifact, install_stream
+from kernel_cache_service.artifact import CHUNK_BYTES, CorruptArtifact, install_stream, install_verified
 from kernel_cache_service.counters import Counters
 from kernel_cache_service.entry import EntryInfo
 from kernel_cache_service.fingerprint import UNKNOWN
@@ -75,17 +75,23 @@ class EntryReader:
         self.close()
 
 
-def fetch_entry(opened: EntryReader | None, dest: str | Path,
-                quarantine: Callable[[str, str, int, str], None]) -> EntryInfo | None:
+def fetch_entry(opened: EntryReader | None, dest: str | Path, quarantine: Callable[[str, str, int, str], None],
+                check: Callable[[EntryInfo], object] | None = None) -> EntryInfo | None:
     """Write the entry ``opened`` reads (closed here; ``None``: a MISS) at ``dest`` atomically (a
     file, or a directory restored from its tar); ``None`` when its bytes are corrupt. Intact bytes
     of a "dir" entry that do not unpack are passed to ``quarantine(name, fingerprint, inode,
-    reason)``. Raises ``InvalidArgument`` for an unusable ``dest`` (see :func:`artifact.install_stream`)."""
+    reason)``. Raises ``InvalidArgument`` for an unusable ``dest`` (see :func:`artifact.install_stream`).
+    ``check(info)`` runs first and may raise (nothing is written then); with it, a "dir" entry's
+    bytes are verified whole before anything is unpacked (:func:`artifact.install_verified`)."""
     if opened is None:
         return None
     with opened as reader:
         try:
-            install_stream(reader.chunks(), reader.info.format, dest)
+            if check is None:
+                install_stream(reader.chunks(), reader.info.format, dest)
+            else:
+                check(reader.info)
+                install_verified(reader.chunks(), reader.info.format, dest)
         except CorruptArtifact:
             if reader.verified:  # intact bytes, but a "dir" entry that is not a tar
                 quarantine(reader.info.name, reader.info.fingerprint, reader.inode,

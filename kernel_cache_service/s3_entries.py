@@ -24,9 +24,13 @@ def key_of(object_key: str) -> tuple[str, str] | None:
 
 
 def entry_metadata(info: EntryInfo) -> dict[str, str]:
-    """The user metadata an entry's object carries besides ``size-bytes`` and ``sha256``."""
-    return {"entry-version": ENTRY_VERSION, "format": info.format, "producer": encode_meta(info.producer),
+    """The user metadata an entry's object carries besides ``size-bytes`` and ``sha256`` (the
+    publisher's ``signature`` only when it gave one: ``KEYID:BASE64`` is plain ASCII)."""
+    meta = {"entry-version": ENTRY_VERSION, "format": info.format, "producer": encode_meta(info.producer),
             "created": repr(float(info.created))}
+    if info.signature:
+        meta["signature"] = info.signature
+    return meta
 
 
 def entry_from_head(name: str, fingerprint: str, head: ObjectHead) -> EntryInfo:
@@ -43,4 +47,4 @@ def entry_from_head(name: str, fingerprint: str, head: ObjectHead) -> EntryInfo:
         raise ValueError("garbled sha256 or format metadata")
     created = float(meta.get("created", "x"))
     return EntryInfo(name, fingerprint, int(size), sha, created=created, producer=decode_meta(meta.get("producer", "")),
-                     format=fmt, last_access=created)
+                     format=fmt, last_access=created, signature=meta.get("signature", ""))

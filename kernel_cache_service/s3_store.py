@@ -9,6 +9,7 @@ use the bucket: ``docs/architecture.md`` §6.1. Objects are described in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from kernel_cache_service.s3_read_through import CountingReader, ReadThrough
 from kernel_cache_service.store import KernelStore
 from services.errors import InvalidArgument, WarmserveError
 from services.s3 import ObjectStore
+from services.signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +109,11 @@ class S3KernelStore:
             return None
         return CountingReader(self.counters, reader)
 
-    def fetch(self, name: str, fingerprint: str, dest: str | Path) -> EntryInfo | None:
+    def fetch(self, name: str, fingerprint: str, dest: str | Path,
+              check: Callable[[EntryInfo], object] | None = None) -> EntryInfo | None:
         """As :meth:`KernelStore.fetch`, over this store's :meth:`open` (an unusable "dir" entry
         is quarantined here and dropped from the bucket)."""
-        return fetch_entry(self.open(name, fingerprint), dest, self._quarantine)
+        return fetch_entry(self.open(name, fingerprint), dest, self._quarantine, check)
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         """The bucket's entries whose name starts with ``prefix``, sorted by name then
@@ -208,15 +211,17 @@ class S3KernelStore:
             return None
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
-                      size: int | None = None, sha256: str | None = None) -> PendingPublish:
+                      size: int | None = None, sha256: str | None = None, signature: str = "",
+                      signer: SigningKey | None = None) -> PendingPublish:
         """As :meth:`KernelStore.begin_publish`: the bytes go to the local tier's ``tmp/``;
         :meth:`_install` commits them to the bucket."""
         return begin_publish(self.root / "tmp", self.max_bytes, self._install, name, fingerprint, fmt=fmt,
-                             producer=producer, size=size, sha256=sha256)
+                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer)
 
-    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
+    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
+                signer: SigningKey | None = None) -> PublishResult:
         """As :meth:`KernelStore.publish`, into the bucket (and the local tier)."""
-        return publish_path(self, name, fingerprint, path, producer)
+        return publish_path(self, name, fingerprint, path, producer, signer)
 
     def _install(self, tmp: Path, info: EntryInfo) -> PublishResult:
         """Commit the verified temp entry ``tmp``: the conditional upload decides

@@ -144,7 +144,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         if early is not None:
             return early
         with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer,
-                                      size=h.size_bytes, sha256=sha256) as pending:
+                                      size=h.size_bytes, sha256=sha256, signature=h.signature) as pending:
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InvalidArgument("only chunks may follow the PublishHeader")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kernel_cache_service.entry import EntryInfo
 from kernel_cache_service.leases import OWNER, PUBLISHED_EVENT, WAIT, Lease
-from services.errors import WarmserveError
+from services.errors import Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -99,7 +99,8 @@ def get_or_build(cache: KernelCacheClient, name: str, fingerprint: str,
     (:meth:`KernelCacheClient.claim`, a lease of ``ttl_s`` seconds naming ``holder``) and either
     ``build()`` it holding the lease (renewed by :class:`LeaseKeeper`; ``build`` publishes,
     which ends it) or wait for whoever builds it and fetch their publish. ``fetch`` returns
-    ``(value, entry)`` or ``None`` (a miss, or an entry that does not load). When claiming or
+    ``(value, entry)`` or ``None`` (a miss, or an entry that does not load), or raises
+    ``Untrusted`` (an entry whose signature is refused): then it builds here. When claiming or
     waiting fails (an old daemon, no token) or :data:`MAX_CLAIM_ROUNDS` rounds end without a
     publish, it builds uncoordinated. ``progress`` hears what it is doing ("compiling NAME
     here", "waiting for WHO to build NAME"). Raises what ``build`` raises."""
@@ -109,7 +110,11 @@ def get_or_build(cache: KernelCacheClient, name: str, fingerprint: str,
         say(f"compiling {name} here")
         return Flight(build(), True, takeover=takeover)
 
-    got = fetch()
+    try:
+        got = fetch()
+    except Untrusted as e:  # claims would answer HIT for the refused entry: build here
+        log.warning("the entry of %s is refused (%s); compiling here", name, e)
+        return built()
     if got is not None:
         return Flight(got[0], False, got[1])
     t0 = time.perf_counter()
@@ -133,7 +138,11 @@ def get_or_build(cache: KernelCacheClient, name: str, fingerprint: str,
                     return built()
                 if event.status != PUBLISHED_EVENT:
                     continue  # the builder is gone: claim again
-        got = fetch()
+        try:
+            got = fetch()
+        except Untrusted as e:  # another builder's publish, refused
+            log.warning("the published entry of %s is refused (%s); compiling here", name, e)
+            return built()
         if got is not None:
             return Flight(got[0], False, got[1], waited_s=time.perf_counter() - t0)
     log.warning("no build of %s finished after %d claims; compiling here", name, MAX_CLAIM_ROUNDS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kernel_cache_service.locks import sweep_unowned
 from kernel_cache_service.publish import PendingPublish, begin_publish, early_rejection, publish_path
 from kernel_cache_service.reads import EntryReader, EntryReads, fetch_entry
 from services.errors import InvalidArgument
+from services.signing import SigningKey
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +84,14 @@ class KernelStore:
         validate_key(name, fingerprint)
         return self.reads.open(name, fingerprint)
 
-    def fetch(self, name: str, fingerprint: str, dest: str | Path) -> EntryInfo | None:
+    def fetch(self, name: str, fingerprint: str, dest: str | Path,
+              check: Callable[[EntryInfo], object] | None = None) -> EntryInfo | None:
         """Write the entry at ``dest`` atomically (a file, or a directory restored from its tar);
         ``None`` on a MISS, including a corrupt entry (quarantined). Raises ``InvalidArgument``
-        for a bad key or an unusable ``dest`` (see :func:`artifact.install_stream`)."""
-        return fetch_entry(self.open(name, fingerprint), dest, self.reads.quarantine)
+        for a bad key or an unusable ``dest`` (see :func:`artifact.install_stream`). ``check(info)``,
+        when given, runs before any byte is written and may raise (e.g. ``Untrusted``): then
+        nothing is written; a "dir" entry is then also verified whole before it is unpacked."""
+        return fetch_entry(self.open(name, fingerprint), dest, self.reads.quarantine, check)
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
@@ -145,20 +150,22 @@ class KernelStore:
         return PublishResult(ALREADY_PRESENT, "", info) if info is not None else None
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
-                      size: int | None = None, sha256: str | None = None) -> PendingPublish:
+                      size: int | None = None, sha256: str | None = None, signature: str = "",
+                      signer: SigningKey | None = None) -> PendingPublish:
         """Start a publish of ``fmt`` (``"file"`` or ``"dir"``, i.e. a tar) bytes. ``size`` (bytes)
         and ``sha256`` (hex), when given, are what the sender announced and are verified at
         commit. Raises ``InvalidArgument`` for a bad key, format or sha256."""
         return begin_publish(self.root / "tmp", self.max_bytes, self._install, name, fingerprint, fmt=fmt,
-                             producer=producer, size=size, sha256=sha256)
+                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer)
 
-    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
+    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
+                signer: SigningKey | None = None) -> PublishResult:
         """Publish the file or directory at ``path`` (a directory is stored as one tar).
 
         Raises ``InvalidArgument`` for a bad key or a ``path`` that is neither a file nor a
         directory; otherwise returns PUBLISHED, ALREADY_PRESENT or REJECTED.
         """
-        return publish_path(self, name, fingerprint, path, producer)
+        return publish_path(self, name, fingerprint, path, producer, signer)
 
     def _install(self, tmp: Path, info: EntryInfo) -> PublishResult:
         """Make the verified temp entry ``tmp`` visible as ``info``'s key (holding its lock)."""

@@ -5,13 +5,14 @@ client's embedded mode are typed against (``docs/architecture.md`` §6 and §6.1
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 from kernel_cache_service.entry import EntryInfo, PublishResult
 from kernel_cache_service.leases import Claim, Lease
 from kernel_cache_service.publish import PendingPublish
+from services.signing import SigningKey
 
 
 class OpenEntry(Protocol):
@@ -58,8 +59,10 @@ class KernelStoreAPI(Protocol):
     def open(self, name: str, fingerprint: str) -> OpenEntry | None:
         """The entry opened for reading, ``None`` on a MISS."""
 
-    def fetch(self, name: str, fingerprint: str, dest: str | Path) -> EntryInfo | None:
-        """The entry written at ``dest`` atomically, ``None`` on a MISS."""
+    def fetch(self, name: str, fingerprint: str, dest: str | Path,
+              check: Callable[[EntryInfo], object] | None = None) -> EntryInfo | None:
+        """The entry written at ``dest`` atomically, ``None`` on a MISS; ``check(info)`` runs
+        before any byte is written (it may raise: nothing is written)."""
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
@@ -87,11 +90,13 @@ class KernelStoreAPI(Protocol):
         """REJECTED or ALREADY_PRESENT without the bytes, ``None`` when they are needed."""
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
-                      size: int | None = None, sha256: str | None = None) -> PendingPublish:
-        """A publish to write bytes into and commit."""
+                      size: int | None = None, sha256: str | None = None, signature: str = "",
+                      signer: SigningKey | None = None) -> PendingPublish:
+        """A publish to write bytes into and commit (keeping ``signature``, or signed by ``signer``)."""
 
-    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
-        """Publish the file or directory at ``path``."""
+    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
+                signer: SigningKey | None = None) -> PublishResult:
+        """Publish the file or directory at ``path`` (signed by ``signer`` when given)."""
 
     def evict(self, name: str | None = None, fingerprint: str | None = None, *,
               all: bool = False) -> tuple[int, int]:

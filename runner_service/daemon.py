@@ -1,6 +1,10 @@
 """``warmserve runner serve``: wire the sidecar, the engine, the gRPC server and the router
 registration together.
 
+Signing: ``--signing-key`` signs what this runner publishes (programs) and packs (sidecars);
+``--trusted-keys`` makes it verify fetched programs and sidecars before loading or mapping them
+(``docs/architecture.md`` §9, "Signed artifacts").
+
 Order matters: the sidecar is prepared (or fetched from a weight service), the engine is built
 (weights, KV cache, programs, warm-up) in the thread that then runs its loop
 (:meth:`LLMEngine.launch`), and only then is the gRPC server
@@ -21,7 +25,9 @@ from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine, StartupPhase
 from runner_service.options import engine_fields
 from services.channel import ClientSecurity
+from services.errors import Untrusted
 from services.paths import default_sidecar_root
+from services.signing import SigningKey, TrustedKeys, signing_key_from, trusted_keys_from
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +38,13 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidecar_dir: str | None,
-                   security: ClientSecurity | None = None) -> tuple[Path, StartupPhase]:
+                   security: ClientSecurity | None = None, signing_key: SigningKey | None = None,
+                   again: bool = False) -> tuple[Path, StartupPhase]:
     """Prepare the ``weights_dtype`` sidecar (``auto`` is resolved by whoever prepares it)
-    locally (``weight_service.prepare``) or, with ``weights``, have the weight service prepare it
-    and fetch it into ``sidecar_dir``. Returns its directory and the timed ``sidecar`` phase
-    (state, weights dtype and residency as the detail)."""
+    locally (``weight_service.prepare``, signed with ``signing_key`` when given) or, with
+    ``weights``, have the weight service prepare it and fetch it into ``sidecar_dir``. ``again``
+    (after the copy found was refused): repack it here, or download it again. Returns its
+    directory and the timed ``sidecar`` phase (state, weights dtype and residency as the detail)."""
     t0 = time.perf_counter()
     root = Path(sidecar_dir) if sidecar_dir else default_sidecar_root()
     if weights:
@@ -44,12 +52,12 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
 
         client = WeightsClient(weights, security=security)
         handle = client.prepare(model, dtype=weights_dtype)
-        path = client.fetch(handle, root)
+        path = client.fetch(handle, root, refresh=again)
         where = f"from {weights}"
     else:
         from weight_service.prepare import prepare
 
-        handle = prepare(model, dtype=weights_dtype, root=root)
+        handle = prepare(model, dtype=weights_dtype, root=root, force=again, signing_key=signing_key)
         path = handle.path
         where = "local"
     resident = "" if handle.residency is None else f", {handle.residency * 100:.0f}% resident"
@@ -57,16 +65,45 @@ def obtain_sidecar(model: str, weights_dtype: str, *, weights: str | None, sidec
     return Path(path), StartupPhase("sidecar", time.perf_counter() - t0, detail)
 
 
-def kernel_cache_from_args(args, security: ClientSecurity | None = None):
+def kernel_cache_from_args(args, security: ClientSecurity | None = None, *, signing_key: SigningKey | None = None,
+                           trusted_keys: TrustedKeys | None = None):
     """What the engine's programs use as their kernel cache (see
     :func:`runner_service.programs.open_kernel_cache`): ``--kernel-cache ADDR`` (a client
     presenting ``security``, the runner's own token and TLS files), else ``--kernel-cache-dir``,
-    else ``None``."""
-    if not args.kernel_cache:
-        return args.kernel_cache_dir
+    else ``None``. The client signs publishes with ``signing_key`` and verifies fetches against
+    ``trusted_keys`` (a ``--kernel-cache-dir`` with either becomes an embedded client)."""
     from kernel_cache_service.client import KernelCacheClient
 
-    return KernelCacheClient(args.kernel_cache, security=security)
+    keys = {"signing_key": signing_key, "trusted_keys": trusted_keys}
+    if not args.kernel_cache:
+        if args.kernel_cache_dir and (signing_key or trusted_keys):
+            return KernelCacheClient(root=args.kernel_cache_dir, **keys)
+        return args.kernel_cache_dir
+    return KernelCacheClient(args.kernel_cache, security=security, **keys)
+
+
+def load_engine(args, config: EngineConfig, kernel_cache, security: ClientSecurity | None,
+                signing_key: SigningKey | None, trusted_keys: TrustedKeys | None) -> LLMEngine:
+    """Obtain the sidecar and build the engine from it. With ``trusted_keys`` a sidecar whose
+    signed manifest fails is never mapped: it is repacked here (then trusted as packed here from
+    the checkpoint) or downloaded again from the weight service (then verified again)."""
+    # one line per slow phase: a launcher waiting on this runner shows the latest (warmserve up)
+    log.info("preparing the weight sidecar %s (packed once, on a first launch)",
+             f"through the weight service at {args.weights}" if args.weights else "locally")
+    common = dict(weights=args.weights, sidecar_dir=args.sidecar_dir, security=security, signing_key=signing_key)
+    path, phase = obtain_sidecar(args.model, args.weights_dtype, **common)
+    log.info("loading the model from the sidecar (%s)", phase.detail)
+    try:
+        return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache,
+                                      trusted_keys=trusted_keys)
+    except Untrusted as e:
+        log.warning("refused the sidecar %s (%s); %s", path.name, e,
+                    "downloading it again" if args.weights else "repacking it here")
+        refused = str(e)
+    path, phase = obtain_sidecar(args.model, args.weights_dtype, again=True, **common)
+    phase = StartupPhase(phase.name, phase.seconds, f"{phase.detail} (refused the one found: {refused})")
+    return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache,
+                                  trusted_keys=trusted_keys if args.weights else None)
 
 
 def serve_from_args(args) -> int:
@@ -83,18 +120,9 @@ def serve_from_args(args) -> int:
     server_config = config_from_args(args, "runner")
     security = client_security_from_args(args)  # what the runner presents to the cache, weights and router
     ensure_bindable(server_config)  # a busy port fails now, not after the model is loaded
-    kernel_cache = kernel_cache_from_args(args, security)
-
-    def build() -> LLMEngine:
-        # one line per slow phase: a launcher waiting on this runner shows the latest (warmserve up)
-        log.info("preparing the weight sidecar %s (packed once, on a first launch)",
-                 f"through the weight service at {args.weights}" if args.weights else "locally")
-        path, phase = obtain_sidecar(args.model, args.weights_dtype, weights=args.weights,
-                                     sidecar_dir=args.sidecar_dir, security=security)
-        log.info("loading the model from the sidecar (%s)", phase.detail)
-        return LLMEngine.from_sidecar(path, config, model=args.model, startup=[phase], kernel_cache=kernel_cache)
-
-    engine = LLMEngine.launch(build)  # packs, loads, warms up and steps in one thread
+    signing_key, trusted_keys = signing_key_from(args.signing_key), trusted_keys_from(args.trusted_keys)
+    kernel_cache = kernel_cache_from_args(args, security, signing_key=signing_key, trusted_keys=trusted_keys)
+    engine = LLMEngine.launch(lambda: load_engine(args, config, kernel_cache, security, signing_key, trusted_keys))  # packs, loads, warms up and steps in one thread
     registration = None
     try:
         from runner_service.servicer import GenerationServicer, RunnerCollector

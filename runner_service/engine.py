@@ -39,6 +39,7 @@ from runner_service.sequence import FinishReason
 from runner_service.sequence import Sequence as Seq
 from runner_service.tokenizer import Tokenizer
 from services.errors import FailedPrecondition, InvalidArgument
+from services.signing import TrustedKeys
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +185,17 @@ class LLMEngine:
     @classmethod
     def from_sidecar(cls, path: str | Path, config: EngineConfig, *, model: str = "",
                      startup: Sequence[StartupPhase] = (), kernel_cache: str | None = None,
-                     detail: str = "") -> LLMEngine:
+                     detail: str = "", trusted_keys: TrustedKeys | None = None) -> LLMEngine:
         """Load a sidecar directory (``model.safetensors``, ``config.json``,
         ``generation_config.json``, tokenizer files) through
         :func:`weight_service.loader.load_sidecar` and build the engine; the load is the
-        ``weights`` phase of the report."""
+        ``weights`` phase of the report. With ``trusted_keys`` the sidecar's signed manifest is
+        checked before it is mapped (``Untrusted`` when it fails; the phase says what was verified,
+        or ``artifacts not verified``)."""
         from weight_service.loader import load_sidecar
 
         t0 = time.perf_counter()
-        sidecar = load_sidecar(Path(path))
+        sidecar = load_sidecar(Path(path), trusted_keys)
         family = get_family(sidecar.metadata.get("warmserve.family", "llama"))
         args = family.config_from_dict(sidecar.config)
         device = select_device(config.device)
@@ -201,8 +204,9 @@ class LLMEngine:
         tokenizer = Tokenizer.from_dir(path)
         generation_config = GenerationConfig.from_dir(path, vocab_size=args.vocab_size)
         fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
-        phases = [*startup, StartupPhase("weights", time.perf_counter() - t0, detail or (
-            f"sidecar {Path(path).name} ({sidecar.weights_dtype}), {weights.nbytes() / 2**20:.0f} MiB"))]
+        phases = [*startup, StartupPhase("weights", time.perf_counter() - t0, (detail or (
+            f"sidecar {Path(path).name} ({sidecar.weights_dtype}), {weights.nbytes() / 2**20:.0f} MiB"))
+            + f"; {sidecar.trust}")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
                    family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,
                    generation_config=generation_config)

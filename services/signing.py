@@ -105,6 +105,10 @@ class SigningKey:
         """Sign ``payload`` (bytes)."""
         return Signature(self.key_id, self._private.sign(payload))
 
+    def public_key(self) -> Ed25519PublicKey:
+        """The public half (e.g. ``TrustedKeys([key.public_key()])``: a trust list of this key alone)."""
+        return self._private.public_key()
+
     def public_pem(self) -> bytes:
         """The public key as SubjectPublicKeyInfo PEM."""
         return self._private.public_key().public_bytes(serialization.Encoding.PEM,

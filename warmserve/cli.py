@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "kserve_service.cli",
     "openai_service.cli",
     "warmserve.stack_cli",
+    "warmserve.keys_cli",
 )
 
 

@@ -14,6 +14,7 @@ from services.ports import DEFAULT_PORTS, WEIGHTS
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
     from services.bootstrap import add_server_args, int_at_least
+    from services.signing import add_signing_args
     from weight_service.prepare_pool import DEFAULT_PREPARE_WORKERS
     from weight_service.sidecar import DTYPE_CHOICES
 
@@ -30,6 +31,7 @@ def register(subparsers) -> None:
     serve.add_argument("--prepare-workers", type=int_at_least(1), default=DEFAULT_PREPARE_WORKERS, metavar="N",
                        help=f"Prepares packing at once; more wait for a worker (default {DEFAULT_PREPARE_WORKERS})")
     add_server_args(serve, default_port=DEFAULT_PORTS[WEIGHTS])
+    add_signing_args(serve, verify=False)
     serve.set_defaults(func=_serve)
 
     prepack = subparsers.add_parser("prepack", help="pack a checkpoint into a runner-ready weight sidecar")

@@ -51,9 +51,12 @@ class WeightsClient:
             raise from_rpc_error(e) from e
         raise WarmserveError("the Prepare stream ended without a handle")
 
-    def fetch(self, fingerprint_or_handle: str | SidecarHandle, dest_root: Path, *, chunk_bytes: int = 0) -> Path:
+    def fetch(self, fingerprint_or_handle: str | SidecarHandle, dest_root: Path, *, chunk_bytes: int = 0,
+              refresh: bool = False) -> Path:
         """Download a sidecar into ``dest_root/<sidecar dir name>/`` and validate it; returns that
-        directory. A valid local copy with the same fingerprint is returned without a download.
+        directory. A valid local copy with the same fingerprint is returned without a download,
+        unless ``refresh`` (a runner that refused the local copy's signature downloads again).
+        The signed manifest (``manifest.json``, ``manifest.sig``) travels like any sidecar file.
 
         Every file is streamed to a temp file, checked against the handle's size and sha256, then
         published atomically (weights last). Raises ``FailedPrecondition`` on a checksum or
@@ -63,7 +66,8 @@ class WeightsClient:
                        else fingerprint_or_handle)
         dest_root = Path(dest_root)
         try:
-            return find_sidecar(dest_root, fingerprint).path
+            if not refresh:
+                return find_sidecar(dest_root, fingerprint).path
         except WarmserveError:
             pass
         request = weights_pb2.WeightsFetchRequest(fingerprint=fingerprint, chunk_bytes=chunk_bytes)

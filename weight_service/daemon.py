@@ -4,7 +4,8 @@ the checkpoints under its ``--model-root`` directories only (:mod:`weight_servic
 with ``--store s3://BUCKET/PREFIX`` they are shared through that bucket
 (:mod:`weight_service.s3_sidecars`). A bad ``--store``
 (malformed URL, unreachable endpoint, missing bucket, denied access) fails before the server
-starts: ``InvalidArgument``, exit 2."""
+starts: ``InvalidArgument``, exit 2. With ``--signing-key`` every sidecar it prepares carries a
+signed manifest (:mod:`weight_service.manifest`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from services.bootstrap import config_from_args, ensure_bindable
 from services.log import configure_logging
 from services.paths import default_sidecar_root
+from services.signing import signing_key_from
 from weight_service.servicer import build_server
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ def serve_from_args(args) -> None:
         from weight_service.s3_sidecars import RemoteSidecars
 
         remote = RemoteSidecars.open_url(args.store)  # a bad --store: InvalidArgument (exit 2) before serving
-    server = build_server(config, root, remote, model_roots=args.model_root, prepare_workers=args.prepare_workers)
+    signing_key = signing_key_from(getattr(args, "signing_key", None))  # else $WARMSERVE_SIGNING_KEY
+    server = build_server(config, root, remote, model_roots=args.model_root, prepare_workers=args.prepare_workers,
+                          signing_key=signing_key)
     server.start()
     log.info("weights ready", extra={"address": server.address, "root": str(root),
                                      "model_roots": [str(Path(r).expanduser()) for r in args.model_root]})

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from services.signing import TrustedKeys
+from weight_service.manifest import verify_sidecar
 from weight_service.sidecar import ST_DTYPES, TORCH_DTYPES, WEIGHTS_FILE, validate_sidecar
 
 
@@ -28,7 +30,7 @@ class LoadedSidecar:
     ``layers.qkv_proj.qweight`` uint8 ``[L, (nh + 2*nkv)*hd, H/2]`` in an int4 sidecar);
     ``weights_dtype``: the sidecar's (``f32``, ``bf16``, ``int8``, ``int4``); ``config``: the architecture
     config dict; ``metadata``: the safetensors ``__metadata__`` (all ``str``); ``path``: the
-    sidecar directory.
+    sidecar directory; ``trust``: what was verified (a phrase for the start-up report).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -36,6 +38,7 @@ class LoadedSidecar:
     metadata: dict[str, str]
     path: Path
     weights_dtype: str = "f32"
+    trust: str = "artifacts not verified"
     _mapping: mmap.mmap | None = field(default=None, repr=False)
 
     def close(self) -> None:
@@ -56,14 +59,17 @@ class LoadedSidecar:
         self.close()
 
 
-def load_sidecar(path: Path) -> LoadedSidecar:
+def load_sidecar(path: Path, trusted: TrustedKeys | None = None) -> LoadedSidecar:
     """Validate the sidecar directory ``path`` (header, fingerprint consistency, names, dtypes,
-    shapes, size; see :func:`weight_service.sidecar.validate_sidecar`) and map it.
+    shapes, size; see :func:`weight_service.sidecar.validate_sidecar`), with ``trusted`` check
+    its signed manifest (:func:`weight_service.manifest.verify_sidecar`), and only then map it.
 
     Raises ``services.errors.FailedPrecondition`` (:class:`~weight_service.sidecar.InvalidSidecar`)
-    with the reason when it is invalid.
+    with the reason when it is invalid, ``services.errors.Untrusted`` when its manifest, signature
+    or bytes fail the check (nothing is mapped).
     """
     info = validate_sidecar(Path(path))
+    trust = "artifacts not verified" if trusted is None else verify_sidecar(info, trusted)
     with open(Path(path) / WEIGHTS_FILE, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     tensors: dict[str, torch.Tensor] = {}
@@ -76,4 +82,4 @@ def load_sidecar(path: Path) -> LoadedSidecar:
             t = torch.frombuffer(mapping, dtype=dtype, count=count, offset=info.data_start + e.begin)
             tensors[name] = t.view(e.shape)
     return LoadedSidecar(tensors=tensors, config=info.config.to_dict(), metadata=info.metadata,
-                         path=Path(path), weights_dtype=info.dtype, _mapping=mapping)
+                         path=Path(path), weights_dtype=info.dtype, trust=trust, _mapping=mapping)

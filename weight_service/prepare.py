@@ -40,9 +40,11 @@ from filelock import FileLock
 
 from model_families import family_for_architecture
 from model_families.family import ModelFamily
-from services.errors import InvalidArgument, WarmserveError
+from services.errors import InvalidArgument, Untrusted, WarmserveError
 from services.paths import default_sidecar_root
+from services.signing import SigningKey, TrustedKeys
 from weight_service.checkpoint import native_weights_dtype, source_architecture
+from weight_service.manifest import check_own_manifest, sign_sidecar, verify_sidecar
 from weight_service.packer import pack_sidecar
 from weight_service.progress import ProgressEvent
 from weight_service.residency import HOT_THRESHOLD, advise_willneed, probe_residency
@@ -132,7 +134,7 @@ def locate_sidecar(source: str, dtype: str, root: Path) -> tuple[ResolvedSource,
 
 def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force: bool = False,
             cold_policy: str = "accept", progress: Callable[[ProgressEvent], None] | None = None,
-            remote: RemoteSidecars | None = None) -> SidecarHandle:
+            remote: RemoteSidecars | None = None, signing_key: SigningKey | None = None) -> SidecarHandle:
     """Return a valid sidecar for ``source`` in the weights dtype ``dtype`` (or ``auto``, see
     the module docstring), packing it when needed.
 
@@ -142,6 +144,10 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
     ``progress``: called with :class:`ProgressEvent` s (at least one "validate" event).
     ``remote``: an object store to fetch the sidecar from instead of packing it, and to upload
     what is packed to (see the module docstring).
+    ``signing_key``: the sidecar returned carries a manifest signed by it: one packed here is
+    signed (:func:`weight_service.manifest.sign_sidecar`); an existing one without a current
+    manifest of this key is repacked, never signed as found (nor is a fetched one whose bytes
+    do not match such a manifest).
 
     Raises ``InvalidArgument`` for a bad source, dtype or policy, or an unsupported checkpoint
     (or one the dtype's layout cannot hold, e.g. int4 of a matrix whose width is not a multiple
@@ -170,6 +176,8 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
             emit(ProgressEvent("validate", message="checking the existing sidecar"))
             try:
                 info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
+                if signing_key is not None:
+                    check_own_manifest(info, signing_key)
             except InvalidSidecar as e:
                 log.info("repacking", extra={"sidecar": str(directory), "reason": str(e)})
                 emit(ProgressEvent("validate", message=f"repacking: {e}"))
@@ -187,6 +195,8 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
 
         if remote is not None and not force:
             info = _fetch_remote(remote, family, dtype, directory, source_fingerprint(src), emit)
+            if info is not None and signing_key is not None:
+                info = _own_signed(info, signing_key)
             if info is not None:
                 residency = probe_residency(directory / WEIGHTS_FILE)
                 return SidecarHandle.from_info(info, residency=residency, state=residency_state(residency),
@@ -196,11 +206,26 @@ def prepare(source: str, *, dtype: str = "f32", root: Path | None = None, force:
         emit(ProgressEvent("validate", message="validating the new sidecar"))
         info = validate_sidecar(directory, source_fingerprint=source_fingerprint(src))
         log.info("packed sidecar", extra={"sidecar": str(directory), "dtype": dtype, "bytes": info.size_bytes})
+        if signing_key is not None:
+            sign_sidecar(info, signing_key)
         if remote is not None:
             _share(remote, family, dtype, info, only_if_missing=False)
         residency = probe_residency(directory / WEIGHTS_FILE)
         return SidecarHandle.from_info(info, residency=residency, state="REBUILT" if existed else "BUILT",
                                        seconds=time.perf_counter() - start)
+
+
+def _own_signed(info: SidecarInfo, key: SigningKey) -> SidecarInfo | None:
+    """``info`` (fetched from the object store) when its manifest is signed by ``key`` and every
+    byte matches it; ``None`` otherwise (logged; the caller packs: a bucket writer's bytes are
+    never signed here)."""
+    try:
+        verify_sidecar(info, TrustedKeys([key.public_key()]), remember=False)
+    except Untrusted as e:
+        log.warning("the sidecar in the object store is not signed by this service's key; packing it here",
+                    extra={"sidecar": info.path.name, "error": str(e)})
+        return None
+    return info
 
 
 def _fetch_remote(remote: RemoteSidecars, family: ModelFamily, dtype: str, directory: Path, source_fp: str,

@@ -28,6 +28,7 @@ from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
 from services.refusals import Refusals
+from services.signing import SigningKey
 from services.stream_slots import StreamSlots
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
 from weight_service.convert import handle_to_proto, progress_to_proto
@@ -57,12 +58,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
     checkpoints ``model_roots`` allows. ``remote``: an object store Prepare fetches sidecars from
     instead of packing, and uploads packs to (:mod:`weight_service.s3_sidecars`). At most
     ``max_streams`` Prepare/Fetch streams at once and ``prepare_workers`` (>= 1) Prepares
-    working at once; refusals count in ``refused``."""
+    working at once; refusals count in ``refused``. ``signing_key``: every prepared sidecar
+    carries a manifest signed by it, which Fetch streams with the other files."""
 
     def __init__(self, root: Path, remote: RemoteSidecars | None = None, *, model_roots: ModelRoots | None = None,
-                 max_streams: int = ServerConfig.max_streams, prepare_workers: int = DEFAULT_PREPARE_WORKERS) -> None:
+                 max_streams: int = ServerConfig.max_streams, prepare_workers: int = DEFAULT_PREPARE_WORKERS,
+                 signing_key: SigningKey | None = None) -> None:
         self.root = Path(root)
-        self.remote = remote
+        self.remote, self.signing_key = remote, signing_key
         self.model_roots = model_roots or ModelRoots()
         self.slots = StreamSlots(max_streams, "the weight service")
         self.pool = PreparePool(prepare_workers)
@@ -101,7 +104,8 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
         def work() -> None:
             try:
                 handle = prepare(request.source, dtype=dtype, root=self.root, force=request.force,
-                                 cold_policy=cold_policy, progress=events.put, remote=self.remote)
+                                 cold_policy=cold_policy, progress=events.put, remote=self.remote,
+                                 signing_key=self.signing_key)
                 events.put((_DONE, handle))
             except WarmserveError as e:
                 events.put((_DONE, e))
@@ -179,12 +183,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
 
 
 def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None, *,
-                 model_roots: Iterable[str | Path] = (), prepare_workers: int = DEFAULT_PREPARE_WORKERS) -> ServiceServer:
+                 model_roots: Iterable[str | Path] = (), prepare_workers: int = DEFAULT_PREPARE_WORKERS,
+                 signing_key: SigningKey | None = None) -> ServiceServer:
     """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root`` (shared
     through ``remote`` when given) of the bundled model and the checkpoints under
-    ``model_roots``; streams capped at ``config.max_streams``, ``prepare_workers`` Prepares at once."""
+    ``model_roots``; streams capped at ``config.max_streams``, ``prepare_workers`` Prepares at once;
+    sidecars signed by ``signing_key`` when given."""
     servicer = WeightsServicer(root, remote, model_roots=ModelRoots(model_roots), max_streams=config.max_streams,
-                               prepare_workers=prepare_workers)
+                               prepare_workers=prepare_workers, signing_key=signing_key)
     server = ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)],
                            refusals=servicer.refused)
     return server

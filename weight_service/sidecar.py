@@ -59,8 +59,12 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CONFIG_FILE = "config.json"
 #: The same name in the checkpoint and in the sidecar (one source: :mod:`weight_service.sources`).
 GENERATION_CONFIG_FILE = GENERATION_CONFIG
+#: The signed manifest of a sidecar and its signature (:mod:`weight_service.manifest`).
+MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "manifest.sig"
 #: Every file a sidecar may hold, in the order Fetch streams them (weights last).
-SIDECAR_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, WEIGHTS_FILE)
+SIDECAR_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, MANIFEST_FILE,
+                 SIGNATURE_FILE, WEIGHTS_FILE)
 TEMP_PREFIX = ".tmp-"
 
 #: What ``prepare`` accepts: a weights dtype, or ``auto`` (the checkpoint's own, see

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.single_flight import Flight, holder_name, holder_who
 from services.address import parse_address
-from services.errors import InvalidArgument, WarmserveError
+from services.errors import InvalidArgument, Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -50,9 +50,11 @@ def _is_address(text: str) -> bool:
 
 
 def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, holder: str) -> str:
-    """Publish ``path`` as ``name``/``fp``: the cache's answer, ``""`` without a cache or for an
-    ``UNKNOWN`` key, ``"FAILED"`` when the publish failed (logged; the program is still used)."""
-    if cache is None or fp == UNKNOWN:
+    """Publish ``path`` as ``name``/``fp``: the cache's answer, ``""`` without a cache, for an
+    ``UNKNOWN`` key or for a verifying client without a signing key (an unsigned entry would be
+    refused by every verifier and hold the key against a signed publish: designated builders
+    publish instead), ``"FAILED"`` when the publish failed (logged; the program is still used)."""
+    if cache is None or fp == UNKNOWN or (cache.trusted_keys is not None and cache.signing_key is None):
         return ""
     try:
         return cache.publish(name, fp, path, producer=holder)
@@ -63,11 +65,15 @@ def publish(cache: KernelCacheClient | None, name: str, fp: str, path: Path, hol
 
 def fetch(cache: KernelCacheClient | None, name: str, fp: str, dest: Path) -> EntryInfo | None:
     """Fetch ``name``/``fp`` into ``dest``: its entry, or ``None`` (no cache, ``UNKNOWN`` key, a
-    MISS, or a failed fetch, logged)."""
+    MISS, or a failed fetch, logged). Raises ``Untrusted`` (logged) for an entry the client's
+    trusted keys refuse: nothing of it was written; the caller builds the program here."""
     if cache is None or fp == UNKNOWN:
         return None
     try:
         return cache.fetch(name, fp, dest)
+    except Untrusted as e:  # refused before a byte was written: never loaded
+        log.warning("refused the kernel cache's %s/%s, compiling locally: %s", name, fp[:12], e)
+        raise
     except (WarmserveError, OSError) as e:
         log.warning("fetching %s/%s failed, compiling locally: %s", name, fp[:12], e)
         return None
@@ -121,3 +127,15 @@ def get_or_build(spec: ProgramSpec, cache: KernelCacheClient | None, name: str, 
         return flight.value, "hit", "", f"kernel cache HIT {name} ({mib:.1f} MiB)"
     return flight.value, "hit", "", (f"fetched {name} from {holder_who(entry.producer)}'s publish after waiting "
                                      f"{flight.waited_s:.1f} s ({mib:.1f} MiB)")
+
+
+def trust_note(cache: KernelCacheClient | None, refused_before: int = 0) -> str:
+    """A phrase for the report: whether fetched programs were verified (``artifacts not
+    verified`` without trusted keys) and why each entry refused since ``refused_before`` was."""
+    if cache is None:
+        return "no kernel cache"
+    if cache.trusted_keys is None:
+        return "artifacts not verified"
+    refused = cache.refusals[refused_before:]
+    note = f"artifacts verified against {len(cache.trusted_keys.key_ids)} trusted key(s)"
+    return note + "".join(f"; refused {r}" for r in refused)

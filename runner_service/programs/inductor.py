@@ -4,6 +4,7 @@ directory (FX graph cache) as the kernel-cache artifact (``docs/architecture.md`
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from torch import nn
 from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import cache as kc
 from runner_service.programs.spec import ProgramSpec
+from services.errors import Untrusted
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -53,12 +55,18 @@ def load_inductor(spec: ProgramSpec, name: str, fp: str, cache: KernelCacheClien
                   work: Path) -> kc.Loaded:
     """Fetch the decode program's Inductor cache ``name``/``fp`` (if any), compile the decode
     module into it (a HIT only saves the graphs' C++ builds: Dynamo re-traces) and publish it
-    after a MISS. Uncoordinated: no single flight."""
+    after a MISS. Uncoordinated: no single flight. Verifying (the client has trusted keys), a
+    MISS or a refused entry starts from an empty directory."""
     if fp == UNKNOWN:
         cache_dir = Path(tempfile.mkdtemp(dir=work, prefix="inductor-"))
     else:
         cache_dir = work / f"{name}-{fp[:24]}"
-    hit = kc.fetch(cache, name, fp, cache_dir)
+    try:
+        hit = kc.fetch(cache, name, fp, cache_dir)
+    except Untrusted:
+        hit = None
+    if hit is None and cache is not None and cache.trusted_keys is not None:
+        shutil.rmtree(cache_dir, ignore_errors=True)  # nothing unverified (an older fetch) is compiled from
     t = time.perf_counter()
     compiled = compile_inductor(spec.decode_module, spec, cache_dir)  # the graphs' .so files stay in cache_dir
     build_s = time.perf_counter() - t

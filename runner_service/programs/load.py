@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import aoti, inductor
-from runner_service.programs.cache import open_kernel_cache
+from runner_service.programs.cache import open_kernel_cache, trust_note
 from runner_service.programs.key import program_key
 from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
-from services.errors import WarmserveError
+from services.errors import Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -75,7 +75,10 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step.
     ``progress``: called with a phrase at each step that can take long ("compiling
     llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). Returns the
-    report; on any failure nothing is installed for that program (the runner stays eager).
+    report; on any failure nothing is installed for that program (the runner stays eager). A
+    client with trusted keys refuses a fetched program whose signature fails before writing it
+    (the program is compiled here instead); the report's detail ends with
+    :func:`~runner_service.programs.cache.trust_note` (``artifacts not verified``, or each refusal).
     """
     mode = spec.mode
     progress = progress or (lambda _what: None)
@@ -89,6 +92,7 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     except WarmserveError as e:
         log.warning("kernel cache unusable, compiling locally: %s", e)
         cache = None
+    refused_before = len(cache.refusals) if cache is not None else 0
     try:
         try:
             work.mkdir(parents=True, exist_ok=True)
@@ -99,22 +103,23 @@ def load_programs(spec: ProgramSpec, install: Install, *,
                 program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
         except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
             log.exception("compiled programs unavailable; running eager")
-            return ProgramsReport(mode, time.perf_counter() - t0,
-                                  f"{mode} failed ({type(e).__name__}: {e}); eager", source="eager")
+            return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
+                                  f"{trust_note(cache, refused_before)}", source="eager")
         defer(lambda: install("decode", program))
         prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress)
+        trust = trust_note(cache, refused_before)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
     seconds = time.perf_counter() - t0
-    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}", source=source,
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}; {trust}", source=source,
                           fingerprint=fp, published=published, prefill_source=prefill_source)
 
 
 def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClient | str | Path | None) -> bool:
     """Whether every program ``load_programs`` would install in ``mode`` is already in
-    ``kernel_cache`` (a lookup per key, no download): then loading them is quick. ``False`` for
-    no cache, an unusable one or an ``UNKNOWN`` key."""
+    ``kernel_cache`` (a lookup per key, no download) and, when it has trusted keys, signed by one:
+    then loading them is quick. ``False`` for no cache, an unusable one or an ``UNKNOWN`` key."""
     if mode not in MODES or kernel_cache is None:
         return False
     kinds = PROGRAM_KINDS if mode == "aoti" else ("decode",)
@@ -124,12 +129,24 @@ def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClien
         return False
     try:
         keys = [program_key(spec, mode, kind=k) for k in kinds]
-        return all(fp != UNKNOWN and cache.lookup(name, fp) is not None for name, fp in keys)
+        return all(fp != UNKNOWN and _trusted_hit(cache, name, fp) for name, fp in keys)
     except (WarmserveError, OSError):
         return False
     finally:
         if cache is not kernel_cache:
             cache.close()
+
+
+def _trusted_hit(cache: KernelCacheClient, name: str, fp: str) -> bool:
+    """A HIT whose signature the client's trusted keys accept (any HIT without trusted keys)."""
+    entry = cache.lookup(name, fp)
+    if entry is None or cache.trusted_keys is None:
+        return entry is not None
+    try:
+        cache.trusted_keys.verify(entry.signed_payload(), entry.signature, f"program {name}")
+    except Untrusted:
+        return False
+    return True
 
 
 def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path, sources: list | None,

@@ -16,7 +16,7 @@ class ProgramKey(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class EntryInfo(_message.Message):
-    __slots__ = ("key", "size_bytes", "sha256", "created_unix_s", "last_access_unix_s", "producer", "format")
+    __slots__ = ("key", "size_bytes", "sha256", "created_unix_s", "last_access_unix_s", "producer", "format", "signature")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class EntryInfo(_message.Message):
     LAST_ACCESS_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     key: ProgramKey
     size_bytes: int
     sha256: str
@@ -31,7 +32,8 @@ class EntryInfo(_message.Message):
     last_access_unix_s: float
     producer: str
     format: str
-    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., last_access_unix_s: _Optional[float] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
+    signature: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., last_access_unix_s: _Optional[float] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("key",)
@@ -72,18 +74,20 @@ class FetchResponse(_message.Message):
     def __init__(self, entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("key", "size_bytes", "sha256", "producer", "format")
+    __slots__ = ("key", "size_bytes", "sha256", "producer", "format", "signature")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     key: ProgramKey
     size_bytes: int
     sha256: str
     producer: str
     format: str
-    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
+    signature: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("header", "chunk")
