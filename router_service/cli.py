@@ -1,7 +1,7 @@
 """``warmserve router ...``: the router daemon and its control commands.
 
 ``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
-[--health-interval S] [--eject-after K] [--served-model-name NAME]`` runs the router (``warmserve.v1``
+[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-runners N]`` runs the router (``warmserve.v1``
 and the KServe v2 / Triton ``inference.GRPCInferenceService`` on one port); ``warmserve router
 drain RUNNER_ID`` stops routing new requests to one runner. Heavy imports happen inside the handlers.
 """
@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     sub = router.add_subparsers(dest="router_command", metavar="ACTION", required=True)
 
     serve = sub.add_parser("serve", help="run the router daemon")
-    from services.bootstrap import add_server_args
+    from services.bootstrap import add_server_args, int_at_least
+    from services.channel import add_client_security_args
 
     add_server_args(serve, default_port=DEFAULT_PORTS[ROUTER])
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
@@ -39,11 +40,14 @@ def register(subparsers) -> None:
     serve.add_argument("--served-model-name", default="", metavar="NAME",
                        help="the model name KServe v2 / Triton clients use (default: derived from the runners' "
                             "model source, e.g. smollm2-135m-instruct)")
+    serve.add_argument("--max-runners", type=int_at_least(1), default=64,
+                       help="registered runners the router holds at most; one more is RESOURCE_EXHAUSTED (default 64)")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")
     drain.add_argument("runner_id")
     drain.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
+    add_client_security_args(drain)  # Drain needs the 'admin' scope when the router checks tokens
     drain.set_defaults(func=_drain)
 
 
@@ -56,9 +60,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     from router_service.client import drain_runner
+    from services.channel import client_security_from_args
     from services.errors import NotFound
 
-    if not drain_runner(args.addr, args.runner_id):
+    if not drain_runner(args.addr, args.runner_id, security=client_security_from_args(args)):
         raise NotFound(f"the router at {args.addr} knows no runner {args.runner_id!r}")
     print(f"draining {args.runner_id}")
     return 0

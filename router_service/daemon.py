@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from router_service.config import RouterConfig
 from router_service.servicer import Door, RouterServer
 from services.bootstrap import config_from_args
+from services.channel import client_security_from_args
 from services.log import configure_logging
 
 
@@ -24,7 +25,8 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         eject_after=args.eject_after,
         first_token_timeout_s=args.first_token_timeout,
         served_model_name=args.served_model_name,
+        max_runners=args.max_runners,
     )
-    server = RouterServer(config, config_from_args(args, "router"), doors)
+    server = RouterServer(config, config_from_args(args, "router"), doors, security=client_security_from_args(args))
     server.start()
     server.serve_forever()

@@ -13,12 +13,14 @@ import time
 
 import grpc
 
+from router_service.admission import verify_runner
 from router_service.channels import ChannelPool
 from router_service.config import RouterConfig
 from router_service.health_checker import HealthChecker
 from router_service.policy import PolicySet
 from router_service.registry import Runner, RunnerRegistry, RunnerState
 from router_service.relay import InFlight, RelayStream, upstream_error
+from services.channel import ClientSecurity
 from services.errors import Unavailable
 from services.proto import generation_pb2, generation_pb2_grpc
 
@@ -28,10 +30,11 @@ log = logging.getLogger(__name__)
 class Router:
     """Routes ``Generate`` calls to runners (see the package modules for each part)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, security: ClientSecurity | None = None) -> None:
+        """``security``: the router's own token and TLS files, presented to every runner."""
         self.config = config
         self.registry = RunnerRegistry(config)
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(security)
         self.policies = PolicySet(config)
         self.health = HealthChecker(config, self.registry, self.channels)
         #: Relays calling each runner now: an ejected runner's calls without output are retried.
@@ -94,6 +97,14 @@ class Router:
                 failures.append(f"{runner.runner_id} ({runner.address}): {e.details()}")
             finally:
                 self.registry.release(runner.runner_id)
+
+    def verify(self, runner_id: str, address: str, model: str) -> str | None:
+        """Admission check of a registering runner (:func:`router_service.admission.verify_runner`
+        against the other runners' models): ``None`` when admitted, else why not yet; raises
+        ``FailedPrecondition`` for another model."""
+        return verify_runner(self.channels.get(address), runner_id, model=model,
+                             fleet_models=self.registry.models(exclude=runner_id),
+                             timeout_s=self.config.admission_timeout_s)
 
     def ready_count(self) -> int:
         """How many runners are READY now."""
