@@ -16,9 +16,9 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router_service.admission import verify_runner
 from router_service.channels import ChannelPool
 from router_service.config import RouterConfig
-from router_service.admission import verify_runner
 from router_service.registry import Runner, RunnerRegistry
 from services.errors import FailedPrecondition
 from services.generation_client import GENERATION_SERVICE
