@@ -10,7 +10,15 @@ import grpc
 import pytest
 from auth_tokens import make_creds
 
-from services.auth import AuthTable, Credential, caller, ensure_credentials, new_token, read_token, token_digest
+from services.auth import (
+    AuthTable,
+    Credential,
+    caller,
+    ensure_credentials,
+    new_token,
+    read_token,
+    token_digest,
+)
 from services.bootstrap import ServerConfig, ServiceServer
 from services.channel import ClientSecurity, open_channel
 from services.errors import InvalidArgument
