@@ -162,7 +162,7 @@ async def _events(call: _Call, first: generation_pb2.GenerateResponse, *, chunk:
 def create_app(config: OpenAIConfig) -> FastAPI:
     """The application for ``config`` (see the module docstring). Its lifespan opens the async
     channel to ``config.router`` and closes it; nothing is dialled before the first request."""
-    client = RouterClient(config.router)
+    client = RouterClient(config.router, config.router_security)
     served = ServedModel(client, config.served_model_name, ttl_s=config.model_info_ttl_s)
     pid_header = {PID_METADATA_KEY: str(os.getpid())}
 

@@ -28,6 +28,8 @@ def register(subparsers) -> None:
                        help=f"HTTP port, 0 = a free one (default {DEFAULT_PORTS[OPENAI]})")
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model id clients use (default: derived from the router's model source)")
+    serve.add_argument("--token-file", default=None, metavar="F",
+                       help="file holding the door's own token for the router (else $WARMSERVE_TOKEN)")
     serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                        help="log level (default INFO; DEBUG adds an access log)")
     serve.set_defaults(func=_serve)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.address import format_address, parse_address
+from services.channel import ClientSecurity
 from services.errors import InvalidArgument
 from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, OPENAI
 
@@ -19,6 +20,7 @@ class OpenAIConfig:
     (:func:`services.model_name.served_model_name`). ``model_info_ttl_s``: seconds the router's
     ``ModelInfo`` (the model's source and limits) is reused before it is asked again. A client
     that disconnects cancels its ``Generate`` call, which frees the sequence on the runner.
+    ``router_security``: the door's own credential for its calls to the router (``--token-file``).
     """
 
     router: str = DEFAULT_ROUTER
@@ -26,6 +28,7 @@ class OpenAIConfig:
     port: int = DEFAULT_PORTS[OPENAI]
     served_model_name: str | None = None
     model_info_ttl_s: float = 30.0
+    router_security: ClientSecurity | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.router, what="--router")

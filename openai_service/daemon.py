@@ -20,6 +20,8 @@ import uvicorn
 from openai_service.app import create_app
 from openai_service.config import OpenAIConfig
 from services.address import bind_problem, format_address
+from services.auth import read_token
+from services.channel import ClientSecurity
 from services.errors import Unavailable
 from services.log import configure_logging
 
@@ -102,7 +104,8 @@ def serve_from_args(args) -> int:
     """Entry point of ``warmserve openai serve``: serve until SIGINT/SIGTERM. Raises
     ``InvalidArgument`` for bad flags (exit 2) and ``Unavailable`` for a busy port (exit 1)."""
     config = OpenAIConfig(router=args.router, host=args.host, port=args.port,
-                          served_model_name=args.served_model_name)
+                          served_model_name=args.served_model_name,
+                          router_security=ClientSecurity(token=read_token(args.token_file)))
     configure_logging("openai", args.log_level)
     OpenAIServer(config, log_level=args.log_level).serve_forever()
     return 0

@@ -11,21 +11,27 @@ from __future__ import annotations
 import grpc
 
 from openai_service.errors import OpenAIError, from_rpc_error
-from services.channel import CHANNEL_OPTIONS
+from services.channel import CHANNEL_OPTIONS, ClientSecurity
 from services.proto import generation_pb2, generation_pb2_grpc
 
 
 class RouterClient:
-    """Async ``Generation`` client of ``address`` (``host:port``); :meth:`open` before use."""
+    """Async ``Generation`` client of ``address`` (``host:port``); :meth:`open` before use.
+    ``security``: the door's own token (sent as call metadata on every call) and TLS files."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
         self.address = address
+        self._security = security or ClientSecurity()
+        self._metadata = self._security.metadata()
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
 
     async def open(self) -> None:
         """Create the channel on the running event loop (it connects on first use)."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        tls = self._security.tls
+        self._channel = (grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) if tls is None else
+                         grpc.aio.secure_channel(self.address, tls.channel_credentials(),
+                                                 options=(*CHANNEL_OPTIONS, *tls.channel_options())))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def close(self) -> None:
@@ -43,13 +49,14 @@ class RouterClient:
         """Start ``Generate``; iterate the call (``async for``) for its messages, and
         ``cancel()`` it to stop the request. Reading it raises ``grpc.aio.AioRpcError`` (see
         :func:`openai_service.errors.from_rpc_error`)."""
-        return self._ready_stub().Generate(request)
+        return self._ready_stub().Generate(request, metadata=self._metadata)
 
     async def model_info(self, *, timeout_s: float = 5.0) -> generation_pb2.ModelInfoResponse:
         """A READY runner's ``ModelInfo`` through the router, within ``timeout_s`` seconds.
         Raises :class:`OpenAIError` (503 when no runner is ready or the router is unreachable)."""
         try:
-            return await self._ready_stub().ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout_s)
+            return await self._ready_stub().ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout_s,
+                                                    metadata=self._metadata)
         except grpc.RpcError as e:
             err = from_rpc_error(e)
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
