@@ -100,6 +100,14 @@ class LocalStack:
         """``host:port`` of the router (the stack's Generation endpoint)."""
         return self.address(ROUTER)
 
+    def security(self, identity: str = "client"):
+        """What ``identity`` of this stack (:mod:`warmserve.stack_auth`) presents; no token
+        without ``auth``."""
+        from services.channel import ClientSecurity
+        from warmserve.stack_auth import stack_security
+
+        return stack_security(self.home, identity) if self.config.auth else ClientSecurity()
+
     def endpoints(self) -> dict[str, str]:
         """Every launched service's name -> address."""
         out = {name: c.address for name, c in self.services.items()}
@@ -182,7 +190,7 @@ class LocalStack:
         from services.proto import router_pb2
 
         while True:
-            ready = {r.runner_id for r in list_runners(self.router_address)
+            ready = {r.runner_id for r in list_runners(self.router_address, security=self.security("admin"))
                      if r.state == router_pb2.RunnerStatus.STATE_READY}
             if set(names) <= ready:
                 return
@@ -236,6 +244,10 @@ class LocalStack:
                                   f"{e.strerror or e}") from e
         try:
             self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
+            if self.config.auth:
+                from warmserve.stack_auth import ensure_stack_credentials
+
+                self._progress(f"tokens in {ensure_stack_credentials(self.home, self.config.runners)}")
             first = (KERNEL_CACHE, WEIGHTS, ROUTER, *((OPENAI,) if self.config.openai else ()))
             for name in first:
                 self.services[name] = self._launch(ChildProcess(
@@ -313,7 +325,7 @@ class LocalStack:
         """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
         from services.generation_client import GenerationClient
 
-        with GenerationClient(self.runners[index].address) as client:
+        with GenerationClient(self.runners[index].address, security=self.security("admin")) as client:
             return client.model_info()
 
     def stop(self) -> None:

@@ -45,6 +45,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--timeout", type=positive_seconds, default=120.0,
                    help="request deadline in seconds, > 0 (default 120)")
+    _add_token_arg(p)
+
+
+def _add_token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default=None, metavar="F",
+                   help="file holding your token (else $WARMSERVE_TOKEN, else the `client` token of the "
+                        "`warmserve up` of $WARMSERVE_HOME when --addr is its router)")
+
+
+def _security(args: argparse.Namespace, home: str | None = None):
+    from pathlib import Path
+
+    from services.paths import warmserve_home
+    from warmserve.stack_auth import cli_security
+
+    return cli_security(args.token_file, args.addr, Path(home).expanduser() if home else warmserve_home())
 
 
 def register(subparsers) -> None:
@@ -90,6 +106,7 @@ def register(subparsers) -> None:
     status.add_argument("--home", default=None,
                         help="report the services and restarts of the `warmserve up` of this home too "
                              "(default $WARMSERVE_HOME)")
+    _add_token_arg(status)
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")
@@ -155,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
         messages = ([("system", args.system)] if args.system is not None else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
     out = _Streamed(sys.stdout)
-    with GenerationClient(args.addr, fail_fast=True) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=_security(args)) as client:
         try:
             result = client.stream_to(request, out, timeout_s=args.timeout)
         except WarmserveError as e:
@@ -176,7 +193,7 @@ def _chat(args: argparse.Namespace) -> int:
     from services.generation_client import GenerationClient
     from warmserve.chat import interactive_chat
 
-    with GenerationClient(args.addr, fail_fast=True) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=_security(args)) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
                                 stdin=sys.stdin, stdout=sys.stdout)
 
@@ -207,7 +224,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"note: no running `warmserve up` with home {home} serves the router at {args.addr}; showing that "
               "router alone", file=sys.stderr)
     services = {**own, **services}  # a running `up`'s own, then --service
-    code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr))
+    code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr),
+                        security=_security(args, args.home))
     if code:
         print(f"warmserve: error: no router answers at {args.addr} (is `warmserve up` running?)", file=sys.stderr)
     return code

@@ -47,20 +47,20 @@ def format_startup_report(info, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def _runner_info(address: str):
+def _runner_info(address: str, security=None):
     """A runner's ``ModelInfoResponse`` (its programs and its load as of now), ``None`` when it
     does not answer within 2 s."""
     from services.generation_client import GenerationClient
 
     try:
-        with GenerationClient(address) as client:
+        with GenerationClient(address, security=security) as client:
             return client.model_info(timeout_s=2.0)
     except Exception:  # noqa: BLE001 - a status line, not an error
         return None
 
 
 def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
-                 restarts: dict[str, int] | None = None) -> int:
+                 restarts: dict[str, int] | None = None, security=None) -> int:
     """Print the health of the router and of each ``name -> address`` in ``services``, then the
     router's runners (state, compiled programs, outstanding, lease, load, KV use, failures). The
     programs and the load come from each runner's ``ModelInfo``, so they are as of now, not as of
@@ -68,6 +68,7 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
     ``(hb)``. ``restarts`` (name -> count, from :func:`read_state`) adds
     a restarts column. The ``openai`` service (the stack's OpenAI door) is probed over HTTP
     (``GET /health``: SERVING, or NOT_SERVING while no runner is READY) and shown by its URL.
+    ``security`` (a ``ClientSecurity``) is presented to the router and the runners.
     Returns 0, or 1 when the router cannot be reached."""
     from openai_service.healthcheck import check_http_health
     from services.healthcheck import check_health
@@ -83,13 +84,13 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
     out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":
         return 1
-    runners = list_runners(router_address)
+    runners = list_runners(router_address, security=security)
     out.write("\n")
     table = [("runner", "address", "state", "programs", "outstanding", "lease", "running/waiting", "KV blocks",
               "failures", *extra)]
     for r in runners:
         lease = "static" if r.static else f"{r.lease_expires_in_s:.1f} s"
-        info = _runner_info(r.address)
+        info = _runner_info(r.address, security)
         if info is not None:
             programs = info.program_state or info.compile_mode or "?"
             running, waiting, used, usable, mark = (info.running, info.waiting, info.kv_blocks_used,
