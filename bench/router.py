@@ -24,6 +24,12 @@ Method (one run, one machine):
    streamed token is its arrival time minus the native one for the same decode step. With the
    instant runner: wall time per token through each door minus the native router path.
 
+4. *Oversize prompt beside a small request* (issue 23): the small greedy request's inter-token
+   gaps (median, max) through the router alone, then while another client sends a 4 MB text
+   prompt through the same router every 0.2 s, each refused by the runner before it is tokenized
+   (``--max-prompt-bytes``, 1 MiB). Before the limit each was tokenized holding the GIL for
+   seconds, stalling every stream of the runner; now the gaps should not move.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
     python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json]
@@ -187,17 +193,62 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
                 d1, d2 = _together(direct, direct2, request)
                 noise += _aligned_gaps(d1, d2)[1]
             single = _arrivals(direct, request)
+            oversize = _oversize_beside(routed, request, stack.router_address, rounds=max(2, rounds // 4))
             doors = _bench_doors(routed, request, stack.router_address,
                                  f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
         "doors": doors,
+        "oversize_prompt_beside": oversize,
         "tokens_per_request": tokens, "rounds": rounds, "samples": len(added),
         "step_offsets_seen": sorted(set(shifts)),
         "added_ms_p50": _pct(added, 50), "added_ms_p99": _pct(added, 99),
         "aa_noise_ms_p50": _pct([abs(x) for x in noise], 50), "aa_noise_ms_p99": _pct([abs(x) for x in noise], 99),
         "inter_token_ms_p50_direct": statistics.median(itl) if itl else float("nan"),
     }
+
+
+def _gaps_ms(stub, request) -> list[float]:
+    """Inter-token gaps of one streamed request, in milliseconds."""
+    t = _arrivals(stub, request)
+    return [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
+
+
+def _oversize_beside(routed, request, router_address: str, rounds: int, every_s: float = 0.2) -> dict:
+    """Item 4 of the module docstring: ``request``'s inter-token gaps (ms) over ``rounds``
+    requests alone, then while a second client sends a 4 MB prompt every ``every_s`` seconds (on
+    its own channel); with the status and answer time of those."""
+    big = generation_pb2.GenerateRequest(text="the " * (1 << 20), sampling=generation_pb2.SamplingParams(max_tokens=1))
+    before = [g for _ in range(rounds) for g in _gaps_ms(routed, request)]
+    stop, answers, codes = threading.Event(), [], set()
+
+    def flood() -> None:
+        import grpc
+
+        with open_channel(router_address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    list(stub.Generate(big, timeout=120))
+                    codes.add("OK")
+                except grpc.RpcError as e:
+                    codes.add(e.code().name)
+                answers.append((time.perf_counter() - t0) * 1e3)
+                stop.wait(every_s)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        during = [g for _ in range(rounds) for g in _gaps_ms(routed, request)]
+    finally:
+        stop.set()
+        thread.join(300)
+    return {"prompt_bytes": len(big.text), "rounds": rounds, "oversize_sent": len(answers),
+            "oversize_codes": sorted(codes), "oversize_answer_ms_p50": _pct(answers, 50),
+            "gap_ms_p50_before": _pct(before, 50), "gap_ms_max_before": max(before, default=float("nan")),
+            "gap_ms_p50_during": _pct(during, 50), "gap_ms_max_during": max(during, default=float("nan"))}
 
 
 def _paired(native, door, rounds: int) -> dict:
@@ -350,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{instant[f'per_token_ms_{key}_p50']:.3f} ms | {instant[f'{key}_added_per_token_ms_p50']:.3f} ms | "
               f"{instant[f'{key}_added_per_token_ms_p99']:.3f} ms |")
     print(f"\nSmolLM2 direct inter-token time p50: {real['inter_token_ms_p50_direct']:.1f} ms")
+    big = real["oversize_prompt_beside"]
+    print(f"\nA small request's inter-token gaps through the router, alone and while {big['oversize_sent']} prompts "
+          f"of {big['prompt_bytes'] / 2**20:.0f} MiB were sent beside it (answered {', '.join(big['oversize_codes'])} "
+          f"in {big['oversize_answer_ms_p50']:.0f} ms p50):\n")
+    print("| small request | gap p50 | gap max |")
+    print("|---|---|---|")
+    for when in ("before", "during"):
+        print(f"| {when} | {big[f'gap_ms_p50_{when}']:.1f} ms | {big[f'gap_ms_max_{when}']:.1f} ms |")
     return 0
 
 

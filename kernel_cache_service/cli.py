@@ -3,6 +3,7 @@
 Commands::
 
     warmserve cache serve --root DIR [--store s3://BUCKET/PREFIX] [--port 50051] [--max-bytes N] [--auth-file F] [TLS flags]
+                          [--max-streams N] [--publish-idle-timeout SECONDS]
     warmserve cache put NAME FINGERPRINT PATH   (--addr HOST:PORT | --root DIR) [--token-file F] [TLS flags]
     warmserve cache get NAME FINGERPRINT OUT    (--addr HOST:PORT | --root DIR)
     warmserve cache ls [PREFIX]                 (--addr HOST:PORT | --root DIR)
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
-from services.bootstrap import add_server_args, int_at_least
+from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S
+from services.bootstrap import add_server_args, int_at_least, positive_seconds
 from services.channel import add_client_security_args, client_security_from_args
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.ports import DEFAULT_PORTS, KERNEL_CACHE
@@ -47,6 +49,9 @@ def register(subparsers) -> None:
     serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
                        help="share the programs through this S3 bucket, --root its local tier (AWS environment "
                             "for endpoint and credentials; docs/architecture.md section 6.1)")
+    serve.add_argument("--publish-idle-timeout", type=positive_seconds, default=DEFAULT_PUBLISH_IDLE_S,
+                       metavar="SECONDS", help="cancel a Publish whose client sends nothing for this long, freeing "
+                                               f"its stream slot (default {DEFAULT_PUBLISH_IDLE_S:g})")
     add_server_args(serve, default_port=DEFAULT_PORTS[KERNEL_CACHE])
     serve.set_defaults(func=_cmd_serve)
 

@@ -28,7 +28,7 @@ def serve_from_args(args) -> None:
         store = S3KernelStore.open_url(args.store, args.root, max_bytes=args.max_bytes)
     else:
         store = KernelStore(args.root, max_bytes=args.max_bytes)
-    server = build_server(store, config)
+    server = build_server(store, config, publish_idle_s=args.publish_idle_timeout)
     server.start()
     log.info("kernel cache ready", extra={"root": str(store.root), "max_bytes": store.max_bytes,
                                           "store": getattr(store, "url", str(store.root)),

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kernel_cache_service.artifact import HashingWriter, iter_file, pack_directory
-from kernel_cache_service.entry import FORMATS, REJECTED, EntryInfo, PublishResult
+from kernel_cache_service.entry import REJECTED, EntryInfo, PublishResult
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key
 from kernel_cache_service.layout import BLOB, MANIFEST
+from kernel_cache_service.limits import check_publish_header
 from kernel_cache_service.locks import OwnedTempDir
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, WarmserveError
 from services.fsmode import default_dir_mode, default_file_mode
@@ -178,12 +179,9 @@ def begin_publish(tmp_root: Path, max_bytes: int, install: Install, name: str, f
                   fmt: str, producer: str, size: int | None, sha256: str | None) -> PendingPublish:
     """A :class:`PendingPublish` of ``fmt`` (``"file"`` or ``"dir"``, i.e. a tar) bytes;
     ``size`` (bytes) and ``sha256`` (hex), when given, are what the sender announced and are
-    verified at commit. Raises ``InvalidArgument`` for a bad key, format, size or sha256."""
-    validate_key(name, fingerprint)
-    if fmt not in FORMATS:
-        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if sha256 is not None and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
-        raise InvalidArgument("sha256 must be 64 lowercase hex characters")
+    verified at commit. Raises ``InvalidArgument`` for a bad key, format, producer, size or sha256
+    (:func:`kernel_cache_service.limits.check_publish_header`)."""
+    check_publish_header(name, fingerprint, fmt=fmt, producer=producer, sha256=sha256)
     if size is not None and size < 0:
         raise InvalidArgument(f"size must be >= 0 bytes, got {size}")
     return PendingPublish(tmp_root, max_bytes, install, name, fingerprint, fmt=fmt, producer=producer,

@@ -15,6 +15,13 @@ lease ends (the store is shared with other processes, so there is nothing to be 
 
 With ``--auth-file`` every RPC needs its scope (:mod:`services.scopes`: Lookup/Fetch/List/Stat
 ``read``, Publish/Claim/leases ``publish``, Evict ``admin``).
+
+Limits: Publish, Fetch and Claim each hold one of ``--max-streams`` stream slots
+(:mod:`services.stream_slots`; one more is ``UNAVAILABLE``), so streams never take the threads
+Lookup and health checks need; a Publish whose client sends nothing for ``--publish-idle-timeout``
+seconds is cancelled (:mod:`services.idle_streams`); headers and holders are checked
+(:mod:`kernel_cache_service.limits`) before anything is written. Each refusal counts in
+``warmserve_refused_total{reason}``.
 """
 
 from __future__ import annotations
@@ -34,11 +41,15 @@ from kernel_cache_service.convert import (
 from kernel_cache_service.counters import COUNTERS
 from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.leases import WAIT
+from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S, check_publish_header, check_text
 from kernel_cache_service.store_api import KernelStoreAPI
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
+from services.idle_streams import IdleStreams
 from services.proto import kernel_cache_pb2 as pb
 from services.proto import kernel_cache_pb2_grpc as pb_grpc
+from services.refusals import Refusals
+from services.stream_slots import StreamSlots
 
 SERVICE_NAME = "warmserve.v1.KernelCache"
 #: Seconds between two looks at the store while a Claim stream waits for a build.
@@ -47,14 +58,34 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
 
 
-class KernelCacheServicer(pb_grpc.KernelCacheServicer):
-    """``warmserve.v1.KernelCache`` over ``store``."""
 
-    def __init__(self, store: KernelStoreAPI) -> None:
+class KernelCacheServicer(pb_grpc.KernelCacheServicer):
+    """``warmserve.v1.KernelCache`` over ``store``: at most ``max_streams`` Publish/Fetch/Claim
+    streams at once; a Publish idle for ``publish_idle_s`` seconds is cancelled; refusals count
+    in ``refused``."""
+
+    def __init__(self, store: KernelStoreAPI, *, max_streams: int = ServerConfig.max_streams,
+                 publish_idle_s: float = DEFAULT_PUBLISH_IDLE_S) -> None:
         self.store = store
+        #: ``warmserve_refused_total{reason}``; :func:`build_server` registers it on the server's registry.
+        self.refused = Refusals()
+        self.slots = StreamSlots(max_streams, "the kernel cache")
+        self.idle = IdleStreams(publish_idle_s, "Publish", lambda: self.refused.add("idle_stream"))
         #: Set when the server drains: waiting Claim streams end at once with UNAVAILABLE (their
         #: clients then build or claim elsewhere) instead of holding the drain for its whole grace.
         self.draining = threading.Event()
+
+    def _take_slot(self, context) -> None:
+        try:
+            self.slots.take(context)
+        except Unavailable:
+            self.refused.add("stream_slots")
+            raise
+
+    def _fail(self, context, error: WarmserveError) -> None:
+        if isinstance(error, InvalidArgument):
+            self.refused.add("invalid_argument")
+        abort_with(context, error)
 
     def Lookup(self, request, context):
         """HIT with the entry's info, or MISS."""
@@ -71,9 +102,10 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         key = request.key
         try:
+            self._take_slot(context)
             reader = self.store.open(key.name, key.fingerprint)
         except WarmserveError as e:
-            abort_with(context, e)
+            self._fail(context, e)
         if reader is None:
             abort_with(context, NotFound(f"no entry {key.name}/{key.fingerprint}"))
         with reader:
@@ -94,9 +126,10 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
     def Publish(self, request_iterator, context):
         """Store the streamed artifact (a header, then chunks) under its key."""
         try:
-            return publish_to_proto(self._publish(request_iterator))
+            self._take_slot(context)
+            return publish_to_proto(self._publish(self.idle.guard(request_iterator, context)))
         except WarmserveError as e:
-            abort_with(context, e)
+            self._fail(context, e)
 
     def _publish(self, request_iterator) -> PublishResult:
         first = next(request_iterator, None)
@@ -105,17 +138,19 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         h = first.header
         if not h.sha256:
             raise InvalidArgument("the PublishHeader must carry the sha256 of the artifact")
+        fmt, sha256 = h.format or "file", h.sha256.lower()
+        check_publish_header(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer, sha256=sha256)
         early = self.store.precheck(h.key.name, h.key.fingerprint, h.size_bytes)
         if early is not None:
             return early
-        with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=h.format or "file",
-                                      producer=h.producer, size=h.size_bytes,
-                                      sha256=h.sha256.lower()) as pending:
+        with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer,
+                                      size=h.size_bytes, sha256=sha256) as pending:
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InvalidArgument("only chunks may follow the PublishHeader")
                 pending.write(msg.chunk)
-                if pending.overflowed:
+                if pending.overflowed:  # refused at the first byte past the size: nothing is kept
+                    self.refused.add("past_declared_size")
                     break
             return pending.commit()
 
@@ -146,9 +181,11 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         """HIT, OWNER or WAIT; after WAIT, PUBLISHED or LEASE_EXPIRED when the build ends."""
         key = request.key
         try:
+            self._take_slot(context)
+            check_text(request.holder, "the holder")
             claim = self.store.claim(key.name, key.fingerprint, request.holder, request.ttl_s or None)
         except WarmserveError as e:
-            abort_with(context, e)
+            self._fail(context, e)
         yield claim_to_proto(claim)
         if claim.status != WAIT:
             return
@@ -198,10 +235,14 @@ class StoreCollector:
             yield g
 
 
-def build_server(store: KernelStoreAPI, config: ServerConfig) -> ServiceServer:
-    """A not-yet-started :class:`ServiceServer` serving ``store`` (with its metrics registered)."""
-    servicer = KernelCacheServicer(store)
-    server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)])
+def build_server(store: KernelStoreAPI, config: ServerConfig, *,
+                 publish_idle_s: float = DEFAULT_PUBLISH_IDLE_S) -> ServiceServer:
+    """A not-yet-started :class:`ServiceServer` serving ``store`` (with its metrics registered),
+    its streams capped at ``config.max_streams``, a Publish idle for ``publish_idle_s`` seconds
+    cancelled."""
+    servicer = KernelCacheServicer(store, max_streams=config.max_streams, publish_idle_s=publish_idle_s)
+    server = ServiceServer(config, [(pb_grpc.add_KernelCacheServicer_to_server, servicer, SERVICE_NAME)],
+                           refusals=servicer.refused)
     server.registry.register(StoreCollector(store))
     server.on_drain.append(servicer.draining.set)
     return server

@@ -35,8 +35,11 @@ RPCs and their behaviour:
 
 The model's name and versions: :mod:`kserve_service.names`.
 
-Status codes: a malformed request ``INVALID_ARGUMENT``; an unknown model ``NOT_FOUND``; no
-runner ``UNAVAILABLE``; a runner's own status passes through (``INVALID_ARGUMENT`` for too many
+Status codes: a malformed request ``INVALID_ARGUMENT`` (invalid Unicode included); an unknown
+model ``NOT_FOUND``; no runner ``UNAVAILABLE``; every runner busy, the router's streams all
+taken, or a stream's requests in flight at their cap (``--max-stream-requests``)
+:class:`~services.errors.Overloaded` (``UNAVAILABLE`` marked ``warmserve-overloaded: 1``);
+refusals are counted in ``warmserve_refused_total``; a runner's own status passes through (``INVALID_ARGUMENT`` for too many
 ``max_tokens``, ``RESOURCE_EXHAUSTED``, ...); the client's deadline ``DEADLINE_EXCEEDED``; a
 generation that failed inside the runner ``INTERNAL``.
 """
@@ -166,13 +169,13 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
                                       "(ModelInfer returns one response)")
             relay = self._router.generate(request_plan.generate, timeout_s=time_left(context))
         except WarmserveError as e:
-            abort_with(context, e)
+            self._router.refusals.abort(context, e)
         context.add_callback(relay.cancel)  # client cancel / deadline -> cancel the runner's call
         try:
             for response in responses(request_plan, relay, stream_rpc=False):
                 return response
         except WarmserveError as e:
-            abort_with(context, e)
+            self._router.refusals.abort(context, e)
         abort_with(context, Internal("the runner's answer had no final response"))
 
     def ModelStreamInfer(self, request_iterator, context):
@@ -181,7 +184,7 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self._slots.take(context)
         except WarmserveError as e:
-            abort_with(context, e)
+            self._router.refusals.abort(context, e)
         session = StreamSession(self._router, self.names, context)
         context.add_callback(session.cancel)
         reader = threading.Thread(target=session.read, args=(request_iterator,), name="kserve-stream-read",
@@ -192,6 +195,7 @@ class KServeServicer(kserve_pb2_grpc.GRPCInferenceServiceServicer):
                 yield item
                 continue
             request, err, started = item
+            self._router.refusals.count(err)
             if grpc_errors:
                 session.cancel()
                 abort_with(context, err)

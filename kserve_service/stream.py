@@ -1,6 +1,9 @@
 """``ModelStreamInfer``'s session: every request of one bidirectional stream run concurrently,
 answered by ``id``, errors as in-stream responses (``docs/architecture.md`` §10; the RPC itself
-is :meth:`kserve_service.servicer.KServeServicer.ModelStreamInfer`)."""
+is :meth:`kserve_service.servicer.KServeServicer.ModelStreamInfer`). A stream holds one stream
+slot, so it may have at most :attr:`RouterConfig.max_stream_requests
+<router_service.config.RouterConfig>` requests in flight; one more is answered, in the stream,
+with :class:`~services.errors.Overloaded` (reason ``stream_in_flight``)."""
 
 from __future__ import annotations
 
@@ -13,10 +16,11 @@ import grpc
 
 from kserve_service.inference import Plan, plan, responses
 from kserve_service.names import ModelNames
+from kserve_service.tensors import request_label
 from router_service.deadline import time_left
 from router_service.relay import RelayStream
 from router_service.router import Router
-from services.errors import Internal, WarmserveError
+from services.errors import Internal, Overloaded, WarmserveError
 from services.proto.triton import grpc_service_pb2 as kserve_pb2
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ class StreamSession:
         self._lock = threading.Lock()
         self._relays: set[RelayStream] = set()
         self._pending = 0
+        self._limit = router.config.max_stream_requests
         self._reading = True
         self._cancelled = threading.Event()
 
@@ -100,7 +105,15 @@ class StreamSession:
 
     def _start(self, request: kserve_pb2.ModelInferRequest) -> None:
         with self._lock:
-            self._pending += 1
+            full = self._pending >= self._limit
+            if not full:
+                self._pending += 1
+        if full:
+            self._put((request, Overloaded(
+                f"{request_label(request)} this ModelStreamInfer stream already has {self._limit} requests in "
+                f"flight (--max-stream-requests); send more once some are answered", reason="stream_in_flight"),
+                False))
+            return
         try:
             request_plan = plan(self._names, request)
             relay = self._router.generate(request_plan.generate, timeout_s=time_left(self._context))

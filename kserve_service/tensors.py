@@ -127,7 +127,7 @@ def _utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidArgument(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise InvalidArgument(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", reason="unicode") from None
 
 
 def decode_inputs(request: kserve_pb2.ModelInferRequest, model: str) -> InferInputs:

@@ -23,7 +23,11 @@ and ``data: [DONE]`` ending it. An error after the first chunk is sent as one
 waiting or mid-stream, cancels its ``Generate`` call.
 
 Every error is OpenAI's ``{"error": {...}}`` (:mod:`openai_service.errors`), including a body
-that fails validation (HTTP 400, not FastAPI's 422) and unknown routes (404).
+that fails validation (HTTP 400, not FastAPI's 422), unknown routes (404), a method a route
+does not take (405, with ``Allow``) and an unexpected failure (500, whose text stays in the log).
+:class:`~openai_service.guard.RequestGuard` checks the ``Host``, the API key and the body size
+before any route runs; ``/docs``, ``/redoc`` and ``/openapi.json`` exist only with
+``enable_docs`` (the schema, :mod:`openai_service.openapi`, is ``app.openapi()`` either way).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from openai_service.convert import (
     usage,
 )
 from openai_service.errors import OpenAIError, from_rpc_error, from_validation_error
+from openai_service.guard import RequestGuard
+from openai_service.openapi import HEALTH_STATUSES, V1_STATUSES, error_responses, ok_response, openapi_schema
 from openai_service.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -65,6 +71,7 @@ from openai_service.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     DeltaMessage,
+    Health,
     ModelCard,
     ModelList,
 )
@@ -85,7 +92,7 @@ def _json(model) -> Response:
 
 
 def _error(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
 
 
 def _ignored(body) -> None:
@@ -174,9 +181,15 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         finally:
             await client.close()
 
-    app = FastAPI(title="warmserve OpenAI-compatible API", lifespan=lifespan)
+    docs = config.enable_docs
+    app = FastAPI(title="warmserve OpenAI-compatible API", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)  # type: ignore[method-assign]
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       allowed_hosts=config.allowed_hosts)
     app.state.client = client
     app.state.served = served
+    v1_errors = error_responses(V1_STATUSES)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
@@ -187,15 +200,19 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         return _error(from_validation_error(list(exc.errors()), request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(OpenAIError(exc.status_code, str(exc.detail)))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {(exc.headers or {}).get('Allow')})"
+        return _error(OpenAIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return _error(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        log.exception("unexpected error")  # the exception's text stays here, never in the answer
+        return _error(OpenAIError(500, "internal error in the OpenAI door (see its log)"))
 
-    @app.get("/health")
+    @app.get("/health", responses={**ok_response(Health, headers={PID_METADATA_KEY: {"schema": {"type": "string"}}}),
+                                   **error_responses(HEALTH_STATUSES)})
     async def health() -> Response:
         try:
             info = await client.model_info(timeout_s=5.0)
@@ -208,11 +225,11 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         return ModelCard(id=await served.name(), created=served.created, root=info.model,
                          max_model_len=info.max_model_len or None)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={**ok_response(ModelList), **v1_errors})
     async def list_models() -> Response:
         return _json(ModelList(data=[await _card()]))
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses={**ok_response(ModelCard), **v1_errors})
     async def retrieve_model(model: str) -> Response:
         await served.check(model)
         return _json(await _card())
@@ -229,7 +246,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             call.cancel()
         return first
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**ok_response(Completion, chunk=Completion), **v1_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _ignored(body)
         model = await served.check(body.model)
@@ -267,7 +284,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage)
         return EventStream(events, on_close=call.cancel)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**ok_response(ChatCompletion, chunk=ChatCompletionChunk), **v1_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _ignored(body)
         model = await served.check(body.model)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from openai_service.errors import OpenAIError, bad_request
 from openai_service.protocol import (
+    CHAT_ROLES,
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     ChatLogprob,
@@ -43,8 +44,6 @@ from services.sampling_keys import sampling_from_dict
 MIN_LOGPROB = -9999.0
 #: The exclusive end of token ids on the wire (``int32``).
 _ID_END = 2**31
-#: Chat roles a request may use (``developer`` is sent as ``system``; the runner takes the rest).
-CHAT_ROLES = ("system", "user", "assistant", "developer")
 
 FINISH_REASONS = {
     generation_pb2.FINISH_REASON_STOP: "stop",

@@ -15,13 +15,18 @@ RESOURCE_EXHAUSTED       400    a request that can never fit the KV cache: retry
                                 could never hold with a 400 validation error
 NOT_FOUND                404
 UNAUTHENTICATED          401
+UNAVAILABLE, overloaded  429    every runner is at capacity (trailing metadata
+                                ``warmserve-overloaded: 1``, ``services.errors.Overloaded``):
+                                ``rate_limit_error``, the one status clients retry later
 UNAVAILABLE              503    no runner is ready, or the runner serving the request went
                                 away or became unreachable, before or after the first token
                                 (not vLLM's 500: the fault is not in the request nor in the
                                 model, and another try may land on a healthy runner)
 FAILED_PRECONDITION      503    the runner is shutting down: another try may land elsewhere
 DEADLINE_EXCEEDED        504
-anything else            500    e.g. INTERNAL, UNKNOWN
+anything else            500    e.g. INTERNAL; UNKNOWN (an exception in a server) keeps its
+                                details to the server's log: the door never echoes
+                                exception text
 =======================  =====  ========================================================
 
 A runner that fails while generating ends the stream with finish reason ABORTED, which
@@ -39,6 +44,7 @@ from __future__ import annotations
 import grpc
 
 from openai_service.protocol import ErrorInfo, ErrorResponse
+from services.errors import is_overloaded
 
 #: vLLM's ``type`` for each HTTP status the door answers.
 ERROR_TYPES = {
@@ -46,6 +52,8 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "rate_limit_error",  # OpenAI's type: the contract's name for "busy, retry later"
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -67,16 +75,18 @@ GRPC_TO_HTTP = {
 class OpenAIError(Exception):
     """An answer in OpenAI's error shape: ``status`` (HTTP), ``message`` (one sentence),
     ``type`` (default: :data:`ERROR_TYPES` of the status), ``param`` (the request field at
-    fault) and ``code`` (default: the status, as vLLM sends it)."""
+    fault), ``code`` (default: the status, as vLLM sends it) and ``headers`` (HTTP headers the
+    answer carries, e.g. ``Allow`` for a 405)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: int | str | None = None) -> None:
+                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
         self.param = param
         self.code = status if code is None else code
+        self.headers = headers
 
     def response(self) -> ErrorResponse:
         """The body model."""
@@ -112,10 +122,16 @@ RUNNER_PARAMS = (
 
 def from_rpc_error(err: grpc.RpcError, fields: dict[str, str] | None = None) -> OpenAIError:
     """The :class:`OpenAIError` for a failed ``Generate``/``ModelInfo`` call (see the module
-    table), keeping the server's sentence as the message. ``fields`` maps :data:`RUNNER_PARAMS`'
-    names to this request's field names (``{"prompt": "messages"}``); given, an INVALID_ARGUMENT
-    whose sentence is about a field sets ``param`` to it."""
+    table), keeping the server's sentence as the message (not for UNKNOWN, whose details are an
+    exception's text). ``fields`` maps :data:`RUNNER_PARAMS`' names to this request's field
+    names (``{"prompt": "messages"}``); given, an INVALID_ARGUMENT whose sentence is about a
+    field sets ``param`` to it."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    if is_overloaded(err):
+        return OpenAIError(429, (err.details() if hasattr(err, "details") else None)
+                           or "every runner is at capacity: retry later")
+    if code == grpc.StatusCode.UNKNOWN:
+        return OpenAIError(500, "the router failed with an unexpected error (UNKNOWN; see its and the runner's logs)")
     details = (err.details() if hasattr(err, "details") else None) or code.name
     status = GRPC_TO_HTTP.get(code, 500)
     param = None
@@ -131,10 +147,12 @@ _JSON_VALUES = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolea
 
 
 def _body_error(e: dict, content_type: str | None) -> OpenAIError | None:
-    """The sentence for an error about the body as a whole (not JSON, not an object, absent),
-    ``None`` for an error about a field."""
+    """The sentence for an error about the body as a whole (not JSON, not an object, absent,
+    a string that is not valid Unicode), ``None`` for an error about a field."""
     loc = tuple(e.get("loc", ()))
     kind = e.get("type")
+    if kind == "invalid_unicode":  # openai_service.protocol: a lone surrogate somewhere in the body
+        return bad_request(str(e.get("msg")), param=e.get("ctx", {}).get("param"))
     if kind == "json_invalid":  # FastAPI's; loc ("body", character offset)
         pos = f"at character {loc[1]}: " if len(loc) > 1 and isinstance(loc[1], int) else ""
         return bad_request(f"the body is not valid JSON ({pos}{e.get('ctx', {}).get('error', 'JSON decode error')})")

@@ -2,11 +2,22 @@
 reference, with vLLM's additions where warmserve has the feature).
 
 Requests accept and ignore fields they do not know (as vLLM does; the app logs them), so a
-newer client's extra fields do not fail a request. Parameters warmserve does not implement are
+newer client's extra fields do not fail a request. Field types are strict (pydantic's strict
+mode: ``"16"`` is not an integer nor ``0`` a boolean; an integer is a number), as the schema
+says and as OpenAI's API refuses them. Parameters warmserve does not implement are
 declared, so that a value other than their default is refused with a sentence
 (:mod:`openai_service.convert`) instead of being silently ignored. Range checks that pydantic
 can state (``max_tokens >= 1``, ``0 <= top_logprobs <= 20``) live here; a failed one is an HTTP
 400 in OpenAI's error shape (:mod:`openai_service.errors`).
+
+The JSON schema of each request (``GET /openapi.json`` with ``--enable-docs``) states what the
+door accepts, refusals included: fields that may hold only their default say so (``enum``,
+``maxItems: 0``, ...), ``prompt`` and ``messages`` must not be empty, roles and content parts
+are listed, and ``stream_options``/``top_logprobs`` need ``stream``/``logprobs`` (``if``/``then``).
+These are schema annotations only: the door's own checks (:mod:`openai_service.convert`) keep
+their sentences. A string anywhere in a body that UTF-8 cannot encode (a lone surrogate, from a
+JSON ``"\ud800"`` escape or from bytes a lenient decoder let through) is refused as the body
+is validated (error type ``invalid_unicode``), before anything would try to encode it.
 
 Responses are built from these models and serialised with ``None`` kept (``"logprobs": null``,
 ``"finish_reason": null``), as OpenAI sends them; a chat chunk's ``delta`` leaves its unset
@@ -17,7 +28,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from services.sampling_keys import FLOAT32_MAX
 
@@ -33,17 +53,96 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 FinishReason = Literal["stop", "length"]
 
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: An integer field of a request: strict (no strings, no booleans), but ``16.0`` is ``16``, as
+#: JSON Schema counts an integral number as an integer.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _int(**bounds: int) -> Any:
+    """:data:`Int` within pydantic ``Field`` bounds (``ge``, ``lt``, ...); the bounds come before
+    the validator so that they reach the JSON schema."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+#: Chat roles a request may use (``developer`` is sent as ``system``; the runner takes the rest).
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable_text(body: Any) -> str | None:
+    """Where in a parsed JSON ``body`` a string (value or field name) holds a lone surrogate,
+    as a dotted path (``messages[0].content``), ``None`` when every string is valid Unicode.
+    Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return where or "the body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not _encodable(key):
+                    return f"a field name in {where}" if where else "a field name"
+                name = str(key)[:64]
+                stack.append((item, f"{where}.{name}" if where else name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _if_then(field: str, when: dict, then_field: str, then: dict) -> dict:
+    """A JSON-schema ``if``/``then``: when ``field`` is present and matches ``when``,
+    ``then_field`` must be present and match ``then``."""
+    return {"if": {"properties": {field: when}, "required": [field]},
+            "then": {"properties": {then_field: then}, "required": [then_field]}}
+
+
+#: ``stream_options`` is refused unless ``stream`` is true.
+_STREAM_OPTIONS_NEED_STREAM = _if_then("stream_options", {"type": "object"}, "stream", {"const": True})
+
+
+#: A prompt token id in the schema (the wire's int32; the runner checks the vocabulary).
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32_END - 1}
+#: A message whose content has a character that is not whitespace (the door refuses a chat
+#: whose every message is empty or blank).
+_SOME_TEXT = {"required": ["content"], "properties": {"content": {"anyOf": [
+    {"type": "string", "pattern": "\\S"},
+    {"type": "array", "contains": {"required": ["text"], "properties": {"text": {"type": "string", "pattern": "\\S"}}}}]}}}
+
 
 class _Request(BaseModel):
-    """Base of request bodies: unknown fields are kept aside (``model_extra``), not refused."""
+    """Base of request bodies: unknown fields are kept aside (``model_extra``), not refused;
+    a string UTF-8 cannot encode is a validation error (type ``invalid_unicode``, ``ctx``
+    ``where``: its path, ``param``: its top-level field)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = unencodable_text(data)
+        if where is not None:
+            param = where.split(".")[0].split("[")[0] if not where.startswith(("a field name", "the body")) else None
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} is not valid Unicode text: it holds a lone surrogate, which UTF-8 "
+                "cannot encode", {"where": where, "param": param})
+        return data
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk (``choices: []``) with the usage."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool | None = False
 
@@ -51,22 +150,26 @@ class StreamOptions(BaseModel):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions. Token counts are tokens."""
 
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+
     model: str | None = None
-    n: int = 1
+    n: Int = Field(1, json_schema_extra={"enum": [1]})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"}]})] = None
     temperature: Annotated[float, Field(ge=0, le=FLOAT32_MAX)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: _int(ge=0, lt=2**64) | None = None
+    presence_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
+    frequency_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # vLLM's sampling extras that the runner implements.
-    top_k: Annotated[int, Field(ge=-1, lt=INT32_END)] | None = None
+    top_k: _int(ge=-1, lt=INT32_END) | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT32_END)]] | None = None
+    stop_token_ids: list[_int(ge=0, lt=INT32_END)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -76,18 +179,30 @@ class CompletionRequest(_SamplingFields):
     leaves (the runner caps it: ``SamplingParams.default_max_tokens``). ``logprobs``: top-n per
     token, 0..20 (0: the sampled token's)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]], WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1}, "minItems": 1,
+         "maxItems": 1}]})]
+    max_tokens: _int(ge=1, lt=INT32_END) | None = None
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    best_of: Int | None = Field(None, json_schema_extra={"enum": [1, None]})
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+
+
+def _text_parts_only(schema: dict) -> None:
+    schema["properties"]["type"]["enum"] = ["text"]
+    schema["properties"]["text"] = {"type": "string", "title": "Text"}
+    schema["required"] = ["type", "text"]
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported
+    (anything else is refused by :mod:`openai_service.convert`, as the schema says)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_text_parts_only)
 
     type: str
     text: str | None = None
@@ -96,9 +211,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message: ``role`` and ``content`` (text, a list of text parts, or null)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -109,14 +224,19 @@ class ChatCompletionRequest(_SamplingFields):
     return the sampled tokens' logprobs; ``top_logprobs`` (0..20) adds that many alternatives
     per token and needs ``logprobs``."""
 
-    messages: list[ChatMessage]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32_END)] | None = None
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM,
+        _if_then("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", {"const": True})]})
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1, "contains": _SOME_TEXT})
+    max_tokens: _int(ge=1, lt=INT32_END) | None = None
+    max_completion_tokens: _int(ge=1, lt=INT32_END) | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, json_schema_extra={"properties": {"type": {"enum": ["text"]}}})
 
 
 # --- responses -------------------------------------------------------------------------------------
@@ -260,6 +380,13 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """``GET /health`` when the router has a READY runner: that runner's id."""
+
+    status: Literal["ok"] = "ok"
+    runner_id: str
 
 
 class ErrorInfo(BaseModel):

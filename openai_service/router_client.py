@@ -3,7 +3,10 @@
 One channel per door, opened on the server's event loop (:meth:`RouterClient.open`, from the
 app's lifespan) and closed with it. ``generate`` returns the call itself, so the caller reads it
 as it streams and cancels it when the HTTP client leaves: the router then cancels its runner
-call, and the runner frees the sequence's KV blocks.
+call, and the runner frees the sequence's KV blocks. With a
+:class:`~services.channel.ClientSecurity` the channel is TLS (its ``tls`` files: the router
+verified against their CA, their certificate presented) and every call carries its bearer
+token (the door's ``generate``-scope credential).
 """
 
 from __future__ import annotations
@@ -11,27 +14,30 @@ from __future__ import annotations
 import grpc
 
 from openai_service.errors import OpenAIError, from_rpc_error
-from services.channel import CHANNEL_OPTIONS, ClientSecurity
+from services.channel import CHANNEL_OPTIONS, PLAINTEXT, ClientSecurity
 from services.proto import generation_pb2, generation_pb2_grpc
 
 
 class RouterClient:
-    """Async ``Generation`` client of ``address`` (``host:port``); :meth:`open` before use.
-    ``security``: the door's own token (sent as call metadata on every call) and TLS files."""
+    """Async ``Generation`` client of ``address`` (``host:port``) presenting ``security``
+    (``None``: plaintext, no token); :meth:`open` before use."""
 
     def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
         self.address = address
-        self._security = security or ClientSecurity()
-        self._metadata = self._security.metadata()
+        self.security = security or PLAINTEXT
+        self._metadata = self.security.metadata()
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
 
     async def open(self) -> None:
-        """Create the channel on the running event loop (it connects on first use)."""
-        tls = self._security.tls
-        self._channel = (grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) if tls is None else
-                         grpc.aio.secure_channel(self.address, tls.channel_credentials(),
-                                                 options=(*CHANNEL_OPTIONS, *tls.channel_options())))
+        """Create the channel on the running event loop (it connects on first use). Raises
+        ``InvalidArgument`` for unreadable TLS files."""
+        tls = self.security.tls
+        if tls is not None:
+            self._channel = grpc.aio.secure_channel(self.address, tls.channel_credentials(),
+                                                    options=(*CHANNEL_OPTIONS, *tls.channel_options()))
+        else:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def close(self) -> None:
@@ -56,7 +62,7 @@ class RouterClient:
         Raises :class:`OpenAIError` (503 when no runner is ready or the router is unreachable)."""
         try:
             return await self._ready_stub().ModelInfo(generation_pb2.ModelInfoRequest(), timeout=timeout_s,
-                                                    metadata=self._metadata)
+                                                      metadata=self._metadata)
         except grpc.RpcError as e:
             err = from_rpc_error(e)
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -1,7 +1,7 @@
 """``warmserve router ...``: the router daemon and its control commands.
 
 ``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
-[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-runners N]`` runs the router (``warmserve.v1``
+[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-stream-requests N] [--max-runners N]`` runs the router (``warmserve.v1``
 and the KServe v2 / Triton ``inference.GRPCInferenceService`` on one port); ``warmserve router
 drain RUNNER_ID`` stops routing new requests to one runner. Heavy imports happen inside the handlers.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from router_service.config import DEFAULT_POLICY, POLICY_NAMES
+from router_service.config import DEFAULT_POLICY, POLICY_NAMES, RouterConfig
 from services.ports import DEFAULT_PORTS, DEFAULT_ROUTER, ROUTER
 
 
@@ -42,6 +42,9 @@ def register(subparsers) -> None:
                             "model source, e.g. smollm2-135m-instruct)")
     serve.add_argument("--max-runners", type=int_at_least(1), default=64,
                        help="registered runners the router holds at most; one more is RESOURCE_EXHAUSTED (default 64)")
+    serve.add_argument("--max-stream-requests", type=int_at_least(1), default=RouterConfig.max_stream_requests,
+                       metavar="N", help="requests in flight at once on one KServe ModelStreamInfer stream; one more "
+                                         f"is refused in the stream (default {RouterConfig.max_stream_requests})")
     serve.set_defaults(func=_serve)
 
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")

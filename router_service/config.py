@@ -43,6 +43,9 @@ class RouterConfig:
       stays UNHEALTHY until the health checker verifies it.
     - ``max_runners``: registered runners the table holds at most; one more registration of a new
       id is ``RESOURCE_EXHAUSTED`` (static runners do not count).
+    - ``max_stream_requests``: requests in flight at once on one KServe ``ModelStreamInfer``
+      stream (which takes one stream slot); one more is refused, in the stream, as
+      :class:`~services.errors.Overloaded` (:mod:`kserve_service.stream`).
     """
 
     static_runners: tuple[str, ...] = ()
@@ -62,6 +65,7 @@ class RouterConfig:
     served_model_name: str = ""
     max_runners: int = 64
     admission_timeout_s: float = 3.0
+    max_stream_requests: int = 8
 
     def __post_init__(self) -> None:
         if self.served_model_name != self.served_model_name.strip():
@@ -82,6 +86,6 @@ class RouterConfig:
         if self.first_token_timeout_s < 0:
             raise InvalidArgument(f"first-token timeout must be >= 0 seconds (0: off), got {self.first_token_timeout_s}")
         for name in ("eject_after", "readmit_after", "max_attempts", "prefix_block_tokens",
-                     "prefix_block_bytes", "ring_replicas", "max_runners"):
+                     "prefix_block_bytes", "ring_replicas", "max_stream_requests", "max_runners"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

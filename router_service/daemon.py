@@ -26,6 +26,7 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         first_token_timeout_s=args.first_token_timeout,
         served_model_name=args.served_model_name,
         max_runners=args.max_runners,
+        max_stream_requests=args.max_stream_requests,
     )
     server = RouterServer(config, config_from_args(args, "router"), doors, security=client_security_from_args(args))
     server.start()

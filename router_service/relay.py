@@ -8,8 +8,11 @@
   from the runner), so a slow client slows the runner's stream down through gRPC flow control
   instead of buffering in the router (backpressure);
 - while no token has reached the consumer, an ``UNAVAILABLE`` runner is ejected and the request
-  goes to another runner (``max_attempts`` runners at most); once a token has been relayed, a
-  failing runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
+  goes to another runner (``max_attempts`` failed runners at most); a runner that answers
+  :class:`~services.errors.Overloaded` (busy: all its stream slots held) is not ejected nor
+  counted as failed, the request just goes to another runner, and when no runner takes it and
+  one of those tried was busy it ends ``Overloaded``; once a token has been relayed, a failing
+  runner ends the stream with ``UNAVAILABLE`` naming it, never a retry (the client would
   see duplicated text);
 - :meth:`RelayStream.cancel` (wired to the client's cancellation) cancels the runner's call, which
   makes the runner free the sequence's KV blocks;
@@ -19,7 +22,8 @@
   retried too, so a frozen runner holds no request until its lease lapses.
 
 Errors raised while iterating are :class:`services.errors.WarmserveError` with the gRPC code to
-return: ``UNAVAILABLE`` (no runner ready / runner died), ``DEADLINE_EXCEEDED``, ``CANCELLED``, or
+return: ``UNAVAILABLE`` (no runner ready / runner died; ``Overloaded``: every runner busy),
+``DEADLINE_EXCEEDED``, ``CANCELLED``, or
 the runner's own status (e.g. ``INVALID_ARGUMENT``) passed through with its message.
 """
 
@@ -34,7 +38,15 @@ import grpc
 
 from router_service.channels import ChannelPool
 from router_service.registry import Chooser, Runner, RunnerRegistry
-from services.errors import Cancelled, DeadlineExceeded, Unavailable, WarmserveError, from_rpc_error
+from services.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Overloaded,
+    Unavailable,
+    WarmserveError,
+    from_rpc_error,
+    is_overloaded,
+)
 from services.proto import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -109,6 +121,7 @@ class RelayStream:
         self._call: grpc.Call | None = None
         self._cancelled = False
         self.attempts: list[tuple[str, str]] = []  # (runner_id, why it failed) per failed attempt
+        self.busy = 0                               # attempts a runner refused as Overloaded
         self.runner_id = ""                         # the runner that served (or last tried)
         self.tokens_relayed = 0                     # tokens handed to the consumer
         self.messages_relayed = 0                   # messages handed to the consumer
@@ -158,7 +171,7 @@ class RelayStream:
             if runner is None:
                 if not self.attempts:
                     raise Unavailable(f"no runner is ready ({self._registry.describe()})")
-                raise Unavailable(self._with_attempts("no runner could serve the request"))
+                raise self._exhausted("no runner could serve the request")
             tried.add(runner.runner_id)
             self.runner_id = runner.runner_id
             try:
@@ -167,8 +180,15 @@ class RelayStream:
                 self._registry.release(runner.runner_id)
             if not retry:
                 return
-            if len(tried) >= self._max_attempts:
-                raise Unavailable(self._with_attempts(f"no runner could serve the request in {len(tried)} attempts"))
+            if len(tried) - self.busy >= self._max_attempts:
+                raise self._exhausted(f"no runner could serve the request in {len(tried)} attempts")
+
+    def _exhausted(self, message: str) -> WarmserveError:
+        """The error that ends a request no runner served: ``Overloaded`` when a runner tried was
+        busy (the fleet is at capacity: retry later), else ``Unavailable``."""
+        if self.busy:
+            return Overloaded(self._with_attempts("every runner that could serve the request is busy; retry later"))
+        return Unavailable(self._with_attempts(message))
 
     def _relay_from(self, runner: Runner, timeout: float | None):
         """Relay ``runner``'s stream; returns ``True`` when the request should go to another runner."""
@@ -244,6 +264,11 @@ class RelayStream:
             details = f"cancelled before its first token: {self._abandoned}"
         elif self._first_token_missed:
             details = f"no first token within {self._first_token_timeout_s:g} s (first-token timeout)"
+        elif is_overloaded(e) and not self.messages_relayed:  # busy, not broken: no eject, no failure
+            self.busy += 1
+            self.attempts.append((runner.runner_id, f"{runner.address} busy: {details}"))
+            log.debug("runner busy; trying another", extra={"runner_id": runner.runner_id})
+            return True
         elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             raise upstream_error(e, runner) from e
         self._registry.eject(runner.runner_id, f"{code.name}: {details}")

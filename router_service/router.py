@@ -2,7 +2,8 @@
 
 ``Router(config).start()`` begins health checking (and lease expiry); :meth:`Router.generate`
 returns a :class:`router_service.relay.RelayStream` for one request; :meth:`Router.model_info`
-asks a READY runner; :attr:`Router.registry` takes registrations, heartbeats and drains.
+asks a READY runner; :attr:`Router.registry` takes registrations, heartbeats and drains;
+:attr:`Router.refusals` counts what the router and its doors refuse at a limit.
 ``stop()`` ends health checks and closes every runner channel (cancelling calls in flight).
 """
 
@@ -23,6 +24,7 @@ from router_service.relay import InFlight, RelayStream, upstream_error
 from services.channel import ClientSecurity
 from services.errors import Unavailable
 from services.proto import generation_pb2, generation_pb2_grpc
+from services.refusals import Refusals
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class Router:
         self.health = HealthChecker(config, self.registry, self.channels)
         #: Relays calling each runner now: an ejected runner's calls without output are retried.
         self.in_flight = InFlight()
+        #: Requests refused at a limit by this router and its doors (``warmserve_refused_total``).
+        self.refusals = Refusals()
         self.registry.on_removed(self._on_runner_removed)
         self.registry.on_ejected(self._on_runner_ejected)
 

@@ -4,7 +4,8 @@ behind the server bootstrap.
 The servicers only translate: protobuf in, core call, protobuf out (:mod:`router_service.convert`),
 and :class:`services.errors.WarmserveError` to a gRPC status. :class:`RouterServer` puts the router
 behind the shared :class:`services.bootstrap.ServiceServer` bootstrap (health, reflection, metrics,
-drain) and exports per-runner gauges; on the same port it serves the doors a layer above passes
+drain) and exports per-runner gauges and the refusals (:attr:`Router.refusals
+<router_service.router.Router.refusals>`); on the same port it serves the doors a layer above passes
 in (:data:`Door`: ``warmserve router serve`` adds the KServe v2 / Triton door, :mod:`kserve_service`).
 """
 
@@ -70,16 +71,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         """Relay the request to a runner and stream its answer back."""
+        refusals = self._router.refusals
         try:
             self._slots.take(context)
             stream = self._router.generate(request, timeout_s=time_left(context))
         except WarmserveError as e:
-            abort_with(context, e)
+            refusals.abort(context, e)
         context.add_callback(stream.cancel)  # client cancel / deadline -> cancel the runner's call
         try:
             yield from stream
         except WarmserveError as e:
-            abort_with(context, e)
+            refusals.abort(context, e)
 
     def ModelInfo(self, request, context):
         """A READY runner's ``ModelInfo``."""
@@ -185,7 +187,7 @@ class RouterServer:
             (router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.router),
              "warmserve.v1.RouterControl"),
             *(door(self.router, self.slots) for door in doors),
-        ])
+        ], self.router.refusals)
         self.server.registry.register(_RunnerGauges(self.router))
 
     @property

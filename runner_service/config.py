@@ -47,6 +47,8 @@ class EngineConfig:
     - ``background_compile``: with ``compile="aoti"``, when the programs are not all in the
       kernel cache, serve eager at once and fetch/compile them in a background thread at lower
       CPU priority; each is installed between two engine steps (:meth:`LLMEngine.call_between_steps`).
+    - ``max_prompt_bytes``: the largest text or chat prompt, in UTF-8 bytes; a larger one is
+      refused before it is tokenized (:func:`runner_service.limits.check_prompt_bytes`).
     - ``build_lease_s``: TTL in seconds of the kernel-cache build lease a runner holds while it
       compiles a program others wait for (renewed every third of it; a runner that dies loses
       it after this long and a waiter takes the build over).
@@ -68,6 +70,7 @@ class EngineConfig:
     enable_prefix_caching: bool = opt.PREFIX_CACHING.default
     background_compile: bool = opt.COMPILE_IN_BACKGROUND.default
     build_lease_s: float = opt.BUILD_LEASE_TTL.default
+    max_prompt_bytes: int = opt.MAX_PROMPT_BYTES.default
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -87,6 +90,8 @@ class EngineConfig:
             raise InvalidArgument(f"dtype must be one of {opt.DTYPES}, got {self.dtype!r}")
         if self.compile not in opt.COMPILE_MODES:
             raise InvalidArgument(f"compile must be one of {opt.COMPILE_MODES}, got {self.compile!r}")
+        if self.max_prompt_bytes < 1:
+            raise InvalidArgument(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidArgument(f"num_threads must be >= 1, got {self.num_threads}")
         if not MIN_LEASE_TTL_S <= self.build_lease_s <= MAX_LEASE_TTL_S:

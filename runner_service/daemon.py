@@ -102,7 +102,7 @@ def serve_from_args(args) -> int:
         servicer = GenerationServicer(engine, config.runner_id,
                                       StreamSlots(server_config.max_streams, f"runner {config.runner_id}"))
         server = ServiceServer(server_config, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer,
-                                                GENERATION_SERVICE)])
+                                                GENERATION_SERVICE)], servicer.refusals)
         server.registry.register(RunnerCollector(engine))
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"

@@ -28,6 +28,7 @@ from runner_service.config import EngineConfig
 from runner_service.device import free_memory_bytes, resolve_dtype, select_device, torch_dtype
 from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
+from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.program_installer import ProgramInstaller
@@ -251,7 +252,8 @@ class LLMEngine:
         Text and message content are plain text: special-token text in them is encoded as its
         characters (``allow_special_tokens`` lets raw ``text`` name control tokens; chat content
         stays plain, see :mod:`runner_service.tokenizer`). Raises ``InvalidArgument`` for none/several, an empty prompt, ids outside
-        ``[0, vocab_size)``, an unknown chat role, or a prompt that leaves no room to generate."""
+        ``[0, vocab_size)``, an unknown chat role, or a prompt that leaves no room to generate,
+        and, before anything is tokenized, for a prompt over ``config.max_prompt_bytes``."""
         given = [x is not None for x in (text, messages, token_ids)]
         if sum(given) != 1:
             raise InvalidArgument("give exactly one of text, chat messages or token ids as the prompt")
@@ -260,6 +262,7 @@ class LLMEngine:
         else:
             if self.tokenizer is None:
                 raise InvalidArgument("this engine has no tokenizer; send token ids")
+            check_prompt_bytes(self.config.max_prompt_bytes, text=text, messages=messages)
             if text is not None:
                 ids = self.tokenizer.encode(text, allow_special_tokens=allow_special_tokens) if text else []
             else:

@@ -139,6 +139,8 @@ DEVICE = Option("--device", "auto | cpu | cuda[:N] | npu[:N]", default="auto", f
 PREFIX_CACHING = Option("--no-prefix-caching", "do not reuse KV blocks across requests sharing a prompt prefix",
                         kind="off", dest="prefix_caching", default=True, field="enable_prefix_caching",
                         forwarded=True)
+MAX_PROMPT_BYTES = Option("--max-prompt-bytes", "largest prompt in UTF-8 bytes, refused before it is tokenized",
+                          default=1 << 20, type=_positive_int, metavar="BYTES", field="max_prompt_bytes")
 THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
                  field="num_threads")
 
@@ -146,7 +148,7 @@ THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choic
 RUNNER_OPTIONS: tuple[Option, ...] = (
     MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, COMPILE,
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
-    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS)
+    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS, MAX_PROMPT_BYTES)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from runner_service.limits import check_stops
 from services.errors import InvalidArgument
 
 #: Most top-n logprobs a request may ask for per token.
@@ -36,8 +37,9 @@ class SamplingParams:
     - ``top_p``: keep the smallest most-likely set whose probability reaches ``top_p``, in (0, 1].
     - ``seed``: seeds this request's own ``torch.Generator`` so its samples do not depend on
       what else is in the batch; ``None`` draws a fresh random seed (``secrets.randbits(63)``) per request.
-    - ``stop``: strings that end generation; the matched text is not returned.
-    - ``stop_token_ids``: token ids that end generation (the token is returned).
+    - ``stop``: strings that end generation; the matched text is not returned (at most 16, of at
+      most 256 bytes each: :func:`runner_service.limits.check_stops`).
+    - ``stop_token_ids``: token ids that end generation (the token is returned; at most 64).
     - ``logprobs``: top-n log-probabilities to return per generated token (0..20).
     - ``ignore_eos``: keep generating past the model's EOS tokens.
     - ``default_max_tokens``: what an unset ``max_tokens`` becomes instead of the engine's
@@ -70,8 +72,7 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be in [0, 2^64), got {self.seed}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
+        check_stops(self.stop, self.stop_token_ids)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

@@ -3,7 +3,10 @@ nothing more.
 
 ``Generate`` turns a ``GenerateRequest`` into an :meth:`LLMEngine.add_request` call and streams
 the engine's deltas back. Bad input is ``INVALID_ARGUMENT`` with one sentence (the runner keeps
-serving); a request that can never fit the KV cache is ``RESOURCE_EXHAUSTED``. When the client
+serving); a request that can never fit the KV cache is ``RESOURCE_EXHAUSTED``; a runner serving
+its maximum of streams answers :class:`~services.errors.Overloaded`. Refusals at a limit
+(:mod:`runner_service.limits`, the stream slots) are counted in :attr:`GenerationServicer.refusals`
+(``warmserve_refused_total``, on the server's registry). When the client
 cancels, disconnects or its deadline passes, gRPC ends the RPC and its termination callback
 (the one cancellation path) aborts the sequence, which frees its KV blocks.
 
@@ -30,20 +33,25 @@ from runner_service.convert import (
 )
 from runner_service.engine import LLMEngine
 from services.bootstrap import ServerConfig
-from services.errors import InvalidArgument, WarmserveError, abort_with
+from services.errors import InvalidArgument, WarmserveError
 from services.proto import generation_pb2, generation_pb2_grpc
+from services.refusals import Refusals
 from services.stream_slots import StreamSlots
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``warmserve.v1.Generation`` over one :class:`LLMEngine` (whose loop thread is running)."""
 
-    def __init__(self, engine: LLMEngine, runner_id: str, slots: StreamSlots | None = None) -> None:
+    def __init__(self, engine: LLMEngine, runner_id: str, slots: StreamSlots | None = None,
+                 refusals: Refusals | None = None) -> None:
         """``slots`` caps the ``Generate`` streams served at once (:mod:`services.stream_slots`;
-        default: :attr:`ServerConfig.max_streams <services.bootstrap.ServerConfig>`)."""
+        default: :attr:`ServerConfig.max_streams <services.bootstrap.ServerConfig>`); ``refusals``
+        counts the requests refused at a limit (default: a new one; hand it to the
+        :class:`~services.bootstrap.ServiceServer` to export it)."""
         self.engine = engine
         self.runner_id = runner_id
         self.slots = slots or StreamSlots(ServerConfig.max_streams, f"runner {runner_id}")
+        self.refusals = refusals or Refusals()
         self._token_text = token_text_decoder(getattr(engine, "tokenizer", None))  # logprobs' token texts
 
     def Generate(self, request, context):
@@ -56,7 +64,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream = self.engine.add_request(params, request_id=request.request_id or None,
                                              **prompt_from_proto(request))
         except WarmserveError as e:
-            abort_with(context, e)
+            self.refusals.abort(context, e)
         # Runs when the RPC ends (client cancel, deadline, disconnect, or done: then a no-op); the
         # engine then ends the stream with a CANCELLED delta. False: the RPC has already ended.
         if not context.add_callback(stream.cancel):

@@ -11,6 +11,11 @@ prompts unless the caller opts in, are tokenized with special-token matching off
 control id. For a conversation without such text the ids are exactly those of tokenizing the
 rendered chat whole, because ``tokenizers`` too splits its input at special tokens first and
 tokenizes the pieces between them independently.
+
+Every encode goes through ``encode_batch_fast`` (one text per batch): it gives the same ids as
+``encode``, computes no offsets, and releases the GIL while it works, where ``encode`` holds it,
+so a long prompt tokenized on one gRPC thread does not stall the others (the stepping thread's
+streams, health checks).
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class Tokenizer:
         (``add_special_tokens``). Special-token text in ``text`` (``"<|im_end|>"``) is encoded as
         plain characters unless ``allow_special_tokens``, which maps it to the control ids."""
         tok = self._tok if allow_special_tokens else self._plain
-        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _ids(tok, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -165,4 +170,9 @@ class Tokenizer:
             return []
         text_of = self._text_of
         piece = "".join(text_of.get(ch, ch) for ch in piece) if any(ch in text_of for ch in piece) else piece
-        return self._plain.encode(piece, add_special_tokens=False).ids
+        return _ids(self._plain, piece, False)
+
+
+def _ids(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """``tok.encode(text).ids``, without holding the GIL (see the module docstring)."""
+    return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids

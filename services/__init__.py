@@ -1,6 +1,8 @@
 """services: the shared plumbing every warmserve package builds on, and that imports none of them.
 
 - ``errors.py`` — :class:`WarmserveError` and its subclasses (gRPC status, CLI exit code);
+- ``refusals.py`` — ``warmserve_refused_total{reason}``, the requests refused at a limit;
+  ``utf8.py`` — invalid Unicode is ``INVALID_ARGUMENT`` (``str`` checks, the server interceptor);
 - ``log.py`` — JSON-lines logging; ``paths.py`` — default locations under ``$WARMSERVE_HOME``;
 - ``fsmode.py`` — file modes for atomically published files;
 - ``address.py`` — ``host:port`` parsing and formatting; ``ports.py`` — every daemon's default

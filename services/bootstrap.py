@@ -10,7 +10,10 @@
 - optional TLS or mTLS (:mod:`services.tls`), and a plaintext health-only port for probes
   (``--health-port``);
 - per-method Prometheus metrics (``warmserve_rpc_total``, ``warmserve_rpc_seconds``) in a
-  per-server registry, exported on ``--metrics-port`` when one is given;
+  per-server registry, exported on ``--metrics-port`` when one is given, with the requests
+  refused at a limit (``warmserve_refused_total``, :mod:`services.refusals`);
+- a request whose bytes protobuf cannot parse (bad UTF-8 in a string field) is
+  ``INVALID_ARGUMENT``, not grpcio's ``INTERNAL`` (:class:`services.utf8.UndecodableRequests`);
 - graceful drain on SIGTERM/SIGINT: health goes ``NOT_SERVING``, new RPCs are refused, in-flight
   RPCs get ``drain_grace_s`` seconds to finish, then :meth:`ServiceServer.wait` returns.
 
@@ -41,7 +44,9 @@ from services.channel import MAX_MESSAGE_BYTES, add_client_security_args
 from services.errors import InvalidArgument
 from services.handlers import wrap_behaviour
 from services.healthcheck import PID_METADATA_KEY
+from services.refusals import Refusals
 from services.tls import TLSFiles, tls_from_args
+from services.utf8 import UndecodableRequests
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +201,17 @@ class ServiceServer:
         srv.serve_forever()  # until SIGTERM/SIGINT, then drains
 
     ``registry`` is this server's Prometheus registry; services add their own gauges to it.
+    ``refusals`` counts the requests refused at a limit (the servicers' own, when they share
+    theirs: pass it in; else a new one), and is registered on ``registry``.
     ``on_drain`` callbacks run when a drain starts (before in-flight RPCs are awaited).
     """
 
-    def __init__(self, config: ServerConfig, registrations: Iterable[Registration]) -> None:
+    def __init__(self, config: ServerConfig, registrations: Iterable[Registration],
+                 refusals: Refusals | None = None) -> None:
         self.config = config
         self.registry = CollectorRegistry()
+        self.refusals = refusals or Refusals()
+        self.registry.register(self.refusals)
         self.health = _HealthServicer(experimental_non_blocking=True)
         self._registrations = list(registrations)
         self._server: grpc.Server | None = None
@@ -228,7 +238,8 @@ class ServiceServer:
     def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
         cfg = self.config
-        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry)]
+        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry),
+                                                      UndecodableRequests(self.refusals)]
         if cfg.auth is not None:
             refused = Counter("warmserve_auth_refused", "RPCs refused by the token check", ["reason"],
                               registry=self.registry)

@@ -2,7 +2,8 @@
 
 Core objects (stores, engines, packers) raise these; servicers translate them with
 :func:`abort_with` and the CLI maps them to exit codes with :attr:`WarmserveError.exit_code`
-(2 for bad input, 1 for a failed operation). The message is one human sentence.
+(2 for bad input, 1 for a failed operation). The message is one human sentence. An error that
+is a limit's refusal carries the ``reason`` it is counted under (:mod:`services.refusals`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ class WarmserveError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     exit_code: int = 1
+    #: The ``reason`` label of ``warmserve_refused_total`` when this error refuses a request at a
+    #: limit (``prompt_bytes``, ``overloaded``, ...; :mod:`services.refusals`); ``""`` otherwise.
+    reason: str = ""
+    #: Trailing metadata :func:`abort_with` sends with the status.
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, message: str = "", *, reason: str = "") -> None:
+        super().__init__(message)
+        if reason:
+            self.reason = reason
 
 
 class InvalidArgument(WarmserveError, ValueError):
@@ -40,6 +51,21 @@ class Unavailable(WarmserveError):
     """A dependency or peer is not ready (gRPC ``UNAVAILABLE``)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+#: The trailing metadata that marks an ``UNAVAILABLE`` as :class:`Overloaded`.
+OVERLOADED_METADATA = ("warmserve-overloaded", "1")
+
+
+class Overloaded(Unavailable):
+    """A server at capacity (all its stream slots held, or a stream's in-flight requests at their
+    cap): busy now, not broken. gRPC ``UNAVAILABLE`` with trailing metadata
+    ``warmserve-overloaded: 1`` (:data:`OVERLOADED_METADATA`). The router tries another runner
+    and never ejects or counts a failure for it; the OpenAI door answers HTTP 429. Distinct from
+    :class:`ResourceExhausted`, which means the request can never fit (HTTP 400)."""
+
+    reason = "overloaded"
+    trailing_metadata = (OVERLOADED_METADATA,)
 
 
 class FailedPrecondition(WarmserveError):
@@ -85,14 +111,28 @@ class Internal(WarmserveError):
 
 
 def abort_with(context: grpc.ServicerContext, err: WarmserveError) -> None:
-    """Abort the RPC with ``err``'s status code and message. Never returns (raises)."""
+    """Abort the RPC with ``err``'s status code, message and trailing metadata. Never returns (raises)."""
+    if err.trailing_metadata:
+        context.set_trailing_metadata(err.trailing_metadata)
     context.abort(err.code, str(err))
 
 
+def is_overloaded(err: grpc.RpcError) -> bool:
+    """Whether a client-side ``grpc.RpcError`` is an :class:`Overloaded` refusal (``UNAVAILABLE``
+    carrying :data:`OVERLOADED_METADATA`): the server is busy, try another or later (HTTP 429)."""
+    if not hasattr(err, "code") or err.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    return any(tuple(kv) == OVERLOADED_METADATA for kv in trailing or ())
+
+
 def from_rpc_error(err: grpc.RpcError) -> WarmserveError:
-    """Turn a client-side ``grpc.RpcError`` back into the matching :class:`WarmserveError`."""
+    """Turn a client-side ``grpc.RpcError`` back into the matching :class:`WarmserveError`
+    (:class:`Overloaded` for an ``UNAVAILABLE`` marked so)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
+    if is_overloaded(err):
+        return Overloaded(detail)
     for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, FailedPrecondition, Unauthenticated,
                 PermissionDenied):
         if cls.code == code:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.utf8 import utf8_size
 
 #: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -76,8 +77,10 @@ def _in_range(key: str, value: int, low: int, high: int) -> int:
 def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingParams:
     """warmserve ``SamplingParams`` from vLLM sampling keys (see the module docstring); a key
     whose value is ``None`` (JSON ``null``) is left unset. Raises ``InvalidArgument`` naming the
-    key for an unknown key, a value of the wrong type or out of range, ``lora_name``, or a
-    :data:`NEUTRAL_SAMPLING` key at another value."""
+    key for an unknown key, a value of the wrong type or out of range, a stop string that is not
+    valid Unicode (a lone surrogate), ``lora_name``, or a :data:`NEUTRAL_SAMPLING` key at another
+    value. The count and length of stop strings and ids are the runner's to check
+    (:mod:`runner_service.limits`)."""
     out = generation_pb2.SamplingParams()
     for key, value in params.items():
         if value is None and key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -99,6 +102,8 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise InvalidArgument(f"sampling parameter 'stop' must be a string or a list of strings, "
                                       f"got {json.dumps(value)}")
+            for i, stop in enumerate(stops):
+                utf8_size(stop, f"sampling parameter 'stop' string {i}")  # a lone surrogate: InvalidArgument
             out.stop.extend(stops)
         elif key == "stop_token_ids":
             if not isinstance(value, list):

@@ -7,8 +7,9 @@ router's ``Health.Check`` of a runner, ``ModelInfo`` -- wait in the pool's queue
 out, and the router expires a lease and cancels every stream on that runner. So a server gives
 streams at most ``max_streams`` threads (:class:`StreamSlots`) and sizes its pool
 ``max_streams + control_threads`` (:class:`services.bootstrap.ServerConfig`): the rest stay free
-for control calls, and stream number ``max_streams + 1`` is refused at once with ``UNAVAILABLE``
-(retry later, or another router/runner) instead of queueing.
+for control calls, and stream number ``max_streams + 1`` is refused at once as
+:class:`~services.errors.Overloaded` (``UNAVAILABLE``, marked busy: retry later, or another
+router/runner, which the router does without ejecting the runner) instead of queueing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 
 import grpc
 
-from services.errors import InvalidArgument, Unavailable
+from services.errors import InvalidArgument, Overloaded
 
 
 class StreamSlots:
@@ -40,11 +41,11 @@ class StreamSlots:
 
     def take(self, context: grpc.ServicerContext) -> None:
         """Hold one slot until the RPC of ``context`` ends (it is released by the RPC's
-        termination callback: done, cancelled or past its deadline). Raises ``Unavailable`` when
+        termination callback: done, cancelled or past its deadline). Raises ``Overloaded`` when
         all ``limit`` slots are held."""
         with self._lock:
             if self._in_use >= self.limit:
-                raise Unavailable(f"{self.owner} is serving its maximum of {self.limit} concurrent streams "
+                raise Overloaded(f"{self.owner} is serving its maximum of {self.limit} concurrent streams "
                                   f"(--max-streams); retry later")
             self._in_use += 1
         released = threading.Event()

@@ -5,7 +5,8 @@ principles: for a text prompt the tokens are the prompt's characters' code point
 per message, ``max_tokens`` of them at most (default 8), then a final message with
 ``finish_reason=LENGTH`` (or ``STOP`` when the prompt ran out) and usage. Token-id prompts are
 echoed the same way. Behaviour knobs: per-token delay, failing before the first token or after
-N tokens with UNAVAILABLE, a gate that holds streams, big padded messages, and NOT_SERVING health.
+N tokens with UNAVAILABLE, answering Overloaded (busy, as a runner whose stream slots are all held),
+a gate that holds streams, big padded messages, and NOT_SERVING health.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.bootstrap import ServerConfig, ServiceServer
+from services.errors import Overloaded, abort_with
 from services.proto import generation_pb2, generation_pb2_grpc
 
 
@@ -39,6 +41,7 @@ class FakeBehaviour:
     pad_bytes: int = 0                 # extra text per message (backpressure tests)
     gate: threading.Event | None = None  # when set, each token waits for the gate
     invalid: bool = False              # answer INVALID_ARGUMENT
+    overloaded: bool = False           # answer Overloaded (UNAVAILABLE marked busy)
 
 
 @dataclass
@@ -70,6 +73,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             if b.invalid:
                 aborted = True
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the fake refuses this prompt")
+            if b.overloaded:
+                aborted = True
+                abort_with(context, Overloaded(f"{self.runner_id} is serving its maximum of streams"))
             if b.fail_before_first:
                 aborted = True
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.runner_id} is going away")

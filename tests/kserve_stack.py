@@ -17,6 +17,7 @@ from runner_service.servicer import GenerationServicer
 from services.bootstrap import ServerConfig, ServiceServer
 from services.generation_client import GENERATION_SERVICE, GenerationClient, sampling_params, text_request
 from services.proto import generation_pb2_grpc
+from services.stream_slots import StreamSlots
 from weight_service.prepare import prepare
 
 #: The checkpoint directory's name, so the default served model name.
@@ -26,9 +27,10 @@ MODEL_DIR = "tiny-llama"
 class TinyStack:
     """``runner-0`` (eager, 4 sequences, 128-token context) as a static runner of a router on a
     free port; :attr:`address` is the router's. ``served_model_name`` goes to the router's
-    config. Call :meth:`close`."""
+    config, ``runner_streams`` caps the runner's ``Generate`` streams. Call :meth:`close`."""
 
-    def __init__(self, tmp: Path, *, served_model_name: str = "") -> None:
+    def __init__(self, tmp: Path, *, served_model_name: str = "",
+                 runner_streams: int = ServerConfig.max_streams) -> None:
         self.ckpt = tmp / MODEL_DIR
         write_tiny_checkpoint(self.ckpt, tokenizer=True, vocab=96)
         sidecar = prepare(str(self.ckpt), root=tmp / "sidecars").path
@@ -36,7 +38,8 @@ class TinyStack:
         self.engine = LLMEngine.from_sidecar(sidecar, config, model=str(self.ckpt))
         self.engine.start()
         self.runner = ServiceServer(ServerConfig(service="runner"), [
-            (generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(self.engine, "runner-0"),
+            (generation_pb2_grpc.add_GenerationServicer_to_server,
+             GenerationServicer(self.engine, "runner-0", StreamSlots(runner_streams, "runner runner-0")),
              GENERATION_SERVICE)])
         self.runner.start()
         self.server = router_server(

@@ -27,8 +27,8 @@ OPENAI_KEY_FILE = "openai.key"
 #: warm launch, :meth:`warmserve.stack.LocalStack.add_runner`), since the daemons read the auth
 #: file once, at start-up.
 SPARE_RUNNERS = 4
-#: LEAD: set True once ``warmserve openai serve`` has ``--api-key-file`` (the `openai` slice).
-DOOR_TAKES_API_KEY = False
+#: The stack's OpenAI door requires ``openai.key`` (``warmserve openai serve --api-key-file``).
+DOOR_TAKES_API_KEY = True
 RUNNER_SCOPES = (READ, PUBLISH, PREPARE, REGISTER)
 ROUTER, DOORS, CLIENT, ADMIN_ID = "router", "doors", "client", "admin"
 

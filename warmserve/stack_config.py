@@ -18,6 +18,7 @@ from services.address import format_address
 from services.errors import InvalidArgument
 from services.ports import DEFAULT_BASE_PORT, KERNEL_CACHE, OPENAI, ROUTER, RUNNER_PORT_OFFSET, WEIGHTS
 from warmserve import stack_auth
+from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
 
 
@@ -174,7 +175,10 @@ class StackCommands:
         if name == KERNEL_CACHE:
             return self._cli("cache", "serve", "--root", str(self.home / "kernel-cache"), *store, *self._server(name))
         if name == WEIGHTS:
-            return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *store, *self._server(name))
+            root = root_for(cfg.model)  # the weight service serves only the bundled model and its --model-root
+            roots = ["--model-root", root] if root is not None else []
+            return self._cli("weights", "serve", "--root", str(self.home / "sidecars"), *roots, *store,
+                             *self._server(name))
         named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         if name == OPENAI:
             key = (["--api-key-file", str(stack_auth.auth_dir(self.home) / stack_auth.OPENAI_KEY_FILE)]

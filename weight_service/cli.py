@@ -13,7 +13,8 @@ from services.ports import DEFAULT_PORTS, WEIGHTS
 
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
-    from services.bootstrap import add_server_args
+    from services.bootstrap import add_server_args, int_at_least
+    from weight_service.prepare_pool import DEFAULT_PREPARE_WORKERS
     from weight_service.sidecar import DTYPE_CHOICES
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
@@ -23,6 +24,11 @@ def register(subparsers) -> None:
     serve.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
                        help="share sidecars through this S3 bucket: upload those packed here, fetch those missing "
                             "(AWS environment for endpoint and credentials)")
+    serve.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                       help="serve checkpoints under DIR (repeatable); the bundled smollm2-135m-instruct is always "
+                            "served, any other source is refused")
+    serve.add_argument("--prepare-workers", type=int_at_least(1), default=DEFAULT_PREPARE_WORKERS, metavar="N",
+                       help=f"Prepares packing at once; more wait for a worker (default {DEFAULT_PREPARE_WORKERS})")
     add_server_args(serve, default_port=DEFAULT_PORTS[WEIGHTS])
     serve.set_defaults(func=_serve)
 

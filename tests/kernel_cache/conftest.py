@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from kc_workers import REPO, child_env
 
+from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S
 from kernel_cache_service.servicer import build_server
 from kernel_cache_service.store import KernelStore
 from services.bootstrap import ServerConfig
@@ -39,13 +40,15 @@ class InProcessCache:
 
 @pytest.fixture
 def grpc_cache(tmp_path: Path):
-    """Factory: ``grpc_cache(auth=None, max_bytes=0, root=None, store=None)`` starts a KernelCache
-    server on a free loopback port in this process (``store``: an ``s3://`` URL to serve an
-    S3-backed store with its local tier at ``root``); every server started is stopped at teardown."""
+    """Factory: ``grpc_cache(auth=None, max_bytes=0, root=None, store=None, max_streams=256,
+    publish_idle_s=60)`` starts a KernelCache server on a free loopback port in this process
+    (``store``: an ``s3://`` URL to serve an S3-backed store with its local tier at ``root``);
+    every server started is stopped at teardown."""
     started = []
 
     def start(*, auth=None, max_bytes: int = 0, root: Path | None = None,
-              store: str | None = None) -> InProcessCache:
+              store: str | None = None, max_streams: int = ServerConfig.max_streams,
+              publish_idle_s: float = DEFAULT_PUBLISH_IDLE_S) -> InProcessCache:
         root = root or tmp_path / f"grpc-root-{len(started)}"
         if store:
             from kernel_cache_service.s3_store import S3KernelStore
@@ -53,8 +56,8 @@ def grpc_cache(tmp_path: Path):
             store = S3KernelStore.open_url(store, root, max_bytes=max_bytes)
         else:
             store = KernelStore(root, max_bytes=max_bytes)
-        cfg = ServerConfig(service="kernel-cache-test", auth=auth)
-        server = build_server(store, cfg)
+        cfg = ServerConfig(service="kernel-cache-test", auth=auth, max_streams=max_streams)
+        server = build_server(store, cfg, publish_idle_s=publish_idle_s)
         server.start()
         started.append(server)
         return InProcessCache(server, store, server.address)

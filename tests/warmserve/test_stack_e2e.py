@@ -224,7 +224,9 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         openai_url = endpoints.pop("openai")  # `up` starts the OpenAI door too
         assert set(endpoints) == {"kernel-cache", "weights", "router", "runner-0"}
         assert check_health(endpoints["router"]) == "SERVING"
-        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as resp:
+        key = (tmp_path / "auth" / "openai.key").read_text().strip()  # `up` made it and requires it
+        with urllib.request.urlopen(urllib.request.Request(f"{openai_url}/models", headers={
+                "Authorization": f"Bearer {key}"}), timeout=10) as resp:
             assert [m["id"] for m in json.load(resp)["data"]] == ["smollm2-135m-instruct"]
         with GenerationClient(endpoints["router"], security=stack_security(tmp_path)) as client:
             result = client.complete(chat_request([("user", "Hi")], sampling_params(max_tokens=3)))

@@ -55,7 +55,8 @@ def host(tmp_path, s3):
 
     def start(name: str) -> tuple[WeightsClient, Path]:
         root = tmp_path / name
-        server = build_server(ServerConfig(service="weights", port=0), root, RemoteSidecars.open_url(s3.url))
+        server = build_server(ServerConfig(service="weights", port=0), root, RemoteSidecars.open_url(s3.url),
+                              model_roots=[tmp_path])
         server.start()
         client = WeightsClient(server.address)
         started.append((server, client))

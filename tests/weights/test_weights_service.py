@@ -29,7 +29,7 @@ def ckpt(tmp_path) -> Path:
 
 @pytest.fixture
 def server(tmp_path):
-    srv = build_server(ServerConfig(service="weights", port=0), tmp_path / "server-root")
+    srv = build_server(ServerConfig(service="weights", port=0), tmp_path / "server-root", model_roots=[tmp_path])
     srv.start()
     try:
         yield srv
@@ -74,9 +74,10 @@ def test_prepare_raw_stream_has_files_in_the_final_handle(server, ckpt):
     assert final.files[-1].size_bytes == final.size_bytes
 
 
-def test_prepare_errors_are_invalid_argument(client, server, ckpt):
-    with pytest.raises(InvalidArgument, match="model source '/no/such/model' does not exist"):
-        client.prepare("/no/such/model")
+def test_prepare_errors_are_invalid_argument(client, server, ckpt, tmp_path):
+    missing = tmp_path / "no-such-model"  # inside the model root: outside one, see test_weights_model_roots.py
+    with pytest.raises(InvalidArgument, match=f"model source '{missing}' does not exist"):
+        client.prepare(str(missing))
     with pytest.raises(InvalidArgument, match="dtype must be one of auto, f32, bf16, int8, int4, got 'int3'"):
         client.prepare(str(ckpt), dtype="int3")
     with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
@@ -201,7 +202,8 @@ def test_cli_weights_serve_runs_the_daemon(ckpt, tmp_path):
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "warmserve.cli", "weights", "serve", "--root",
-                             str(tmp_path / "root"), "--port", str(port), "--drain-grace", "1"],
+                             str(tmp_path / "root"), "--port", str(port), "--drain-grace", "1",
+                             "--model-root", str(ckpt)],
                             cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         with WeightsClient(f"127.0.0.1:{port}", ready_timeout_s=30) as c:
