@@ -29,10 +29,13 @@ Method (one run, one machine):
    prompt through the same router every 0.2 s, each refused by the runner before it is tokenized
    (``--max-prompt-bytes``, 1 MiB). Before the limit each was tokenized holding the GIL for
    seconds, stalling every stream of the runner; now the gaps should not move.
+5. *TLS* (issue 23): the instant runner behind a router, plaintext and mTLS on every hop side
+   by side (:func:`bench_tls`): wall time per token and time to first token, direct and routed.
+   ``--tls-only`` runs just this part.
 
 Prints a JSON object and a Markdown table; never asserts on timings.
 
-    python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json]
+    python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json] [--tls-only]
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
     request = generation_pb2.GenerateRequest(
         text=PROMPT, sampling=generation_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     with LocalStack(cfg, progress=lambda m: print(m, file=sys.stderr)) as stack:
-        sec = stack.security()
+        sec = stack.credentials()
         with open_channel(stack.runners[0].address, security=sec) as dch, \
                 open_channel(stack.runners[0].address, security=sec) as dch2, \
                 open_channel(stack.router_address, security=sec) as rch:
@@ -287,6 +290,31 @@ def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: 
         }
 
 
+class _Instant(generation_pb2_grpc.GenerationServicer):
+    """A Generation servicer that streams ``max_tokens`` tokens with no compute."""
+
+    def Generate(self, request, context):  # noqa: N802 (the RPC's name)
+        for i in range(request.sampling.max_tokens):
+            yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
+        yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant",
+                                              usage=generation_pb2.Usage(prompt_tokens=1,
+                                                                         completion_tokens=request.sampling.max_tokens))
+
+    def ModelInfo(self, request, context):  # noqa: N802
+        return generation_pb2.ModelInfoResponse(runner_id="instant", model="instant", max_model_len=1 << 20,
+                                                vocab_size=1 << 16)
+
+
+def _instant_runner(config):
+    """A started ``ServiceServer`` of :class:`_Instant` with ``config``."""
+    from services.bootstrap import ServiceServer
+
+    runner = ServiceServer(config, [(generation_pb2_grpc.add_GenerationServicer_to_server, _Instant(),
+                                     "warmserve.v1.Generation")])
+    runner.start()
+    return runner
+
+
 def bench_instant(tokens: int, rounds: int) -> dict:
     """Relay cost alone: a runner that streams ``tokens`` tokens with no compute; per-token wall
     time direct, through the router natively, and through each front door on the router."""
@@ -294,24 +322,10 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     from openai_service.config import OpenAIConfig
     from openai_service.daemon import OpenAIServer
     from router_service.config import RouterConfig
-    from services.bootstrap import ServerConfig, ServiceServer
+    from services.bootstrap import ServerConfig
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 
-    class Instant(generation_pb2_grpc.GenerationServicer):
-        def Generate(self, request, context):
-            for i in range(request.sampling.max_tokens):
-                yield generation_pb2.GenerateResponse(token_ids=[i], text="x", runner_id="instant")
-            yield generation_pb2.GenerateResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="instant",
-                                                  usage=generation_pb2.Usage(prompt_tokens=1,
-                                                                             completion_tokens=request.sampling.max_tokens))
-
-        def ModelInfo(self, request, context):
-            return generation_pb2.ModelInfoResponse(runner_id="instant", model="instant", max_model_len=1 << 20,
-                                                    vocab_size=1 << 16)
-
-    runner = ServiceServer(ServerConfig(service="instant", port=0), [
-        (generation_pb2_grpc.add_GenerationServicer_to_server, Instant(), "warmserve.v1.Generation")])
-    runner.start()
+    runner = _instant_runner(ServerConfig(service="instant", port=0))
     router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2,
                                        served_model_name="instant"), ServerConfig(service="router", port=0))
     router.start()
@@ -360,19 +374,95 @@ def bench_instant(tokens: int, rounds: int) -> dict:
     return out
 
 
+def bench_tls(tokens: int, rounds: int) -> dict:
+    """Per-token cost of TLS: two instant runners, each behind its own router, one pair
+    plaintext and one pair mTLS (servers require client certificates of a throw-away CA; the
+    router dials its runner with its certificate; this client presents one). Each round streams
+    ``tokens`` tokens over every path (direct and through the router, TLS off and on) in turn;
+    wall time per token (ms) and time to first token (ms), medians."""
+    from kserve_service.door import router_server
+    from router_service.config import RouterConfig
+    from services.bootstrap import ServerConfig
+    from services.channel import ClientSecurity
+    from services.tls import make_dev_pki
+
+    request = generation_pb2.GenerateRequest(text="x", sampling=generation_pb2.SamplingParams(max_tokens=tokens))
+    servers, stubs, channels = [], {}, []
+    with tempfile.TemporaryDirectory(prefix="warmserve-bench-tls-") as tmp:
+        pki = make_dev_pki(tmp)
+        try:
+            for label, tls in (("off", None), ("on", pki.files())):
+                security = ClientSecurity(tls=tls) if tls is not None else None
+                runner = _instant_runner(ServerConfig(service="instant", port=0, tls=tls))
+                servers.append(runner)
+                router = router_server(RouterConfig(static_runners=(runner.address,), health_interval_s=0.2),
+                                       ServerConfig(service="router", port=0, tls=tls), security=security)
+                servers.append(router)
+                router.start()
+                if not router.router.wait_ready(1, 10):
+                    raise RuntimeError(f"the TLS {label} runner never became READY")
+                for path, address in (("direct", runner.address), ("router", router.address)):
+                    channels.append(open_channel(address, security=security))
+                    stubs[f"{path}_tls_{label}"] = generation_pb2_grpc.GenerationStub(channels[-1])
+            per_token = {k: [] for k in stubs}
+            ttft = {k: [] for k in stubs}
+            for stub in stubs.values():  # warm every path (the TLS handshakes happen here)
+                _arrivals(stub, request)
+            for _ in range(rounds):
+                for k, stub in stubs.items():
+                    t = _arrivals(stub, request)
+                    per_token[k].append(t[-1] / len(t) * 1e3)
+                    ttft[k].append(t[0] * 1e3)
+        finally:
+            for ch in channels:
+                ch.close()
+            for server in reversed(servers):
+                server.stop()
+    out = {"tokens_per_request": tokens, "rounds": rounds}
+    for k in stubs:
+        out[f"per_token_ms_{k}_p50"] = statistics.median(per_token[k])
+        out[f"ttft_ms_{k}_p50"] = statistics.median(ttft[k])
+    for path in ("direct", "router"):
+        out[f"tls_added_per_token_ms_{path}_p50"] = (out[f"per_token_ms_{path}_tls_on_p50"]
+                                                     - out[f"per_token_ms_{path}_tls_off_p50"])
+    return out
+
+
+def print_tls_table(tls: dict) -> None:
+    """The Markdown rows of :func:`bench_tls`."""
+    print(f"\nTLS (mTLS on every hop) vs plaintext, instant runner, {tls['tokens_per_request']} tokens "
+          f"x {tls['rounds']} rounds:\n")
+    print("| path | per token, TLS off (p50) | per token, TLS on (p50) | added per token | TTFT off | TTFT on |")
+    print("|---|---|---|---|---|---|")
+    for path in ("direct", "router"):
+        print(f"| {path} | {tls[f'per_token_ms_{path}_tls_off_p50']:.3f} ms | "
+              f"{tls[f'per_token_ms_{path}_tls_on_p50']:.3f} ms | {tls[f'tls_added_per_token_ms_{path}_p50']:.3f} ms | "
+              f"{tls[f'ttft_ms_{path}_tls_off_p50']:.2f} ms | {tls[f'ttft_ms_{path}_tls_on_p50']:.2f} ms |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--rounds", type=int, default=12, help="rounds per measurement (default 12)")
     parser.add_argument("--home", default=None, help="stack home (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the JSON here")
+    parser.add_argument("--tls-only", action="store_true",
+                        help="only the TLS on vs off comparison (instant runners: seconds, no model)")
     args = parser.parse_args(argv)
+    tls = bench_tls(256, max(args.rounds, 20))
+    if args.tls_only:
+        result = {"benchmark": "router", "tls": tls}
+        print(json.dumps(result, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print_tls_table(tls)
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="warmserve-bench-router-") as tmp:
         home = Path(args.home) if args.home else Path(tmp)
         real = bench_real(args.tokens, args.rounds, home)
     instant = bench_instant(256, max(args.rounds, 20))
-    result = {"benchmark": "router", "real_runner_smollm2": real, "instant_runner": instant}
+    result = {"benchmark": "router", "real_runner_smollm2": real, "instant_runner": instant, "tls": tls}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -409,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for when in ("before", "during"):
         print(f"| {when} | {big[f'gap_ms_p50_{when}']:.1f} ms | {big[f'gap_ms_max_{when}']:.1f} ms |")
+    print_tls_table(tls)
     return 0
 
 

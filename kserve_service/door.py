@@ -9,6 +9,7 @@ from router_service.config import RouterConfig
 from router_service.router import Router
 from router_service.servicer import Door, RouterServer
 from services.bootstrap import Registration, ServerConfig
+from services.channel import ClientSecurity
 from services.proto.triton import grpc_service_pb2_grpc as kserve_pb2_grpc
 from services.stream_slots import StreamSlots
 
@@ -22,6 +23,8 @@ def kserve_door(router: Router, slots: StreamSlots) -> Registration:
 ROUTER_DOORS: tuple[Door, ...] = (kserve_door,)
 
 
-def router_server(config: RouterConfig, server_config: ServerConfig) -> RouterServer:
-    """The router process's server: a :class:`RouterServer` with :data:`ROUTER_DOORS`."""
-    return RouterServer(config, server_config, ROUTER_DOORS)
+def router_server(config: RouterConfig, server_config: ServerConfig,
+                  security: ClientSecurity | None = None) -> RouterServer:
+    """The router process's server: a :class:`RouterServer` with :data:`ROUTER_DOORS`, dialling
+    runners with ``security``."""
+    return RouterServer(config, server_config, ROUTER_DOORS, security=security)

@@ -28,6 +28,8 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         max_runners=args.max_runners,
         max_stream_requests=args.max_stream_requests,
     )
+    # What the router presents to the runners it dials (by the address each registered: an IP in
+    # a pod network, hence --tls-server-name for their certificates' DNS name).
     server = RouterServer(config, config_from_args(args, "router"), doors, security=client_security_from_args(args))
     server.start()
     server.serve_forever()

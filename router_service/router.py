@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    """Routes ``Generate`` calls to runners (see the package modules for each part)."""
+    """Routes ``Generate`` calls to runners (see the package modules for each part); every call
+    to a runner presents ``security`` (the router's token and TLS files: ``--tls-server-name``
+    names the certificate runners dialled by IP must carry)."""
 
     def __init__(self, config: RouterConfig, security: ClientSecurity | None = None) -> None:
-        """``security``: the router's own token and TLS files, presented to every runner."""
         self.config = config
         self.registry = RunnerRegistry(config)
         self.channels = ChannelPool(security)

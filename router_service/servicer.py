@@ -177,7 +177,7 @@ class RouterServer:
     def __init__(self, config: RouterConfig, server_config: ServerConfig, doors: Sequence[Door] = (),
                  security: ClientSecurity | None = None) -> None:
         """``doors``: the front doors to serve beside ``Generation`` and ``RouterControl``;
-        ``security``: the router's own credential for its calls to runners."""
+        ``security``: what the router presents to runners (:class:`Router`)."""
         self.router = Router(config, security)
         #: One cap for every door's streams (:mod:`services.stream_slots`).
         self.slots = StreamSlots(server_config.max_streams, "the router")

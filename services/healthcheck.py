@@ -1,4 +1,6 @@
-"""A gRPC health probe: ``python -m services.healthcheck HOST:PORT [--service NAME] [--timeout S]``.
+"""A gRPC health probe: ``python -m services.healthcheck HOST:PORT [--service NAME] [--timeout S]
+[--tls-ca F [--tls-cert F --tls-key F] [--tls-server-name N]]`` (TLS: against a server's main
+port; a ``--health-port`` is plaintext).
 
 Exits 0 when ``grpc.health.v1.Health/Check`` answers SERVING, 1 otherwise (NOT_SERVING, an
 error, or no answer within the timeout), printing one line. Used by ``compose.yaml``
@@ -14,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.channel import ClientSecurity, open_channel
+from services.tls import add_tls_args, tls_from_args
 
 #: Initial-metadata key of every health ``Check`` answer of a warmserve server
 #: (``services.bootstrap``): the serving process's pid, so a launcher can tell its own child from
@@ -52,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", help="host:port")
     parser.add_argument("--service", default="", help="service name (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    add_tls_args(parser, server=False)
     args = parser.parse_args(argv)
-    status = check_health(args.address, service=args.service, timeout_s=args.timeout)
+    tls = tls_from_args(args)
+    status = check_health(args.address, service=args.service, timeout_s=args.timeout,
+                          security=ClientSecurity(tls=tls) if tls is not None else None)
     print(f"{args.address} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1
 

@@ -105,6 +105,16 @@ class DevPKI:
         """These paths as :class:`TLSFiles` (mTLS: the CA is set)."""
         return TLSFiles(cert=str(self.cert), key=str(self.key), ca=str(self.ca), server_name=server_name)
 
+    @classmethod
+    def at(cls, directory: str | Path) -> DevPKI:
+        """The paths :func:`make_dev_pki` writes under ``directory`` (whether made yet or not)."""
+        d = Path(directory)
+        return cls(ca=d / "ca.pem", ca_key=d / "ca.key", cert=d / "cert.pem", key=d / "key.pem")
+
+    def server_flags(self) -> list[str]:
+        """``--tls-cert/--tls-key/--tls-ca`` for a daemon serving (and dialling) with these files."""
+        return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
+
 
 def _write(path: Path, data: bytes, mode: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -155,7 +165,7 @@ def make_dev_pki(directory: str | Path, names: Sequence[str] = ("localhost", "12
     pem = serialization.Encoding.PEM
     private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
                    encryption_algorithm=serialization.NoEncryption())
-    pki = DevPKI(ca=d / "ca.pem", ca_key=d / "ca.key", cert=d / "cert.pem", key=d / "key.pem")
+    pki = DevPKI.at(d)
     _write(pki.ca_key, ca_key.private_bytes(**private), 0o600)
     _write(pki.key, leaf_key.private_bytes(**private), 0o600)
     _write(pki.ca, ca.public_bytes(pem), 0o644)

@@ -3,6 +3,7 @@
 - ``cli.py`` — the ``warmserve`` dispatcher (each package's ``cli`` module adds its commands);
 - ``stack_config.py`` — what a local stack launches, on which ports, with which command lines;
 - ``stack.py`` — :class:`~warmserve.stack.LocalStack`, the supervisor of every service as a child process;
+- ``stack_tls.py`` — ``warmserve up --tls``: the stack's throw-away PKI and what its clients present;
 - ``stack_state.py`` — ``HOME/stack.json``; ``stack_report.py`` — start-up reports and status tables;
 - ``up.py`` — ``warmserve up``'s foreground loop;
 - ``stack_cli.py`` — ``warmserve up | generate | chat | status | demo``;

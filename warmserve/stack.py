@@ -29,6 +29,7 @@ from services.ports import KERNEL_CACHE, OPENAI, ROUTER, WEIGHTS
 from services.procs import PARENT_PID_ENV
 from warmserve import stack_state
 from warmserve.stack_config import PortPlan, StackCommands, StackConfig
+from warmserve.stack_tls import client_security, http_context, make_stack_pki
 
 #: Seconds between two "still starting" / "still compiling" lines of a long wait.
 NOTE_INTERVAL_S = 10.0
@@ -82,6 +83,8 @@ class LocalStack:
         self.runners: list[ChildProcess] = []
         self.plan = PortPlan(config)
         self.commands = StackCommands(config, self.home, self.plan)
+        #: What the launcher's own clients present (the stack's certificate with ``tls``).
+        self.security = client_security(self.commands.pki)
 
     # --- addresses ----------------------------------------------------------------------------
 
@@ -100,13 +103,14 @@ class LocalStack:
         """``host:port`` of the router (the stack's Generation endpoint)."""
         return self.address(ROUTER)
 
-    def security(self, identity: str = "client"):
-        """What ``identity`` of this stack (:mod:`warmserve.stack_auth`) presents; no token
-        without ``auth``."""
+    def credentials(self, identity: str = "client"):
+        """What ``identity`` of this stack (:mod:`warmserve.stack_auth`) presents: its token (none
+        without ``auth``) and the stack's TLS files (:attr:`security`; none without ``tls``)."""
         from services.channel import ClientSecurity
         from warmserve.stack_auth import stack_security
 
-        return stack_security(self.home, identity) if self.config.auth else ClientSecurity()
+        token = stack_security(self.home, identity).token if self.config.auth else None
+        return ClientSecurity(token=token, tls=self.security.tls if self.security is not None else None)
 
     def endpoints(self) -> dict[str, str]:
         """Every launched service's name -> address."""
@@ -170,17 +174,17 @@ class LocalStack:
                 next_note = now + NOTE_INTERVAL_S
             time.sleep(0.2)
 
-    @staticmethod
-    def _probe(child: ChildProcess) -> str:
+    def _probe(self, child: ChildProcess) -> str:
         """``SERVING`` once ``child`` answers from its own pid: a gRPC health check, or for the
         OpenAI door its HTTP ``/health`` (200, or 503 while no runner is READY: it is up either way)."""
         from services.healthcheck import check_health
 
         if child.name != OPENAI:
-            return check_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+            return check_health(child.address, timeout_s=0.5, pid=child.proc.pid, security=self.security)
         from openai_service.healthcheck import check_http_health
 
-        status = check_http_health(child.address, timeout_s=0.5, pid=child.proc.pid)
+        status = check_http_health(child.address, timeout_s=0.5, pid=child.proc.pid,
+                                   tls=http_context(self.commands.pki))
         return "SERVING" if status == "NOT_SERVING" else status
 
     def wait_registered(self, names: list[str], timeout_s: float = 30.0) -> None:
@@ -190,7 +194,7 @@ class LocalStack:
         from services.proto import router_pb2
 
         while True:
-            ready = {r.runner_id for r in list_runners(self.router_address, security=self.security("admin"))
+            ready = {r.runner_id for r in list_runners(self.router_address, security=self.credentials("admin"))
                      if r.state == router_pb2.RunnerStatus.STATE_READY}
             if set(names) <= ready:
                 return
@@ -244,6 +248,9 @@ class LocalStack:
                                   f"{e.strerror or e}") from e
         try:
             self._progress(f"warmserve stack: home {self.home}, logs in {self.log_dir}")
+            if self.config.tls:
+                make_stack_pki(self.home, self.config.host)
+                self._progress(f"  mTLS: a throw-away CA and certificate in {self.commands.pki.ca.parent}")
             if self.config.auth:
                 from warmserve.stack_auth import ensure_stack_credentials
 
@@ -325,7 +332,7 @@ class LocalStack:
         """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
         from services.generation_client import GenerationClient
 
-        with GenerationClient(self.runners[index].address, security=self.security("admin")) as client:
+        with GenerationClient(self.runners[index].address, security=self.credentials("admin")) as client:
             return client.model_info()
 
     def stop(self) -> None:

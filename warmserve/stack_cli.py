@@ -13,6 +13,7 @@ import argparse
 from router_service.config import DEFAULT_POLICY, POLICY_NAMES
 from runner_service.options import add_forwarded_options
 from services.bootstrap import positive_seconds
+from services.channel import add_client_security_args, client_security_from_args
 from services.ports import DEFAULT_BASE_PORT, DEFAULT_ROUTER
 from weight_service.sources import BUNDLED_SMOLLM2
 
@@ -45,22 +46,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--timeout", type=positive_seconds, default=120.0,
                    help="request deadline in seconds, > 0 (default 120)")
-    _add_token_arg(p)
-
-
-def _add_token_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token-file", default=None, metavar="F",
-                   help="file holding your token (else $WARMSERVE_TOKEN, else the `client` token of the "
-                        "`warmserve up` of $WARMSERVE_HOME when --addr is its router)")
+    add_client_security_args(p)
 
 
 def _security(args: argparse.Namespace, home: str | None = None):
+    """``--token-file``/``$WARMSERVE_TOKEN`` and the TLS flags, else the ``client`` token of the
+    ``warmserve up`` in ``home`` (default ``$WARMSERVE_HOME``) when ``--addr`` is its router."""
     from pathlib import Path
 
+    from services.channel import ClientSecurity
     from services.paths import warmserve_home
     from warmserve.stack_auth import cli_security
 
-    return cli_security(args.token_file, args.addr, Path(home).expanduser() if home else warmserve_home())
+    tls = client_security_from_args(args).tls
+    token = cli_security(args.token_file, args.addr, Path(home).expanduser() if home else warmserve_home()).token
+    return ClientSecurity(token=token, tls=tls)
 
 
 def register(subparsers) -> None:
@@ -74,6 +74,8 @@ def register(subparsers) -> None:
                     help="do not start the OpenAI-compatible HTTP API")
     up.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name both doors publish (default: derived from the model source)")
+    up.add_argument("--tls", action="store_true",
+                    help="mTLS everywhere: a throw-away CA and certificate in HOME/tls/ for every daemon and door")
     up.add_argument("--store", default=None, metavar="s3://BUCKET/PREFIX",
                     help="share programs and sidecars with other hosts through this S3 bucket (AWS environment "
                          "for endpoint and credentials)")
@@ -106,7 +108,7 @@ def register(subparsers) -> None:
     status.add_argument("--home", default=None,
                         help="report the services and restarts of the `warmserve up` of this home too "
                              "(default $WARMSERVE_HOME)")
-    _add_token_arg(status)
+    add_client_security_args(status)
     status.set_defaults(func=_status)
 
     demo = subparsers.add_parser("demo", help="the main job: stack up, chat through the router, reports")

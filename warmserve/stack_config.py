@@ -18,6 +18,7 @@ from services.address import format_address
 from services.errors import InvalidArgument
 from services.ports import DEFAULT_BASE_PORT, KERNEL_CACHE, OPENAI, ROUTER, RUNNER_PORT_OFFSET, WEIGHTS
 from warmserve import stack_auth
+from warmserve.stack_tls import stack_pki
 from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
 
@@ -41,6 +42,8 @@ class StackConfig:
     publish (``--served-model-name`` of both; ``None``: derived from the model source).
     ``store``: an ``s3://BUCKET/PREFIX`` the kernel cache and the weight service share their
     artifacts through (``--store`` of both; ``None``: the home only).
+    ``tls``: every daemon and door serves mTLS with the throw-away PKI of
+    :mod:`warmserve.stack_tls` (``HOME/tls/``).
     Restarts (:meth:`LocalStack.heal`): a child that exits unexpectedly is relaunched after
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
@@ -76,6 +79,7 @@ class StackConfig:
     openai_port: int | None = None
     served_model_name: str | None = None
     store: str | None = None
+    tls: bool = False
     auth: bool = True
 
     def __post_init__(self) -> None:
@@ -109,7 +113,8 @@ class StackConfig:
                    home=Path(args.home).expanduser().resolve() if args.home else None,
                    **{option.dest: getattr(args, option.dest) for option in FORWARDED_OPTIONS}, policy=args.policy,
                    openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None),
-                   served_model_name=getattr(args, "served_model_name", None), store=getattr(args, "store", None))
+                   served_model_name=getattr(args, "served_model_name", None), store=getattr(args, "store", None),
+                   tls=getattr(args, "tls", False))
 
 
 
@@ -152,13 +157,16 @@ class StackCommands:
 
     def __init__(self, config: StackConfig, home: Path, plan: PortPlan) -> None:
         self.config, self.home, self.plan = config, home, plan
+        #: The stack's PKI with ``tls`` (:mod:`warmserve.stack_tls`), else ``None``.
+        self.pki = stack_pki(home) if config.tls else None
+        self._tls = self.pki.server_flags() if self.pki is not None else []
 
     def _cli(self, *args: str) -> list[str]:
         return [self.config.python, "-m", "warmserve.cli", *args]
 
     def _server(self, name: str, identity: str | None = None) -> list[str]:
-        """Bind flags, plus with auth the stack's auth file and ``identity``'s own token."""
-        argv = ["--host", self.config.host, "--port", str(self.plan.port(name)), "--drain-grace", "5"]
+        """Bind and TLS flags, plus with auth the stack's auth file and ``identity``'s own token."""
+        argv = ["--host", self.config.host, "--port", str(self.plan.port(name)), "--drain-grace", "5", *self._tls]
         return argv + self._auth(identity, server=True)
 
     def _auth(self, identity: str | None, *, server: bool) -> list[str]:
@@ -184,7 +192,7 @@ class StackCommands:
             key = (["--api-key-file", str(stack_auth.auth_dir(self.home) / stack_auth.OPENAI_KEY_FILE)]
                    if cfg.auth and stack_auth.DOOR_TAKES_API_KEY else [])
             return self._cli("openai", "serve", "--router", self.plan.address(ROUTER), "--host", cfg.host,
-                             "--port", str(self.plan.port(name)), *named,
+                             "--port", str(self.plan.port(name)), *named, *self._tls,
                              *self._auth(stack_auth.DOORS, server=False), *key)
         argv = self._cli("router", "serve", *self._server(name, stack_auth.ROUTER), "--policy", cfg.policy,
                          "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s),

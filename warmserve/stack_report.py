@@ -68,18 +68,22 @@ def print_status(router_address: str, services: dict[str, str], *, out: TextIO,
     ``(hb)``. ``restarts`` (name -> count, from :func:`read_state`) adds
     a restarts column. The ``openai`` service (the stack's OpenAI door) is probed over HTTP
     (``GET /health``: SERVING, or NOT_SERVING while no runner is READY) and shown by its URL.
-    ``security`` (a ``ClientSecurity``) is presented to the router and the runners.
+    ``security`` (a :class:`services.channel.ClientSecurity`): what every probe presents; its
+    TLS files make the door's probe HTTPS too.
     Returns 0, or 1 when the router cannot be reached."""
-    from openai_service.healthcheck import check_http_health
+    from openai_service.healthcheck import check_http_health, client_tls
     from services.healthcheck import check_health
     from services.proto import router_pb2
 
     restarts = restarts or {}
+    tls = security.tls if security is not None else None
+    https = client_tls(tls.ca, tls.cert, tls.key) if tls is not None and tls.ca else None
     extra = ("restarts",) if restarts else ()
     rows = [("service", "address", "health", *extra)]
     for name, addr in {"router": router_address, **services}.items():
-        shown, health = (f"http://{addr}/v1", check_http_health(addr, timeout_s=2.0)) if name == OPENAI else (
-            addr, check_health(addr, timeout_s=2.0))
+        shown, health = (f"{'https' if https else 'http'}://{addr}/v1", check_http_health(
+            addr, timeout_s=2.0, tls=https)) if name == OPENAI else (addr, check_health(addr, timeout_s=2.0,
+                                                                                       security=security))
         rows.append((name, shown, health, *((str(restarts.get(name, 0)),) if restarts else ())))
     out.write(format_table(rows) + "\n")
     if rows[1][2] != "SERVING":

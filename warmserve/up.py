@@ -49,12 +49,14 @@ def ready_hint(stack: LocalStack) -> str:
     """What ``up`` prints once started: a ``generate`` command that works now, or, for a stack
     without runners, how to add one (its router answers UNAVAILABLE until one registers); then,
     when the stack runs its OpenAI door, the door's base URL."""
-    door = ""
+    door, pki = "", stack.commands.pki
+    tls = f" --tls-ca {pki.ca} --tls-cert {pki.cert} --tls-key {pki.key}" if pki is not None else ""
     if OPENAI in stack.services:
-        url = f"http://{stack.address(OPENAI)}/v1"
-        door = f"\nOpenAI-compatible API: {url}   (e.g. curl {url}/models)"
+        url = f"{'https' if pki else 'http'}://{stack.address(OPENAI)}/v1"
+        curl = f"curl --cacert {pki.ca} --cert {pki.cert} --key {pki.key} " if pki is not None else "curl "
+        door = f"\nOpenAI-compatible API: {url}   (e.g. {curl}{url}/models)"
     if stack.runners:
-        return f"ready: warmserve generate --addr {stack.router_address} \"Hello!\"   (Ctrl-C stops)" + door
+        return f"ready: warmserve generate --addr {stack.router_address}{tls} \"Hello!\"   (Ctrl-C stops)" + door
     return (f"ready, with no runners: the router at {stack.router_address} answers UNAVAILABLE until one "
             f"registers; add one that shares this stack's weights and kernel cache with\n"
             f"  warmserve runner serve --model {stack.config.model} --router {stack.router_address} --weights "
@@ -81,7 +83,8 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
         started.set()
         out.write("\nendpoints:\n")
         for name, addr in stack.endpoints().items():
-            out.write(f"  {name:<13} {f'http://{addr}/v1' if name == OPENAI else addr}\n")
+            scheme = "https" if config.tls else "http"
+            out.write(f"  {name:<13} {f'{scheme}://{addr}/v1' if name == OPENAI else addr}\n")
         pending = set()
         for i in range(len(stack.runners)):
             info = stack.startup_report(i)

@@ -42,7 +42,7 @@ def _runner(stack: LocalStack, runner_id: str) -> FakeRunner:
 def _register(stack: LocalStack, runner_id: str, runner: FakeRunner, identity: str) -> RunnerRegistration:
     reg = RunnerRegistration(stack.router_address, runner_id=runner_id, address=runner.address, model="fake",
                              max_num_seqs=4, load_fn=dict, lease_seconds=3.0, retry_s=0.1,
-                             security=stack.security(identity))
+                             security=stack.credentials(identity))
     reg.start()
     return reg
 
@@ -70,9 +70,9 @@ def test_publish_evict_register_and_drain_without_a_token_are_refused(stack: Loc
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(Unauthenticated):
         drain_runner(stack.router_address, "runner-0")
-    with KernelCacheClient(stack.address(KERNEL_CACHE), security=stack.security("runner-0")) as cache:
+    with KernelCacheClient(stack.address(KERNEL_CACHE), security=stack.credentials("runner-0")) as cache:
         cache.publish("llama.decode.aoti", "f" * 16, blob)  # a runner's own token may publish
-    with KernelCacheClient(stack.address(KERNEL_CACHE), security=stack.security("admin")) as cache:
+    with KernelCacheClient(stack.address(KERNEL_CACHE), security=stack.credentials("admin")) as cache:
         assert cache.evict(all=True)[0] == 1
 
 
@@ -82,7 +82,7 @@ def test_an_impostor_under_a_live_id_is_refused_and_the_client_token_is_found(st
     regs = [_register(stack, "runner-0", real, "runner-0")]
     try:
         assert regs[0].registered.wait(10)
-        with open_channel(stack.router_address, security=stack.security("runner-1")) as ch:
+        with open_channel(stack.router_address, security=stack.credentials("runner-1")) as ch:
             with pytest.raises(grpc.RpcError) as e:
                 router_pb2_grpc.RouterControlStub(ch).RegisterRunner(router_pb2.RegisterRunnerRequest(
                     runner_id="runner-0", address=impostor.address, model="fake"), timeout=5)
@@ -93,7 +93,7 @@ def test_an_impostor_under_a_live_id_is_refused_and_the_client_token_is_found(st
             assert main(["generate", "--addr", stack.router_address, "--raw", "hey"]) == 0
         assert "hey" in capsys.readouterr().out
         assert real.stats.requests == 3 and impostor.stats.requests == 0
-        assert [r.address for r in list_runners(stack.router_address, security=stack.security())] == [real.address]
+        assert [r.address for r in list_runners(stack.router_address, security=stack.credentials())] == [real.address]
         assert main(["router", "drain", "runner-0", "--addr", stack.router_address,
                      "--token-file", str(stack.home / "auth" / "admin.token")]) == 0
         assert main(["router", "drain", "runner-0", "--addr", stack.router_address]) == 1  # no token

@@ -90,7 +90,7 @@ def test_a_stack_runs_records_shows_heals_and_stops_its_door(tmp_path: Path) -> 
         services = stack_services(tmp_path, stack.router_address)
         assert services[OPENAI] == door.address
         out = io.StringIO()
-        assert print_status(stack.router_address, services, out=out, security=stack.security()) == 0
+        assert print_status(stack.router_address, services, out=out, security=stack.credentials()) == 0
         row = next(line for line in out.getvalue().splitlines() if line.startswith("openai"))
         assert f"http://{door.address}/v1" in row and "NOT_SERVING" in row
         assert f"OpenAI-compatible API: http://{door.address}/v1" in ready_hint(stack)
