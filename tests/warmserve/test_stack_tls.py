@@ -96,7 +96,9 @@ def _https(stack: LocalStack, path: str, body: dict | None = None) -> dict:
     pki = stack.commands.pki
     url = f"https://{stack.address(OPENAI)}{path}"
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    key = (stack.home / "auth" / "openai.key").read_text().strip()  # `up` requires its API key
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=120,
                                 context=client_tls(str(pki.ca), str(pki.cert), str(pki.key))) as resp:
         return json.loads(resp.read())
