@@ -178,8 +178,10 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
     request = generation_pb2.GenerateRequest(
         text=PROMPT, sampling=generation_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     with LocalStack(cfg, progress=lambda m: print(m, file=sys.stderr)) as stack:
-        with open_channel(stack.runners[0].address) as dch, open_channel(stack.runners[0].address) as dch2, \
-                open_channel(stack.router_address) as rch:
+        sec = stack.credentials()
+        with open_channel(stack.runners[0].address, security=sec) as dch, \
+                open_channel(stack.runners[0].address, security=sec) as dch2, \
+                open_channel(stack.router_address, security=sec) as rch:
             direct = generation_pb2_grpc.GenerationStub(dch)
             direct2 = generation_pb2_grpc.GenerationStub(dch2)
             routed = generation_pb2_grpc.GenerationStub(rch)
@@ -196,7 +198,7 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
             single = _arrivals(direct, request)
             oversize = _oversize_beside(routed, request, stack.router_address, rounds=max(2, rounds // 4))
             doors = _bench_doors(routed, request, stack.router_address,
-                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds)
+                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
         "doors": doors,
@@ -267,13 +269,14 @@ def _paired(native, door, rounds: int) -> dict:
             "added_ms_p50": _pct(added, 50), "added_ms_p99": _pct(added, 99)}
 
 
-def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: int, rounds: int) -> dict:
+def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: int, rounds: int,
+                 security=None) -> dict:
     """Each front door against the native router stream (see the module docstring, item 3)."""
     from services.model_name import served_model_name
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
 
     model = served_model_name(routed.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).model)
-    with open_channel(router_address) as kch:
+    with open_channel(router_address, security=security) as kch:
         kstub = kgrpc.GRPCInferenceServiceStub(kch)
         kreq = _kserve_request(model, request.text, tokens)
 

@@ -1,7 +1,7 @@
 """``warmserve router ...``: the router daemon and its control commands.
 
 ``warmserve router serve [--port 50050] [--runner ADDR ...] [--policy P] [--lease-seconds S]
-[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-stream-requests N]`` runs the router (``warmserve.v1``
+[--health-interval S] [--eject-after K] [--served-model-name NAME] [--max-stream-requests N] [--max-runners N]`` runs the router (``warmserve.v1``
 and the KServe v2 / Triton ``inference.GRPCInferenceService`` on one port); ``warmserve router
 drain RUNNER_ID`` stops routing new requests to one runner. Heavy imports happen inside the handlers.
 """
@@ -22,6 +22,7 @@ def register(subparsers) -> None:
 
     serve = sub.add_parser("serve", help="run the router daemon")
     from services.bootstrap import add_server_args, int_at_least
+    from services.channel import add_client_security_args
 
     add_server_args(serve, default_port=DEFAULT_PORTS[ROUTER])
     serve.add_argument("--runner", action="append", default=[], metavar="ADDR",
@@ -39,6 +40,8 @@ def register(subparsers) -> None:
     serve.add_argument("--served-model-name", default="", metavar="NAME",
                        help="the model name KServe v2 / Triton clients use (default: derived from the runners' "
                             "model source, e.g. smollm2-135m-instruct)")
+    serve.add_argument("--max-runners", type=int_at_least(1), default=64,
+                       help="registered runners the router holds at most; one more is RESOURCE_EXHAUSTED (default 64)")
     serve.add_argument("--max-stream-requests", type=int_at_least(1), default=RouterConfig.max_stream_requests,
                        metavar="N", help="requests in flight at once on one KServe ModelStreamInfer stream; one more "
                                          f"is refused in the stream (default {RouterConfig.max_stream_requests})")
@@ -47,9 +50,7 @@ def register(subparsers) -> None:
     drain = sub.add_parser("drain", help="stop routing new requests to a runner")
     drain.add_argument("runner_id")
     drain.add_argument("--addr", default=DEFAULT_ROUTER, help=f"router address (default {DEFAULT_ROUTER})")
-    from services.channel import add_client_security_args
-
-    add_client_security_args(drain)
+    add_client_security_args(drain)  # Drain needs the 'admin' scope when the router checks tokens
     drain.set_defaults(func=_drain)
 
 

@@ -38,6 +38,11 @@ class RouterConfig:
     - ``served_model_name``: the model name the KServe v2 door (:mod:`kserve_service`)
       answers to, as vLLM's ``--served-model-name``; ``""`` derives it from the runners' model
       source (:func:`services.model_name.served_model_name`). Requests may also name the source.
+    - ``admission_timeout_s``: deadline of each call of a registering runner's admission check
+      (health, ``ModelInfo``: :mod:`router_service.admission`); one that does not answer in time
+      stays UNHEALTHY until the health checker verifies it.
+    - ``max_runners``: registered runners the table holds at most; one more registration of a new
+      id is ``RESOURCE_EXHAUSTED`` (static runners do not count).
     - ``max_stream_requests``: requests in flight at once on one KServe ``ModelStreamInfer``
       stream (which takes one stream slot); one more is refused, in the stream, as
       :class:`~services.errors.Overloaded` (:mod:`kserve_service.stream`).
@@ -58,6 +63,8 @@ class RouterConfig:
     prefix_block_bytes: int = 64
     ring_replicas: int = 64
     served_model_name: str = ""
+    max_runners: int = 64
+    admission_timeout_s: float = 3.0
     max_stream_requests: int = 8
 
     def __post_init__(self) -> None:
@@ -74,11 +81,11 @@ class RouterConfig:
             raise InvalidArgument(
                 f"leases must satisfy 0 < min ({self.min_lease_s}) <= default ({self.default_lease_s}) "
                 f"<= max ({self.max_lease_s}) seconds")
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise InvalidArgument("health interval and timeout must be > 0 seconds")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0 or self.admission_timeout_s <= 0:
+            raise InvalidArgument("health interval, health timeout and admission timeout must be > 0 seconds")
         if self.first_token_timeout_s < 0:
             raise InvalidArgument(f"first-token timeout must be >= 0 seconds (0: off), got {self.first_token_timeout_s}")
         for name in ("eject_after", "readmit_after", "max_attempts", "prefix_block_tokens",
-                     "prefix_block_bytes", "ring_replicas", "max_stream_requests"):
+                     "prefix_block_bytes", "ring_replicas", "max_stream_requests", "max_runners"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")

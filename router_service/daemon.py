@@ -25,6 +25,7 @@ def serve_from_args(args, doors: Sequence[Door] = ()) -> None:
         eject_after=args.eject_after,
         first_token_timeout_s=args.first_token_timeout,
         served_model_name=args.served_model_name,
+        max_runners=args.max_runners,
         max_stream_requests=args.max_stream_requests,
     )
     # What the router presents to the runners it dials (by the address each registered: an IP in

@@ -10,6 +10,13 @@ lease renewed by ``Heartbeat`` and is dropped when the lease runs out). States:
   make it READY again;
 - ``DRAINING``: no new requests; in-flight ones finish; only a new registration undoes it.
 
+A registered runner is READY only once *verified* (health SERVING and its ``ModelInfo`` model
+matching: :mod:`router_service.admission`); until then it is UNHEALTHY ``not yet verified``.
+Who may take a registered id while its lease is live (:meth:`RunnerRegistry.check_claim`): with
+auth on, only the identity that registered it (``services.auth.caller``), from any address (a
+restarted pod); with auth off, anyone from the same address, and from another address only once
+the holder is not READY. The table holds at most ``max_runners`` registered runners.
+
 Every method is thread-safe (one lock). Picking a runner and counting it as busy happen under the
 same lock (:meth:`RunnerRegistry.acquire`), so concurrent requests see each other's choices.
 Times are seconds on the injected monotonic ``clock``.
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from router_service.config import RouterConfig
 from services.address import parse_address
-from services.errors import InvalidArgument
+from services.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 
 
 class RunnerState(enum.Enum):
@@ -66,6 +73,8 @@ class Runner:
     consecutive_successes: int = 0
     load: RunnerLoad = field(default_factory=RunnerLoad)
     last_error: str = ""
+    identity: str | None = None            # the credential that registered it (None: auth off)
+    verified: bool = True                  # registered runners: health and model checked
 
     def describe(self) -> str:
         """``id (address) STATE`` plus the last error, for messages."""
@@ -117,13 +126,41 @@ class RunnerRegistry:
 
     # --- leases -------------------------------------------------------------------------------
 
+    def check_claim(self, runner_id: str, address: str, identity: str | None) -> None:
+        """Raise if ``identity`` (``None``: auth off) registering ``runner_id`` at ``address`` may
+        not take it now (see the module docstring): ``PermissionDenied`` for a live id held by
+        another identity, ``FailedPrecondition`` (auth off) for a live READY one at another address,
+        ``InvalidArgument`` for a static id, ``ResourceExhausted`` when the table is full."""
+        with self._lock:
+            self._check_claim_locked(runner_id, address, identity)
+
+    def _check_claim_locked(self, runner_id: str, address: str, identity: str | None) -> None:
+        old = self._runners.get(runner_id)
+        if old is not None and old.static:
+            raise InvalidArgument(f"runner id {runner_id!r} is taken by a static runner")
+        live = old is not None and old.lease_expires_at is not None and old.lease_expires_at > self._clock()
+        if live and old.identity != identity:
+            raise PermissionDenied(f"runner id {runner_id!r} is held by a live lease of another credential; "
+                                   f"it cannot be taken until that lease ends")
+        if live and identity is None and old.address != address and old.state is RunnerState.READY:
+            raise FailedPrecondition(f"runner id {runner_id!r} is held by a READY runner at {old.address}; a "
+                                f"registration from {address} may take it only once that runner is ejected, "
+                                f"drained or its lease ends")
+        if old is None:
+            registered = sum(not r.static for r in self._runners.values())
+            if registered >= self._config.max_runners:
+                raise ResourceExhausted(f"the router's table is full ({self._config.max_runners} registered "
+                                        f"runners, --max-runners); {runner_id!r} is refused")
+
     def register(self, runner_id: str, address: str, *, model: str = "", max_num_seqs: int = 0,
-                 lease_s: float = 0.0) -> Lease:
-        """Add or replace a registered runner (a restarted runner keeps its id) as READY.
+                 lease_s: float = 0.0, identity: str | None = None, verified: bool = True) -> Lease:
+        """Add or replace a registered runner (a restarted runner keeps its id): READY when
+        ``verified``, else UNHEALTHY until :meth:`mark_verified`. ``identity`` is the registering
+        credential's name (``None``: auth off); :meth:`check_claim` says who may.
 
         ``lease_s`` 0 means the configured default; others are clamped to [min, max].
         Raises ``InvalidArgument`` for an empty id, a bad address, a negative or NaN lease, or an id
-        that names a static runner.
+        that names a static runner, and what :meth:`check_claim` raises.
         """
         if not runner_id:
             raise InvalidArgument("runner_id is empty")
@@ -136,25 +173,49 @@ class RunnerRegistry:
         granted = cfg.default_lease_s if lease_s == 0 else min(max(lease_s, cfg.min_lease_s), cfg.max_lease_s)
         lease = Lease(uuid.uuid4().hex, granted, granted / 3)
         with self._lock:
+            self._check_claim_locked(runner_id, address, identity)
             old = self._runners.get(runner_id)
-            if old is not None and old.static:
-                raise InvalidArgument(f"runner id {runner_id!r} is taken by a static runner")
             self._runners[runner_id] = Runner(
-                runner_id=runner_id, address=address, static=False, state=RunnerState.READY,
+                runner_id=runner_id, address=address, static=False,
+                state=RunnerState.READY if verified else RunnerState.UNHEALTHY,
                 model=model, max_num_seqs=max_num_seqs, lease_id=lease.lease_id, lease_s=granted,
                 lease_expires_at=self._clock() + granted,
                 outstanding=old.outstanding if old is not None else 0,
+                identity=identity, verified=verified, last_error="" if verified else "not yet verified",
             )
         return lease
 
-    def heartbeat(self, runner_id: str, lease_id: str, load: RunnerLoad | None = None) -> float | None:
-        """Renew a lease and record the load; returns the lease length (seconds), or ``None``
-        when the runner or lease is unknown or already expired (it must register again)."""
+    def mark_verified(self, runner_id: str, lease_id: str) -> bool:
+        """The runner holding ``lease_id`` passed its admission check: READY (unless DRAINING).
+        ``False`` when that lease is no longer in the table."""
+        with self._lock:
+            r = self._runners.get(runner_id)
+            if r is None or r.lease_id != lease_id:
+                return False
+            r.verified = True
+            if r.state is RunnerState.UNHEALTHY:
+                r.state, r.last_error, r.consecutive_failures = RunnerState.READY, "", 0
+            return True
+
+    def models(self, exclude: str = "") -> set[str]:
+        """The non-empty models of the verified registered and the static runners (but ``exclude``)."""
+        with self._lock:
+            return {r.model for r in self._runners.values()
+                    if r.model and r.verified and r.runner_id != exclude}
+
+    def heartbeat(self, runner_id: str, lease_id: str, load: RunnerLoad | None = None, *,
+                  identity: str | None = None, leaving: bool = False) -> float | None:
+        """Renew a lease and record the load (``leaving``: also mark it DRAINING, the runner is
+        shutting down); returns the lease length (seconds), or ``None`` when the runner or lease
+        is unknown or already expired (it must register again). Raises ``PermissionDenied`` when
+        ``identity`` is not the one that registered it."""
         removed = None
         with self._lock:
             r = self._runners.get(runner_id)
             if r is None or r.static or r.lease_id != lease_id:
                 return None
+            if r.identity != identity:
+                raise PermissionDenied(f"runner {runner_id!r} was registered by another credential")
             now = self._clock()
             if r.lease_expires_at is not None and r.lease_expires_at <= now:
                 removed = self._runners.pop(runner_id)
@@ -162,6 +223,8 @@ class RunnerRegistry:
                 r.lease_expires_at = now + r.lease_s
                 if load is not None:
                     r.load = load
+                if leaving:
+                    r.state = RunnerState.DRAINING
                 return r.lease_s
         self._notify_removed([removed])
         return None
@@ -198,7 +261,8 @@ class RunnerRegistry:
             if ok:
                 r.consecutive_failures = 0
                 r.consecutive_successes += 1
-                if r.state is RunnerState.UNHEALTHY and r.consecutive_successes >= self._config.readmit_after:
+                if r.state is RunnerState.UNHEALTHY and r.verified \
+                        and r.consecutive_successes >= self._config.readmit_after:
                     r.state, r.last_error = RunnerState.READY, ""
             else:
                 r.consecutive_successes = 0

@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from router_service.admission import verify_runner
 from router_service.channels import ChannelPool
 from router_service.config import RouterConfig
 from router_service.health_checker import HealthChecker
@@ -101,6 +102,14 @@ class Router:
                 failures.append(f"{runner.runner_id} ({runner.address}): {e.details()}")
             finally:
                 self.registry.release(runner.runner_id)
+
+    def verify(self, runner_id: str, address: str, model: str) -> str | None:
+        """Admission check of a registering runner (:func:`router_service.admission.verify_runner`
+        against the other runners' models): ``None`` when admitted, else why not yet; raises
+        ``FailedPrecondition`` for another model."""
+        return verify_runner(self.channels.get(address), runner_id, model=model,
+                             fleet_models=self.registry.models(exclude=runner_id),
+                             timeout_s=self.config.admission_timeout_s)
 
     def ready_count(self) -> int:
         """How many runners are READY now."""

@@ -11,6 +11,7 @@ in (:data:`Door`: ``warmserve router serve`` adds the KServe v2 / Triton door, :
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
 from collections.abc import Callable, Sequence
 
@@ -22,12 +23,15 @@ from router_service.deadline import time_left
 from router_service.registry import RunnerState
 from router_service.router import Router
 from services.address import format_address, parse_address
+from services.auth import caller
 from services.bootstrap import Registration, ServerConfig, ServiceServer
 from services.channel import ClientSecurity
 from services.errors import InvalidArgument, WarmserveError, abort_with
 from services.generation_client import GENERATION_SERVICE
 from services.proto import generation_pb2_grpc, router_pb2, router_pb2_grpc
 from services.stream_slots import StreamSlots
+
+log = logging.getLogger(__name__)
 
 #: A front door served on the router's port beside ``warmserve.v1``: given the router's core and
 #: the stream cap every door shares, the servicer to register (``(add_fn, servicer, service name)``).
@@ -95,21 +99,35 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
         self._router = router
 
     def RegisterRunner(self, request, context):
-        """Admit (or re-admit) a runner under a new lease."""
+        """Admit (or re-admit) a runner under a new lease, bound to the caller's credential: READY
+        once health-checked and its model compared (:mod:`router_service.admission`), else
+        UNHEALTHY until the health checker verifies it."""
+        identity = _identity()
         try:
             address = advertised_address(request.address, context.peer())
-            lease = self._router.registry.register(
-                request.runner_id, address, model=request.model,
-                max_num_seqs=request.max_num_seqs, lease_s=request.lease_seconds)
+            registry = self._router.registry
+            registry.check_claim(request.runner_id, address, identity)  # refused before any dial
+            pending = self._router.verify(request.runner_id, address, request.model)
+            lease = registry.register(
+                request.runner_id, address, model=request.model, max_num_seqs=request.max_num_seqs,
+                lease_s=request.lease_seconds, identity=identity, verified=pending is None)
         except WarmserveError as e:
             abort_with(context, e)
+        log.info("runner registered", extra={"runner_id": request.runner_id, "address": address,
+                                             "identity": identity, "verified": pending is None,
+                                             "pending": pending or ""})
         return router_pb2.RegisterRunnerResponse(lease_id=lease.lease_id, lease_seconds=lease.lease_s,
                                                  heartbeat_interval_seconds=lease.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
-        """Renew a runner's lease and record its load; ``known=false`` asks it to register again."""
+        """Renew a runner's lease and record its load (``leaving``: drain it, it is shutting
+        down); ``known=false`` asks it to register again. Only its registrant may."""
         load = load_from_proto(request.load) if request.HasField("load") else None
-        granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load)
+        try:
+            granted = self._router.registry.heartbeat(request.runner_id, request.lease_id, load,
+                                                      identity=_identity(), leaving=request.leaving)
+        except WarmserveError as e:
+            abort_with(context, e)
         if granted is None:
             return router_pb2.HeartbeatResponse(known=False)
         return router_pb2.HeartbeatResponse(known=True, lease_seconds=granted)
@@ -123,6 +141,12 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
     def Drain(self, request, context):
         """Stop routing new requests to a runner."""
         return router_pb2.DrainResponse(found=self._router.registry.drain(request.runner_id))
+
+
+def _identity() -> str | None:
+    """The name of the credential the current RPC carries (``None``: auth off)."""
+    cred = caller()
+    return cred.name if cred is not None else None
 
 
 class _RunnerGauges:

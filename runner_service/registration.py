@@ -3,8 +3,10 @@
 A runner whose Generation service is SERVING creates one :class:`RunnerRegistration` and calls
 ``start()``. A daemon thread then registers (retrying until the router answers), heartbeats every
 granted ``heartbeat_interval_seconds`` with ``load_fn()``, and registers again whenever the router
-answers ``known=false`` (it restarted, or the lease ran out). ``stop()`` asks the router to drain
-the runner (best effort) and ends the thread; the lease then simply expires.
+answers ``known=false`` (it restarted, or the lease ran out). ``stop()`` ends the thread and sends
+one last heartbeat with ``leaving`` set, so the router drains the runner (best effort; it needs
+only the runner's own ``register`` scope and lease, not ``Drain``'s ``admin``); the lease then
+simply expires.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from services.errors import InvalidArgument
 from services.proto import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+#: Answers that mean the router will not take this registration as it is (logged as errors).
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 #: ``load_fn()`` returns these keys (counts of sequences and KV blocks); missing keys read as 0.
 LOAD_KEYS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total")
@@ -71,15 +77,17 @@ class RunnerRegistration:
         self._thread.start()
 
     def stop(self, *, drain: bool = True) -> None:
-        """Stop heartbeating; with ``drain``, first ask the router to stop routing here."""
+        """Stop heartbeating; with ``drain``, tell the router this runner is leaving (it stops
+        routing here)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if drain and self._channel is not None and self.registered.is_set():
             try:
-                router_pb2_grpc.RouterControlStub(self._channel).Drain(
-                    router_pb2.DrainRequest(runner_id=self.runner_id), timeout=self._rpc_timeout_s)
+                router_pb2_grpc.RouterControlStub(self._channel).Heartbeat(
+                    router_pb2.HeartbeatRequest(runner_id=self.runner_id, lease_id=self._lease_id, leaving=True),
+                    timeout=self._rpc_timeout_s)
             except grpc.RpcError as e:
                 log.info("drain at router failed", extra={"router": self.router_address, "error": e.code().name})
         self.registered.clear()
@@ -123,8 +131,8 @@ class RunnerRegistration:
                         self.registered.clear()
                         continue
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    log.error("router refused the registration", extra={"error": e.details()})
+                if e.code() in _REFUSALS:
+                    log.error("router refused the registration", extra={"error": e.details(), "code": e.code().name})
                 else:
                     log.info("router unreachable", extra={"router": self.router_address, "error": e.code().name})
                 self._stop.wait(self._retry_s)

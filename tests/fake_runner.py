@@ -54,8 +54,9 @@ class FakeStats:
 
 
 class FakeGeneration(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, runner_id: str, behaviour: FakeBehaviour, stats: FakeStats) -> None:
+    def __init__(self, runner_id: str, behaviour: FakeBehaviour, stats: FakeStats, model: str = "fake") -> None:
         self.runner_id = runner_id
+        self.model = model
         self.behaviour = behaviour
         self.stats = stats
         self._lock = threading.Lock()
@@ -109,19 +110,22 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                     self.stats.cancelled += 1
 
     def ModelInfo(self, request, context):
-        return generation_pb2.ModelInfoResponse(runner_id=self.runner_id, model="fake", family="fake",
+        return generation_pb2.ModelInfoResponse(runner_id=self.runner_id, model=self.model, family="fake",
                                                 vocab_size=256, max_num_seqs=4)
 
 
 class FakeRunner:
     """A fake runner served on 127.0.0.1 at a free port; ``stop()`` kills it at once."""
 
-    def __init__(self, runner_id: str, behaviour: FakeBehaviour | None = None, port: int = 0) -> None:
+    def __init__(self, runner_id: str, behaviour: FakeBehaviour | None = None, port: int = 0, *,
+                 model: str = "fake", server_config: ServerConfig | None = None) -> None:
+        """``model``: what its ``ModelInfo`` names; ``server_config``: e.g. one with an auth table."""
         self.runner_id = runner_id
         self.behaviour = behaviour or FakeBehaviour()
         self.stats = FakeStats()
-        self.servicer = FakeGeneration(runner_id, self.behaviour, self.stats)
-        self.server = ServiceServer(ServerConfig(service=runner_id, port=port, max_streams=128), [
+        self.servicer = FakeGeneration(runner_id, self.behaviour, self.stats, model)
+        config = server_config or ServerConfig(service=runner_id, port=port, max_streams=128)
+        self.server = ServiceServer(config, [
             (generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer, "warmserve.v1.Generation")])
         self.port = self.server.start()
         self.address = f"127.0.0.1:{self.port}"

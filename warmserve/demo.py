@@ -126,7 +126,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
 
             _say(out)
             _say(out, f"== chat through the router at {stack.router_address} (greedy, {max_tokens} tokens max)")
-            with GenerationClient(stack.router_address) as client:
+            with GenerationClient(stack.router_address, security=stack.credentials()) as client:
                 for n, prompt in enumerate(DEMO_PROMPTS):
                     if n == 1:  # the first answer came eager, beside the compile; the rest compiled
                         cold = _wait_for_programs(stack, out)
@@ -154,7 +154,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
 
             _say(out)
             _say(out, f"== {len(BURST_PROMPTS)} concurrent requests through the router")
-            with GenerationClient(stack.router_address) as client, ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
+            with GenerationClient(stack.router_address, security=stack.credentials()) as client, ThreadPoolExecutor(len(BURST_PROMPTS)) as pool:
                 start = time.perf_counter()
                 burst = sampling_params(max_tokens=min(24, max_tokens), temperature=0.0)
                 results = list(pool.map(lambda p: client.complete(
@@ -168,7 +168,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
 
             _say(out)
             _say(out, "== router status")
-            print_status(stack.router_address, {}, out=out)
+            print_status(stack.router_address, {}, out=out, security=stack.credentials())
             print("stopping the stack ...", file=sys.stderr, flush=True)
         _say(out)
         _say(out, "demo finished")

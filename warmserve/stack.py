@@ -103,6 +103,15 @@ class LocalStack:
         """``host:port`` of the router (the stack's Generation endpoint)."""
         return self.address(ROUTER)
 
+    def credentials(self, identity: str = "client"):
+        """What ``identity`` of this stack (:mod:`warmserve.stack_auth`) presents: its token (none
+        without ``auth``) and the stack's TLS files (:attr:`security`; none without ``tls``)."""
+        from services.channel import ClientSecurity
+        from warmserve.stack_auth import stack_security
+
+        token = stack_security(self.home, identity).token if self.config.auth else None
+        return ClientSecurity(token=token, tls=self.security.tls if self.security is not None else None)
+
     def endpoints(self) -> dict[str, str]:
         """Every launched service's name -> address."""
         out = {name: c.address for name, c in self.services.items()}
@@ -185,7 +194,7 @@ class LocalStack:
         from services.proto import router_pb2
 
         while True:
-            ready = {r.runner_id for r in list_runners(self.router_address, security=self.security)
+            ready = {r.runner_id for r in list_runners(self.router_address, security=self.credentials("admin"))
                      if r.state == router_pb2.RunnerStatus.STATE_READY}
             if set(names) <= ready:
                 return
@@ -242,6 +251,10 @@ class LocalStack:
             if self.config.tls:
                 make_stack_pki(self.home, self.config.host)
                 self._progress(f"  mTLS: a throw-away CA and certificate in {self.commands.pki.ca.parent}")
+            if self.config.auth:
+                from warmserve.stack_auth import ensure_stack_credentials
+
+                self._progress(f"tokens in {ensure_stack_credentials(self.home, self.config.runners)}")
             first = (KERNEL_CACHE, WEIGHTS, ROUTER, *((OPENAI,) if self.config.openai else ()))
             for name in first:
                 self.services[name] = self._launch(ChildProcess(
@@ -319,7 +332,7 @@ class LocalStack:
         """Runner ``index``'s ``ModelInfoResponse`` (its ``startup`` field is the start-up report)."""
         from services.generation_client import GenerationClient
 
-        with GenerationClient(self.runners[index].address, security=self.security) as client:
+        with GenerationClient(self.runners[index].address, security=self.credentials("admin")) as client:
             return client.model_info()
 
     def stop(self) -> None:

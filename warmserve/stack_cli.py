@@ -49,6 +49,20 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     add_client_security_args(p)
 
 
+def _security(args: argparse.Namespace, home: str | None = None):
+    """``--token-file``/``$WARMSERVE_TOKEN`` and the TLS flags, else the ``client`` token of the
+    ``warmserve up`` in ``home`` (default ``$WARMSERVE_HOME``) when ``--addr`` is its router."""
+    from pathlib import Path
+
+    from services.channel import ClientSecurity
+    from services.paths import warmserve_home
+    from warmserve.stack_auth import cli_security
+
+    tls = client_security_from_args(args).tls
+    token = cli_security(args.token_file, args.addr, Path(home).expanduser() if home else warmserve_home()).token
+    return ClientSecurity(token=token, tls=tls)
+
+
 def register(subparsers) -> None:
     """Add ``up``, ``generate``, ``chat``, ``status`` and ``demo`` to the ``warmserve`` parser."""
     up = subparsers.add_parser("up", help="start the whole stack locally until Ctrl-C")
@@ -160,7 +174,7 @@ def _generate(args: argparse.Namespace) -> int:
         messages = ([("system", args.system)] if args.system is not None else []) + [("user", args.prompt)]
         request = chat_request(messages, _sampling(args))
     out = _Streamed(sys.stdout)
-    with GenerationClient(args.addr, fail_fast=True, security=client_security_from_args(args)) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=_security(args)) as client:
         try:
             result = client.stream_to(request, out, timeout_s=args.timeout)
         except WarmserveError as e:
@@ -181,7 +195,7 @@ def _chat(args: argparse.Namespace) -> int:
     from services.generation_client import GenerationClient
     from warmserve.chat import interactive_chat
 
-    with GenerationClient(args.addr, fail_fast=True, security=client_security_from_args(args)) as client:
+    with GenerationClient(args.addr, fail_fast=True, security=_security(args)) as client:
         return interactive_chat(client, _sampling(args), system=args.system, timeout_s=args.timeout,
                                 stdin=sys.stdin, stdout=sys.stdout)
 
@@ -213,7 +227,7 @@ def _status(args: argparse.Namespace) -> int:
               "router alone", file=sys.stderr)
     services = {**own, **services}  # a running `up`'s own, then --service
     code = print_status(args.addr, services, out=sys.stdout, restarts=read_state(home, args.addr),
-                        security=client_security_from_args(args))
+                        security=_security(args, args.home))
     if code:
         print(f"warmserve: error: no router answers at {args.addr} (is `warmserve up` running?)", file=sys.stderr)
     return code

@@ -17,6 +17,7 @@ from services import ports
 from services.address import format_address
 from services.errors import InvalidArgument
 from services.ports import DEFAULT_BASE_PORT, KERNEL_CACHE, OPENAI, ROUTER, RUNNER_PORT_OFFSET, WEIGHTS
+from warmserve import stack_auth
 from warmserve.stack_tls import stack_pki
 from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
@@ -47,6 +48,8 @@ class StackConfig:
     ``restart_backoff_s`` doubled for each restart of it in the last minute (at most
     ``max_restart_backoff_s``); one that would need more than ``max_restarts_per_minute``
     restarts in a minute is given up.
+    ``auth``: every daemon checks tokens (``HOME/auth``, :mod:`warmserve.stack_auth`) and presents
+    its own; ``False`` runs them unauthenticated (as before issue 23).
     """
 
     runners: int = 2
@@ -77,6 +80,7 @@ class StackConfig:
     served_model_name: str | None = None
     store: str | None = None
     tls: bool = False
+    auth: bool = True
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -160,8 +164,17 @@ class StackCommands:
     def _cli(self, *args: str) -> list[str]:
         return [self.config.python, "-m", "warmserve.cli", *args]
 
-    def _server(self, name: str) -> list[str]:
-        return ["--host", self.config.host, "--port", str(self.plan.port(name)), "--drain-grace", "5", *self._tls]
+    def _server(self, name: str, identity: str | None = None) -> list[str]:
+        """Bind and TLS flags, plus with auth the stack's auth file and ``identity``'s own token."""
+        argv = ["--host", self.config.host, "--port", str(self.plan.port(name)), "--drain-grace", "5", *self._tls]
+        return argv + self._auth(identity, server=True)
+
+    def _auth(self, identity: str | None, *, server: bool) -> list[str]:
+        if not self.config.auth:
+            return []
+        d = stack_auth.auth_dir(self.home)
+        return [*(["--auth-file", str(d / stack_auth.AUTH_FILE)] if server else []),
+                *(["--token-file", str(stack_auth.token_file(self.home, identity))] if identity else [])]
 
     def service(self, name: str) -> list[str]:
         """The command line of ``kernel-cache``, ``weights``, ``router`` or ``openai``."""
@@ -176,9 +189,12 @@ class StackCommands:
                              *self._server(name))
         named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
         if name == OPENAI:
+            key = (["--api-key-file", str(stack_auth.auth_dir(self.home) / stack_auth.OPENAI_KEY_FILE)]
+                   if cfg.auth and stack_auth.DOOR_TAKES_API_KEY else [])
             return self._cli("openai", "serve", "--router", self.plan.address(ROUTER), "--host", cfg.host,
-                             "--port", str(self.plan.port(name)), *named, *self._tls)
-        argv = self._cli("router", "serve", *self._server(name), "--policy", cfg.policy,
+                             "--port", str(self.plan.port(name)), *named, *self._tls,
+                             *self._auth(stack_auth.DOORS, server=False), *key)
+        argv = self._cli("router", "serve", *self._server(name, stack_auth.ROUTER), "--policy", cfg.policy,
                          "--lease-seconds", str(cfg.lease_seconds), "--health-interval", str(cfg.health_interval_s),
                          *named)
         if cfg.first_token_timeout_s is not None:
@@ -195,4 +211,4 @@ class StackCommands:
                   "kernel_cache": self.plan.address(KERNEL_CACHE), "router": self.plan.address(ROUTER),
                   "sidecar_dir": str(self.home / "sidecars"), "threads": threads,
                   **{option.dest: getattr(cfg, option.dest) for option in FORWARDED_OPTIONS}}
-        return [*self._cli("runner", "serve"), *runner_argv(values), *self._server(name), *cfg.runner_args]
+        return [*self._cli("runner", "serve"), *runner_argv(values), *self._server(name, name), *cfg.runner_args]

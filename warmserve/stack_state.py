@@ -36,6 +36,16 @@ def _state_doc(home: Path, router_address: str) -> dict | None:
     return doc if doc.get("router") == router_address else None
 
 
+def stack_router(home: Path) -> str | None:
+    """The router address of the live ``warmserve up`` whose home is ``home`` (``None``: none runs)."""
+    try:
+        doc = json.loads((home / STATE_FILE).read_text())
+        os.kill(int(doc["pid"]), 0)
+        return str(doc["router"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_state(home: Path, router_address: str) -> dict[str, int]:
     """The restarts per child of the ``warmserve up`` whose home is ``home`` (see
     :func:`_state_doc`); ``{}`` when there is no such stack."""

@@ -91,6 +91,14 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
             out.write("\n" + format_startup_report(info) + "\n")
             if info.program_state == "pending":
                 pending.add(i)
+        if config.auth:
+            from warmserve.stack_auth import DOOR_TAKES_API_KEY, OPENAI_KEY_FILE, auth_dir
+
+            d = auth_dir(stack.home)
+            out.write(f"\ntokens: {d} (0600; `warmserve generate/chat/status` against this stack use "
+                      f"{d / 'client.token'} by themselves; drain/evict need {d / 'admin.token'})\n")
+            if OPENAI in stack.services and DOOR_TAKES_API_KEY:
+                out.write(f"OpenAI API key: {d / OPENAI_KEY_FILE} (Authorization: Bearer $(cat that file))\n")
         out.write("\n" + ready_hint(stack) + "\n")
         out.flush()
         ticks, restarts, back = 0, stack.restarts(), set()

@@ -406,7 +406,7 @@ def test_no_runner_means_not_ready_and_unavailable() -> None:
 
 
 def test_the_served_name_comes_from_a_registered_runners_source_or_the_config() -> None:
-    runner = FakeRunner("fake-0")
+    runner = FakeRunner("fake-0", model="/models/SmolLM2.Q4_1.gguf")  # the router compares its ModelInfo
     servers = []
     try:
         for served, expected in (("", "SmolLM2.Q4_1"), ("my-model", "my-model")):

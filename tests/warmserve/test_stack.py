@@ -44,7 +44,8 @@ def test_ports_and_runner_command_line(tmp_path: Path) -> None:
         "--model": "smollm2-135m-instruct", "--runner-id": "runner-1", "--host": "127.0.0.1", "--port": "50112",
         "--drain-grace": "5", "--weights": "127.0.0.1:50102", "--kernel-cache": "127.0.0.1:50101",
         "--router": "127.0.0.1:50100", "--sidecar-dir": str(tmp_path / "sidecars"), "--compile": "off",
-        "--max-num-seqs": "8", "--threads": "3"}
+        "--max-num-seqs": "8", "--threads": "3", "--auth-file": str(tmp_path / "auth" / "auth"),
+        "--token-file": str(tmp_path / "auth" / "runner-1.token")}
 
 
 def test_no_prefix_caching_reaches_every_runner(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def test_up_serves_a_deepseek_v4_checkpoint(tmp_path):
         assert list(info.layer_types) == list(reference.config.layer_types)
         text = "w5 w17 w9 w44 w3 w60 w61 w12 w30"
         request = text_request(text, generation_pb2.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-        with GenerationClient(stack.router_address) as client:
+        with GenerationClient(stack.router_address, security=stack.credentials()) as client:
             result = client.complete(request)
         ids = Tokenizer.from_dir(tmp_path / "dsv4").encode(text)
         prompt = len(ids)

@@ -25,6 +25,7 @@ from services.generation_client import GenerationClient, chat_request, sampling_
 from services.healthcheck import check_health
 from services.proto import generation_pb2, router_pb2
 from warmserve.stack import LocalStack
+from warmserve.stack_auth import stack_security
 from warmserve.stack_config import StackConfig
 from warmserve.stack_report import print_status
 from warmserve.stack_state import read_state
@@ -57,11 +58,11 @@ def stack(tmp_path_factory):
 
 
 def _runner_states(stack: LocalStack) -> dict[str, int]:
-    return {r.runner_id: r.state for r in list_runners(stack.router_address)}
+    return {r.runner_id: r.state for r in list_runners(stack.router_address, security=stack.credentials("admin"))}
 
 
 def test_stack_is_up_with_both_runners_registered(stack: LocalStack) -> None:
-    runners = {r.runner_id: r for r in list_runners(stack.router_address)}
+    runners = {r.runner_id: r for r in list_runners(stack.router_address, security=stack.credentials("admin"))}
     assert set(runners) == {"runner-0", "runner-1"}
     for i, name in enumerate(("runner-0", "runner-1")):
         r = runners[name]
@@ -79,7 +80,7 @@ def test_16_concurrent_chats_through_the_router_equal_direct(stack: LocalStack) 
     requests = [chat_request([("user", q)], params) for q in QUESTIONS]
 
     def run_all(address: str):
-        with GenerationClient(address) as client, ThreadPoolExecutor(len(requests)) as pool:
+        with GenerationClient(address, security=stack.credentials()) as client, ThreadPoolExecutor(len(requests)) as pool:
             return list(pool.map(lambda r: client.complete(r, timeout_s=300), requests))
 
     routed = run_all(stack.router_address)
@@ -88,13 +89,13 @@ def test_16_concurrent_chats_through_the_router_equal_direct(stack: LocalStack) 
         assert r.finish_reason in ("STOP", "LENGTH") and r.text.strip(), q
         assert (r.text, r.token_ids) == (d.text, d.token_ids), q
     assert {r.runner_id for r in routed} == {"runner-0", "runner-1"}  # both runners served
-    assert all(r.outstanding == 0 for r in list_runners(stack.router_address))
+    assert all(r.outstanding == 0 for r in list_runners(stack.router_address, security=stack.credentials("admin")))
 
 
 def test_prefix_affinity_keeps_a_conversation_on_one_runner(stack: LocalStack) -> None:
     system = ("system", "You are a concise assistant who answers in one short sentence.")
     params = sampling_params(max_tokens=4)
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         served = {client.complete(chat_request([system, ("user", q)], params,
                                                routing=generation_pb2.ROUTING_POLICY_PREFIX_AFFINITY)).runner_id
                   for q in QUESTIONS[:6]}
@@ -112,7 +113,7 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
         req = chat_request([("user", QUESTIONS[i])], params, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
         try:
             got_first = False
-            with GenerationClient(stack.router_address) as client:
+            with GenerationClient(stack.router_address, security=stack.credentials()) as client:
                 runner = ""
                 for resp in client._stub.Generate(req, timeout=deadline_s):
                     runner = resp.runner_id or runner
@@ -147,7 +148,7 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
     assert {r[1] for r in results if r[0] == "ok"} <= {"runner-0", "runner-1"}
 
     # New requests go to runner-0 at once.
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         assert client.complete(chat_request([("user", "Hi!")], sampling_params(max_tokens=4))).runner_id == "runner-0"
 
     # The dead runner's lease (2 s) expires and it leaves the table.
@@ -166,13 +167,14 @@ def test_failover_when_a_runner_is_killed_mid_stream(stack: LocalStack) -> None:
     assert stack.restarts() == {"kernel-cache": 0, "weights": 0, "router": 0, "runner-0": 0, "runner-1": 1}
     # `warmserve status` shows the restarts (from the stack's state file) and each runner's programs
     buf = io.StringIO()
-    assert print_status(stack.router_address, {}, out=buf, restarts=read_state(stack.home, stack.router_address)) == 0
+    assert print_status(stack.router_address, {}, out=buf, restarts=read_state(stack.home, stack.router_address),
+                        security=stack.credentials()) == 0
     rows = {line.split()[0]: line.split() for line in buf.getvalue().splitlines() if line.strip()}
     assert rows["runner-1"][-1] == "1" and rows["runner-0"][-1] == "0" and rows["router"][-1] == "0", buf.getvalue()
     assert rows["runner-0"][3] == rows["runner-1"][3] == "off", buf.getvalue()  # --compile off
     assert _runner_states(stack) == {"runner-0": router_pb2.RunnerStatus.STATE_READY,
                                      "runner-1": router_pb2.RunnerStatus.STATE_READY}
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         served = {client.complete(chat_request([("user", q)], sampling_params(max_tokens=4),
                                                routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)).runner_id
                   for q in QUESTIONS[:4]}
@@ -184,13 +186,13 @@ def test_a_killed_router_is_relaunched_and_the_runners_register_again(stack: Loc
     router.proc.send_signal(signal.SIGKILL)
     router.proc.wait(timeout=10)
     with pytest.raises(Unavailable, match="cannot reach"):  # down: clients are refused, nothing hangs
-        GenerationClient(stack.router_address, ready_timeout_s=1.0)
+        GenerationClient(stack.router_address, ready_timeout_s=1.0, security=stack.credentials())
     end = time.monotonic() + 20
     while router.restarts == 0 or check_health(stack.router_address, timeout_s=0.5) != "SERVING":
         assert stack.heal() == [] and time.monotonic() < end
         time.sleep(0.1)
     stack.wait_registered(["runner-0", "runner-1"], timeout_s=20)  # the runners' heartbeats re-register
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         reply = client.complete(chat_request([("user", "Hi!")], sampling_params(max_tokens=4)))
     assert reply.runner_id in {"runner-0", "runner-1"} and len(reply.token_ids) == reply.completion_tokens == 4
 
@@ -222,9 +224,11 @@ def test_warmserve_up_starts_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         openai_url = endpoints.pop("openai")  # `up` starts the OpenAI door too
         assert set(endpoints) == {"kernel-cache", "weights", "router", "runner-0"}
         assert check_health(endpoints["router"]) == "SERVING"
-        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as resp:
+        key = (tmp_path / "auth" / "openai.key").read_text().strip()  # `up` made it and requires it
+        with urllib.request.urlopen(urllib.request.Request(f"{openai_url}/models", headers={
+                "Authorization": f"Bearer {key}"}), timeout=10) as resp:
             assert [m["id"] for m in json.load(resp)["data"]] == ["smollm2-135m-instruct"]
-        with GenerationClient(endpoints["router"]) as client:
+        with GenerationClient(endpoints["router"], security=stack_security(tmp_path)) as client:
             result = client.complete(chat_request([("user", "Hi")], sampling_params(max_tokens=3)))
         assert (result.completion_tokens, result.runner_id) == (3, "runner-0")
         status = subprocess.run([sys.executable, "-m", "warmserve.cli", "status", "--addr", endpoints["router"],
@@ -256,11 +260,11 @@ def test_status_right_after_the_work_shows_it_done(stack: LocalStack) -> None:
 
     def load_columns() -> dict[str, tuple[str, str]]:
         buf = io.StringIO()
-        assert print_status(stack.router_address, {}, out=buf) == 0
+        assert print_status(stack.router_address, {}, out=buf, security=stack.credentials()) == 0
         rows = [line.split() for line in buf.getvalue().splitlines() if line.startswith("runner-")]
         return {r[0]: (r[7], r[8]) for r in rows}  # running/waiting, KV blocks (the lease is "1.6 s")
 
-    with GenerationClient(stack.router_address) as client, ThreadPoolExecutor(8) as pool:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client, ThreadPoolExecutor(8) as pool:
         sampling = generation_pb2.SamplingParams(max_tokens=160, ignore_eos=True)
         futures = [pool.submit(client.complete, generation_pb2.GenerateRequest(text=q, sampling=sampling))
                    for q in QUESTIONS[:8]]

@@ -42,7 +42,7 @@ def stack(tmp_path_factory):
 
 def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: LocalStack) -> None:
     params = sampling_params(max_tokens=8, temperature=0.0)
-    with GenerationClient(stack.router_address) as client:  # both runners serve before the freeze
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:  # both runners serve before the freeze
         served = {client.complete(chat_request([("user", f"Count to {i}.")], params,
                                                routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)).runner_id for i in range(4)}
     assert served == {"runner-0", "runner-1"}
@@ -54,7 +54,7 @@ def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: 
         start = time.monotonic()
         req = chat_request([("user", f"Say the number {i}.")], params, routing=generation_pb2.ROUTING_POLICY_ROUND_ROBIN)
         try:
-            with GenerationClient(stack.router_address) as c:
+            with GenerationClient(stack.router_address, security=stack.credentials()) as c:
                 out = c.complete(req, timeout_s=60)
             outcome = ("ok", out.runner_id, time.monotonic() - start)
         except Exception as e:  # noqa: BLE001 - recorded and asserted on below
@@ -89,7 +89,7 @@ def test_requests_complete_within_10_s_while_a_runner_is_frozen_for_20_s(stack: 
     stack.wait_registered(["runner-0", "runner-1"], timeout_s=30)
     end = time.monotonic() + 30
     seen: set[str] = set()
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         while seen != {"runner-0", "runner-1"}:
             assert time.monotonic() < end, seen
             try:

@@ -40,7 +40,9 @@ def test_the_doors_port_and_command_line(tmp_path: Path) -> None:
     stack = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True), progress=None)
     assert stack.address(OPENAI) == "127.0.0.1:50103"
     assert stack.commands.service(OPENAI)[1:] == ["-m", "warmserve.cli", "openai", "serve", "--router", "127.0.0.1:50100",
-                                               "--host", "127.0.0.1", "--port", "50103"]
+                                               "--host", "127.0.0.1", "--port", "50103",
+                                               "--token-file", str(tmp_path / "auth" / "doors.token"),
+                                               "--api-key-file", str(tmp_path / "auth" / "openai.key")]
     assert LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=8123),
                       progress=None).address(OPENAI) == "127.0.0.1:8123"
     free = LocalStack(StackConfig(base_port=50100, home=tmp_path, openai=True, openai_port=0), progress=None)
@@ -88,7 +90,7 @@ def test_a_stack_runs_records_shows_heals_and_stops_its_door(tmp_path: Path) -> 
         services = stack_services(tmp_path, stack.router_address)
         assert services[OPENAI] == door.address
         out = io.StringIO()
-        assert print_status(stack.router_address, services, out=out) == 0
+        assert print_status(stack.router_address, services, out=out, security=stack.credentials()) == 0
         row = next(line for line in out.getvalue().splitlines() if line.startswith("openai"))
         assert f"http://{door.address}/v1" in row and "NOT_SERVING" in row
         assert f"OpenAI-compatible API: http://{door.address}/v1" in ready_hint(stack)

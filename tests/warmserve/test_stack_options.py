@@ -14,7 +14,7 @@ from warmserve.stack import LocalStack
 from warmserve.stack_config import StackConfig
 
 #: What the stack gives every runner besides the declared options: the server's own flags.
-SERVER_FLAGS = {"--host", "--port", "--drain-grace"}
+SERVER_FLAGS = {"--host", "--port", "--drain-grace", "--auth-file", "--token-file"}
 
 
 def _flag_of(word: str) -> str:

@@ -35,7 +35,7 @@ def _config(home: Path, model: Path, store: str) -> StackConfig:
 def _greedy(stack: LocalStack) -> list[int]:
     req = pb.GenerateRequest(text="w5 w6 w7 w8", sampling=pb.SamplingParams(max_tokens=8, temperature=0,
                                                                             ignore_eos=True))
-    with GenerationClient(stack.router_address) as client:
+    with GenerationClient(stack.router_address, security=stack.credentials()) as client:
         return list(client.complete(req, timeout_s=120).token_ids)
 
 
@@ -83,7 +83,7 @@ def test_a_second_host_starts_warm_from_the_bucket_alone(tmp_path, s3):
         info_a = host_a.wait_programs(0)
         assert info_a.program_state == "installed", info_a.program_detail
         assert "BUILT" in _phase(host_a.startup_report(0), "sidecar")
-        with KernelCacheClient(host_a.address(KERNEL_CACHE)) as cache_a:
+        with KernelCacheClient(host_a.address(KERNEL_CACHE), security=host_a.credentials("admin")) as cache_a:
             stat_a = cache_a.stat()
             assert sorted(e.name for e in cache_a.list()) == sorted(PROGRAMS)
         assert (stat_a["builds"], stat_a["publishes"]) == (2, 2)
@@ -102,7 +102,7 @@ def test_a_second_host_starts_warm_from_the_bucket_alone(tmp_path, s3):
         assert programs.count("kernel cache HIT") == 2 and "compiled" not in programs, programs
         sidecar = _phase(info_b, "sidecar")
         assert "BUILT" not in sidecar and sidecar.startswith("sidecar HOT"), sidecar
-        with KernelCacheClient(host_b.address(KERNEL_CACHE)) as cache_b:
+        with KernelCacheClient(host_b.address(KERNEL_CACHE), security=host_b.credentials("admin")) as cache_b:
             stat_b = cache_b.stat()
         assert (stat_b["builds"], stat_b["publishes"], stat_b["misses"], stat_b["waits"]) == (0, 0, 0, 0)
         assert stat_b["hits"] >= 2 and stat_b["entries"] == 2  # both programs now on host B's disk

@@ -85,7 +85,7 @@ def _kserve_text(stack: LocalStack, model: str, prompt: str) -> str:
                                   ("exclude_input_in_output", "BOOL", True)):
         req.inputs.add(name=name, datatype=datatype, shape=[1])
         req.raw_input_contents.append(struct.pack("<I", len(value)) + value if datatype == "BYTES" else bytes([value]))
-    with open_channel(stack.router_address, security=stack.security) as ch:
+    with open_channel(stack.router_address, security=stack.credentials()) as ch:
         resp = kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=120)
     (raw,) = [r for t, r in zip(resp.outputs, resp.raw_output_contents, strict=True) if t.name == "text_output"]
     (n,) = struct.unpack_from("<I", raw)
@@ -96,7 +96,9 @@ def _https(stack: LocalStack, path: str, body: dict | None = None) -> dict:
     pki = stack.commands.pki
     url = f"https://{stack.address(OPENAI)}{path}"
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    key = (stack.home / "auth" / "openai.key").read_text().strip()  # `up` requires its API key
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=120,
                                 context=client_tls(str(pki.ca), str(pki.cert), str(pki.key))) as resp:
         return json.loads(resp.read())
@@ -111,7 +113,7 @@ def test_up_tls_serves_the_five_chats_through_all_three_doors(tls_stack: LocalSt
     for messages in CHATS:
         request = chat_request([(m["role"], m["content"]) for m in messages],
                                sampling_params(max_tokens=MAX_TOKENS, temperature=0.0))
-        with GenerationClient(stack.router_address, security=stack.security) as client:
+        with GenerationClient(stack.router_address, security=stack.credentials()) as client:
             grpc_text = client.complete(request, timeout_s=120).text
         assert grpc_text.strip(), messages
         door = _https(stack, "/v1/chat/completions", {"model": model, "messages": messages,

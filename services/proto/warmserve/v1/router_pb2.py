@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19warmserve/v1/router.proto\x12\x0cwarmserve.v1\"_\n\nRunnerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\"w\n\x15RegisterRunnerRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"e\n\x16RegisterRunnerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"_\n\x10HeartbeatRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12&\n\x04load\x18\x03 \x01(\x0b\x32\x18.warmserve.v1.RunnerLoad\"9\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x14\n\x12ListRunnersRequest\"\xd3\x02\n\x0cRunnerStatus\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12/\n\x05state\x18\x04 \x01(\x0e\x32 .warmserve.v1.RunnerStatus.State\x12\x13\n\x0boutstanding\x18\x05 \x01(\r\x12\x1a\n\x12lease_expires_in_s\x18\x06 \x01(\x01\x12\x0e\n\x06static\x18\x07 \x01(\x08\x12\x1c\n\x14\x63onsecutive_failures\x18\x08 \x01(\r\x12&\n\x04load\x18\t \x01(\x0b\x32\x18.warmserve.v1.RunnerLoad\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATE_READY\x10\x01\x12\x13\n\x0fSTATE_UNHEALTHY\x10\x02\x12\x12\n\x0eSTATE_DRAINING\x10\x03\"B\n\x13ListRunnersResponse\x12+\n\x07runners\x18\x01 \x03(\x0b\x32\x1a.warmserve.v1.RunnerStatus\"!\n\x0c\x44rainRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\"\x1e\n\rDrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xd0\x02\n\rRouterControl\x12[\n\x0eRegisterRunner\x12#.warmserve.v1.RegisterRunnerRequest\x1a$.warmserve.v1.RegisterRunnerResponse\x12L\n\tHeartbeat\x12\x1e.warmserve.v1.HeartbeatRequest\x1a\x1f.warmserve.v1.HeartbeatResponse\x12R\n\x0bListRunners\x12 .warmserve.v1.ListRunnersRequest\x1a!.warmserve.v1.ListRunnersResponse\x12@\n\x05\x44rain\x12\x1a.warmserve.v1.DrainRequest\x1a\x1b.warmserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19warmserve/v1/router.proto\x12\x0cwarmserve.v1\"_\n\nRunnerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\"w\n\x15RegisterRunnerRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"e\n\x16RegisterRunnerResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x03 \x01(\x01\"p\n\x10HeartbeatRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12&\n\x04load\x18\x03 \x01(\x0b\x32\x18.warmserve.v1.RunnerLoad\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"9\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"\x14\n\x12ListRunnersRequest\"\xd3\x02\n\x0cRunnerStatus\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12/\n\x05state\x18\x04 \x01(\x0e\x32 .warmserve.v1.RunnerStatus.State\x12\x13\n\x0boutstanding\x18\x05 \x01(\r\x12\x1a\n\x12lease_expires_in_s\x18\x06 \x01(\x01\x12\x0e\n\x06static\x18\x07 \x01(\x08\x12\x1c\n\x14\x63onsecutive_failures\x18\x08 \x01(\r\x12&\n\x04load\x18\t \x01(\x0b\x32\x18.warmserve.v1.RunnerLoad\"X\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATE_READY\x10\x01\x12\x13\n\x0fSTATE_UNHEALTHY\x10\x02\x12\x12\n\x0eSTATE_DRAINING\x10\x03\"B\n\x13ListRunnersResponse\x12+\n\x07runners\x18\x01 \x03(\x0b\x32\x1a.warmserve.v1.RunnerStatus\"!\n\x0c\x44rainRequest\x12\x11\n\trunner_id\x18\x01 \x01(\t\"\x1e\n\rDrainResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xd0\x02\n\rRouterControl\x12[\n\x0eRegisterRunner\x12#.warmserve.v1.RegisterRunnerRequest\x1a$.warmserve.v1.RegisterRunnerResponse\x12L\n\tHeartbeat\x12\x1e.warmserve.v1.HeartbeatRequest\x1a\x1f.warmserve.v1.HeartbeatResponse\x12R\n\x0bListRunners\x12 .warmserve.v1.ListRunnersRequest\x1a!.warmserve.v1.ListRunnersResponse\x12@\n\x05\x44rain\x12\x1a.warmserve.v1.DrainRequest\x1a\x1b.warmserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRUNNERRESPONSE']._serialized_start=261
   _globals['_REGISTERRUNNERRESPONSE']._serialized_end=362
   _globals['_HEARTBEATREQUEST']._serialized_start=364
-  _globals['_HEARTBEATREQUEST']._serialized_end=459
-  _globals['_HEARTBEATRESPONSE']._serialized_start=461
-  _globals['_HEARTBEATRESPONSE']._serialized_end=518
-  _globals['_LISTRUNNERSREQUEST']._serialized_start=520
-  _globals['_LISTRUNNERSREQUEST']._serialized_end=540
-  _globals['_RUNNERSTATUS']._serialized_start=543
-  _globals['_RUNNERSTATUS']._serialized_end=882
-  _globals['_RUNNERSTATUS_STATE']._serialized_start=794
-  _globals['_RUNNERSTATUS_STATE']._serialized_end=882
-  _globals['_LISTRUNNERSRESPONSE']._serialized_start=884
-  _globals['_LISTRUNNERSRESPONSE']._serialized_end=950
-  _globals['_DRAINREQUEST']._serialized_start=952
-  _globals['_DRAINREQUEST']._serialized_end=985
-  _globals['_DRAINRESPONSE']._serialized_start=987
-  _globals['_DRAINRESPONSE']._serialized_end=1017
-  _globals['_ROUTERCONTROL']._serialized_start=1020
-  _globals['_ROUTERCONTROL']._serialized_end=1356
+  _globals['_HEARTBEATREQUEST']._serialized_end=476
+  _globals['_HEARTBEATRESPONSE']._serialized_start=478
+  _globals['_HEARTBEATRESPONSE']._serialized_end=535
+  _globals['_LISTRUNNERSREQUEST']._serialized_start=537
+  _globals['_LISTRUNNERSREQUEST']._serialized_end=557
+  _globals['_RUNNERSTATUS']._serialized_start=560
+  _globals['_RUNNERSTATUS']._serialized_end=899
+  _globals['_RUNNERSTATUS_STATE']._serialized_start=811
+  _globals['_RUNNERSTATUS_STATE']._serialized_end=899
+  _globals['_LISTRUNNERSRESPONSE']._serialized_start=901
+  _globals['_LISTRUNNERSRESPONSE']._serialized_end=967
+  _globals['_DRAINREQUEST']._serialized_start=969
+  _globals['_DRAINREQUEST']._serialized_end=1002
+  _globals['_DRAINRESPONSE']._serialized_start=1004
+  _globals['_DRAINRESPONSE']._serialized_end=1034
+  _globals['_ROUTERCONTROL']._serialized_start=1037
+  _globals['_ROUTERCONTROL']._serialized_end=1373
 # @@protoc_insertion_point(module_scope)

@@ -44,14 +44,16 @@ class RegisterRunnerResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("runner_id", "lease_id", "load")
+    __slots__ = ("runner_id", "lease_id", "load", "leaving")
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     runner_id: str
     lease_id: str
     load: RunnerLoad
-    def __init__(self, runner_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., load: _Optional[_Union[RunnerLoad, _Mapping]] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, runner_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., load: _Optional[_Union[RunnerLoad, _Mapping]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "lease_seconds")
