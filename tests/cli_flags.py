@@ -37,31 +37,9 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
             raise AssertionError(f"warmserve refuses {argv}: {err.getvalue().strip()}") from None
 
 
-#: Issue 23's credential, TLS and health flags (/work contract: --auth-file, --token-file, --tls-*,
-#: --health-port, --signing-key, --trusted-keys; the OpenAI door's --api-key-file), which
-#: compose.yaml and deploy/k8s pass. Until a daemon takes one, :func:`without_pending` leaves it out
-#: of that daemon's command line (every one of them takes a value).
-PENDING_FLAGS = ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name",
-                 "--health-port", "--signing-key", "--trusted-keys", "--api-key-file")
-
-
-def pending(argv: list[str]) -> list[str]:
-    """The flags of :data:`PENDING_FLAGS` in ``argv`` that its command does not take yet."""
-    known = leaf_parser(argv)._option_string_actions
-    return [w for w in argv if w in PENDING_FLAGS and w not in known]
-
-
-def without_pending(argv: list[str]) -> list[str]:
-    """``argv`` without the :func:`pending` flags and their values."""
-    missing, out, skip = set(pending(argv)), [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in missing:
-            skip = True
-        else:
-            out.append(word)
-    return out
+#: The credential, TLS and health flags compose.yaml and deploy/k8s pass (each takes a value).
+CREDENTIAL_FLAGS = ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name",
+                    "--health-port", "--signing-key", "--trusted-keys", "--api-key-file")
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

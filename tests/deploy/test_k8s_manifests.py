@@ -38,7 +38,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from cli_flags import flag_value, parse_command_line, pending, without_pending
+from cli_flags import flag_value, parse_command_line
 
 from services.generation_client import GENERATION_SERVICE
 
@@ -234,10 +234,9 @@ def health_port(objects, workload: dict, container: dict) -> int | None:
 
 def parsed_args(objects, workload: dict, container: dict):
     """The container's ``warmserve`` arguments, expanded and parsed by warmserve's own parser: every
-    flag a real option of its command, spelled in full, with a value that parser accepts (issue
-    23's credential flags left out while its daemon does not take them yet: cli_flags.PENDING_FLAGS)."""
+    flag a real option of its command, spelled in full, with a value that parser accepts."""
     where = f"{workload['metadata']['name']}/{container['name']}"
-    argv = without_pending(container_argv(objects, workload, container))
+    argv = container_argv(objects, workload, container)
     if "--store" in argv and not cli_has_store(tuple(argv[:2])):  # until the S3 store lands (see below)
         i = argv.index("--store")
         argv = argv[:i] + argv[i + 2:]
@@ -542,15 +541,6 @@ def test_the_router_verifies_runners_dialled_by_ip_by_name(objects):
     (container,) = warmserve_containers(router)
     name = flag_value(container_argv(objects, router, container), "--tls-server-name")
     assert name in make_secrets.fleet("k8s")["certs"]["runner"], "the runners' certificate carries it"
-
-
-def test_credential_flags_are_taken_by_the_daemons(objects):
-    """Every flag the manifests pass is a real option; issue 23's are left out (and named here)
-    until the daemons take them."""
-    missing = sorted({f"{' '.join(argv[:2])} {flag}" for w in workloads(objects) for c in warmserve_containers(w)
-                      for argv in [container_argv(objects, w, c)] for flag in pending(argv)})
-    if missing:
-        pytest.skip(f"not taken by the daemons yet (the other slices of issue 23): {', '.join(missing)}")
 
 
 @pytest.mark.parametrize("component, claim", [("kernel-cache", "kernel-cache"), ("weights", "weights")])

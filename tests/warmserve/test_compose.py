@@ -3,7 +3,7 @@ would run it, with host names mapped to 127.0.0.1, each service's port mapped to
 port (two runners both listen on 50061 in their own containers), volume mount points mapped to
 temporary directories, and the services' own healthchecks awaited in ``depends_on`` order.
 Then a request goes through the router, and the same one through the OpenAI door with the
-official ``openai`` client. The replay leaves out issue 23's credential flags (cli_flags.PENDING_FLAGS:
+official ``openai`` client. The replay leaves out the credential flags (cli_flags.CREDENTIAL_FLAGS:
 auth files, tokens, TLS, signing keys, the health port: its checks then ask the service's port);
 the credentials are checked here by their wiring, and run by ``make compose-test`` in Docker. One-shot services (the volume-owner step, which gives the volumes to the
 image's user) have no loopback meaning: the temporary directories are this test's own, and are
@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from cli_flags import PENDING_FLAGS, flag_value, parse_command_line, pending, without_pending
+from cli_flags import CREDENTIAL_FLAGS, flag_value, parse_command_line
 
 from services.generation_client import GenerationClient, chat_request, sampling_params
 from services.ports import free_port
@@ -43,12 +43,12 @@ def _daemons(compose: dict) -> dict[str, dict]:
 
 
 def _without_credentials(argv: list[str]) -> list[str]:
-    """``argv`` without the flags of :data:`cli_flags.PENDING_FLAGS` and their values."""
+    """``argv`` without the flags of :data:`cli_flags.CREDENTIAL_FLAGS` and their values."""
     out, skip = [], False
     for word in argv:
         if skip:
             skip = False
-        elif word in PENDING_FLAGS:
+        elif word in CREDENTIAL_FLAGS:
             skip = True
         else:
             out.append(word)
@@ -216,19 +216,12 @@ def test_every_compose_command_is_real_options_with_valid_values() -> None:
     add_signing_args(server)
     declared = {o.flag for o in RUNNER_OPTIONS} | set(server._option_string_actions)
     for name, svc in _daemons(_load()).items():
-        command = without_pending(svc["command"])  # issue 23's flags a daemon does not take yet: see below
+        command = svc["command"]
         assert command[:3] == ["python", "-m", "warmserve.cli"], name
         args = parse_command_line(command[3:])
         assert args.host == "0.0.0.0", name
         if command[3:5] == ["runner", "serve"]:
             assert {w for w in command if w.startswith("--")} <= declared, name
-
-
-def test_credential_flags_are_taken_by_the_daemons() -> None:
-    missing = sorted({f"{' '.join(svc['command'][3:5])} {flag}" for svc in _daemons(_load()).values()
-                      for flag in pending(svc["command"][3:])})
-    if missing:
-        pytest.skip(f"not taken by the daemons yet (the other slices of issue 23): {', '.join(missing)}")
 
 
 def test_compose_takes_each_services_own_credentials_from_secrets() -> None:
