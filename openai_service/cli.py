@@ -1,7 +1,7 @@
 """``warmserve openai serve``: the OpenAI-compatible HTTP door over a router.
 
 ``warmserve openai serve [--router 127.0.0.1:50050] [--host 127.0.0.1] [--port 50053]
-[--served-model-name NAME] [--api-key-file F] [--tls-cert F --tls-key F [--tls-ca F]]
+[--served-model-name NAME] [--api-key-file F] [--tls-cert F --tls-key F [--tls-ca F]] [--router-tls-ca F]
 [--max-body-bytes N] [--allowed-hosts H,...] [--enable-docs] [--log-level INFO]`` serves
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/health`` (see
 :mod:`openai_service.app`). The API key is read from a file or ``WARMSERVE_API_KEY``, never
@@ -40,8 +40,11 @@ def register(subparsers) -> None:
     serve.add_argument("--tls-key", default=None, metavar="F", help="the certificate's PEM private key")
     serve.add_argument("--tls-ca", default=None, metavar="F",
                        help="require client certificates signed by this PEM CA (mTLS)")
+    serve.add_argument("--router-tls-ca", default=None, metavar="F",
+                       help="dial the router over TLS, verifying it against this PEM CA and presenting --tls-cert "
+                            "(default: --tls-ca; neither: plaintext); HTTP clients need no certificate for it")
     serve.add_argument("--tls-server-name", default=None, metavar="NAME",
-                       help="the name the router's certificate carries (with --tls-ca the router is dialled over TLS)")
+                       help="the name the router's certificate carries (when it is dialled over TLS)")
     serve.add_argument("--token-file", default=None, metavar="F",
                        help="the door's own token for the router (else $WARMSERVE_TOKEN)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",

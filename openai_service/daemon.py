@@ -143,10 +143,11 @@ def serve_from_args(args) -> int:
     """Entry point of ``warmserve openai serve``: serve until SIGINT/SIGTERM. Raises
     ``InvalidArgument`` for bad flags (exit 2) and ``Unavailable`` for a busy port (exit 1)."""
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
-    # Outbound, as every daemon: a CA means a TLS fleet (the router verified against it, the
-    # door's certificate presented); the token from --token-file or $WARMSERVE_TOKEN.
-    outbound = TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
-                        server_name=args.tls_server_name) if args.tls_ca else None
+    # Outbound: a CA (--router-tls-ca, else --tls-ca) means the router is dialled over TLS, verified
+    # against it, the door's certificate presented; the token from --token-file or $WARMSERVE_TOKEN.
+    router_ca = args.router_tls_ca or args.tls_ca
+    outbound = TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=router_ca,
+                        server_name=args.tls_server_name) if router_ca else None
     security = ClientSecurity(token=read_token(args.token_file), tls=outbound)
     config = OpenAIConfig(router=args.router, host=args.host, port=args.port, served_model_name=args.served_model_name,
                           api_key=api_key_from(args.api_key_file), max_body_bytes=args.max_body_bytes,

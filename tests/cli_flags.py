@@ -39,7 +39,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 #: The credential, TLS and health flags compose.yaml and deploy/k8s pass (each takes a value).
 CREDENTIAL_FLAGS = ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name",
-                    "--health-port", "--signing-key", "--trusted-keys", "--api-key-file")
+                    "--health-port", "--signing-key", "--trusted-keys", "--api-key-file", "--router-tls-ca")
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

@@ -500,7 +500,7 @@ CREDENTIALS = {
     "weights": ("--auth-file", "--tls-cert", "--tls-key", "--tls-ca", "--signing-key"),
     "router": ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca"),
     "runner": ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--signing-key", "--trusted-keys"),
-    "openai": ("--api-key-file", "--token-file", "--tls-cert", "--tls-key"),
+    "openai": ("--api-key-file", "--token-file", "--tls-cert", "--tls-key", "--router-tls-ca"),
 }
 
 

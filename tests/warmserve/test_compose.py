@@ -245,7 +245,7 @@ def test_compose_takes_each_services_own_credentials_from_secrets() -> None:
     for name, svc in _daemons(compose).items():
         command, wanted = svc["command"], set()
         for flag in ("--auth-file", "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--signing-key",
-                     "--api-key-file"):
+                     "--api-key-file", "--router-tls-ca"):
             path = flag_value(command, flag)
             if path is not None:
                 assert path.startswith("/run/secrets/"), (name, flag)
@@ -255,6 +255,8 @@ def test_compose_takes_each_services_own_credentials_from_secrets() -> None:
             owners.setdefault(secret, set()).add(name)
         is_door = command[3:5] == ["openai", "serve"]
         assert (flag_value(command, "--tls-ca") is not None) != is_door, f"{name}: mTLS (the door: HTTPS + key)"
+        # every hop inside the stack is mTLS: the door dials the router verifying it against the CA
+        assert (flag_value(command, "--router-tls-ca") is not None) == is_door, name
         assert flag_value(command, "--tls-cert") and flag_value(command, "--tls-key"), name
         if not is_door:
             assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{flag_value(command, '--health-port')}", name
