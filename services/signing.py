@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,14 +133,22 @@ class SigningKey:
         return key_path, pub_path
 
 
+#: Successful verifications a :class:`TrustedKeys` remembers (by digest of payload + signature).
+_VERIFIED_MEMO = 4096
+
+
 class TrustedKeys:
     """The public keys a verifier accepts, by key id. :meth:`load` reads a ``.pub`` PEM file or
-    every ``*.pub`` in a directory."""
+    every ``*.pub`` in a directory. A successful :meth:`verify` is remembered by the sha256 of
+    (payload, key id, signature), so checking the same entry again (lookup then fetch, every
+    warm launch's HIT) skips the Ed25519 arithmetic; a failure is never remembered."""
 
     def __init__(self, keys: Iterable[Ed25519PublicKey]) -> None:
         self._keys = {key_id(k): k for k in keys}
         if not self._keys:
             raise InvalidArgument("the trust list holds no public key")
+        self._verified: set[bytes] = set()
+        self._memo_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path) -> TrustedKeys:
@@ -179,10 +188,18 @@ class TrustedKeys:
         key = self._keys.get(sig.key_id)
         if key is None:
             raise Untrusted(f"{what} is signed by key {sig.key_id}, which is not trusted")
+        memo = hashlib.sha256(payload + b"\0" + sig.key_id.encode() + b"\0" + sig.signature).digest()
+        with self._memo_lock:
+            if memo in self._verified:
+                return sig.key_id
         try:
             key.verify(sig.signature, payload)
         except InvalidSignature:
             raise Untrusted(f"{what}: the signature by key {sig.key_id} does not match") from None
+        with self._memo_lock:
+            if len(self._verified) >= _VERIFIED_MEMO:
+                self._verified.clear()
+            self._verified.add(memo)
         return sig.key_id
 
 

@@ -95,3 +95,19 @@ def test_keys_new_cli_writes_the_pair_and_refuses_to_overwrite(tmp_path, capsys)
     TrustedKeys.load(tmp_path / "k" / "runner-0.pub")
     assert main(["keys", "new", "--out", str(tmp_path / "k"), "--name", "runner-0"]) == 2
     assert "never overwritten" in capsys.readouterr().err
+
+
+def test_a_remembered_verification_still_refuses_other_bytes():
+    """The memo of successful checks is keyed by payload and signature: a flipped byte of either
+    is refused after the true pair was verified (twice)."""
+    key = SigningKey.generate()
+    trusted = TrustedKeys([key.public_key()])
+    payload = program_payload("p", "f" * 64, "a" * 64, 4, "file", "me")
+    sig = key.sign(payload)
+    assert trusted.verify(payload, sig, "p") == key.key_id
+    assert trusted.verify(payload, sig, "p") == key.key_id
+    with pytest.raises(Untrusted):
+        trusted.verify(payload[:-1] + b"X", sig, "p")
+    bad = Signature(sig.key_id, bytes([sig.signature[0] ^ 1]) + sig.signature[1:])
+    with pytest.raises(Untrusted):
+        trusted.verify(payload, bad, "p")
