@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from services.errors import InvalidArgument
+from services.fsmode import write_secret
 from services.handlers import deny_handler, wrap_behaviour
 from services.scopes import SCOPES, scope_of
 
@@ -141,15 +142,6 @@ def load_auth_table(path: str | Path | None = None, env: Mapping[str, str] | Non
     return AuthTable.load(path) if path else None
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600, atomically (temp file + ``os.replace``)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def ensure_credentials(directory: str | Path, wanted: Mapping[str, Iterable[str]]) -> AuthTable:
     """Make (or reuse) one token per identity in ``directory`` and the auth file that accepts them.
 
@@ -165,10 +157,10 @@ def ensure_credentials(directory: str | Path, wanted: Mapping[str, Iterable[str]
         token = read_token(token_path) if token_path.exists() else None
         if token is None:
             token = new_token()
-            _write_private(token_path, token + "\n")
+            write_secret(token_path, token + "\n")
         creds.append(Credential(name, frozenset(scopes), token_digest(token)))
     table = AuthTable(creds)
-    _write_private(d / "auth", table.text())
+    write_secret(d / "auth", table.text())
     return table
 
 

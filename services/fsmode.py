@@ -29,3 +29,24 @@ def default_file_mode() -> int:
 def default_dir_mode() -> int:
     """``0o777 & ~umask``: the mode ``mkdir`` would give a new directory."""
     return 0o777 & ~current_umask()
+
+
+def write_secret(path: str | Path, data: str | bytes, mode: int = 0o600, *, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` with ``mode`` (default 0600: keys, tokens) atomically: a temp file
+    beside it, made with that mode from the start (never readable by others in between), then
+    ``os.replace``. With ``exclusive``, raises ``FileExistsError`` when ``path`` exists (a key
+    that must never be overwritten) and links instead of replacing."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, mode)  # the umask may have narrowed a public file's mode
+        if exclusive:
+            os.link(tmp, p)  # FileExistsError when present; atomic either way
+        else:
+            os.replace(tmp, p)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from services.errors import InvalidArgument, Untrusted
+from services.fsmode import write_secret
 
 #: Domain tags: the first line of every signed payload.
 PROGRAM_DOMAIN = "warmserve-program-v1"
@@ -124,12 +125,10 @@ class SigningKey:
         pem = self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption())
         try:
-            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            write_secret(key_path, pem, exclusive=True)
         except FileExistsError:
             raise InvalidArgument(f"{key_path} exists; a signing key is never overwritten") from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-        pub_path.write_bytes(self.public_pem())
+        write_secret(pub_path, self.public_pem(), 0o644)
         return key_path, pub_path
 
 

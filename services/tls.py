@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from services.errors import InvalidArgument
+from services.fsmode import write_secret
 
 
 def _read(path: str, what: str) -> bytes:
@@ -116,13 +116,6 @@ class DevPKI:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, mode)
-
-
 def make_dev_pki(directory: str | Path, names: Sequence[str] = ("localhost", "127.0.0.1"), *,
                  days: int = 30, common_name: str = "warmserve dev CA") -> DevPKI:
     """Make an ECDSA P-256 CA and one leaf certificate for ``names`` (DNS names or IP addresses, as
@@ -166,8 +159,8 @@ def make_dev_pki(directory: str | Path, names: Sequence[str] = ("localhost", "12
     private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
                    encryption_algorithm=serialization.NoEncryption())
     pki = DevPKI.at(d)
-    _write(pki.ca_key, ca_key.private_bytes(**private), 0o600)
-    _write(pki.key, leaf_key.private_bytes(**private), 0o600)
-    _write(pki.ca, ca.public_bytes(pem), 0o644)
-    _write(pki.cert, leaf.public_bytes(pem), 0o644)
+    write_secret(pki.ca_key, ca_key.private_bytes(**private))
+    write_secret(pki.key, leaf_key.private_bytes(**private))
+    write_secret(pki.ca, ca.public_bytes(pem), 0o644)
+    write_secret(pki.cert, leaf.public_bytes(pem), 0o644)
     return pki

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from services.auth import ENV_TOKEN, new_token, read_token
 from services.channel import ClientSecurity
+from services.fsmode import write_secret
 from services.scopes import GENERATE, PREPARE, PUBLISH, READ, REGISTER, SCOPES
 
 #: The directory under the home that holds the tokens and the auth file.
@@ -54,9 +55,7 @@ def ensure_stack_credentials(home: Path, runners: int) -> Path:
     ensure_credentials(d, stack_identities(runners))
     key = d / OPENAI_KEY_FILE
     if not key.exists():
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(new_token() + "\n")
+        write_secret(key, new_token() + "\n", exclusive=True)
     return d
 
 
