@@ -10,6 +10,9 @@ route                                  answer
 ``GET /v1/models/{model}``             that model, or 404 ``model_not_found``
 ``POST /v1/completions``               a completion, or with ``stream`` server-sent chunks
 ``POST /v1/chat/completions``          a chat completion, or with ``stream`` server-sent chunks
+``GET /metrics``                       Prometheus text: ``warmserve_refused_total{reason}``, what
+                                       this door refused at a limit (``host``, ``api_key``,
+                                       ``body_bytes``, ``unicode``, ``overloaded``); open, as vLLM's
 =====================================  ============================================================
 
 Each generation request is one ``Generate`` call to the router. Non-streaming, the call is
@@ -42,6 +45,7 @@ from contextlib import asynccontextmanager
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -79,6 +83,7 @@ from openai_service.router_client import RouterClient
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
 from services.healthcheck import PID_METADATA_KEY
+from services.refusals import Refusals
 from services.proto import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -185,19 +190,26 @@ def create_app(config: OpenAIConfig) -> FastAPI:
     app = FastAPI(title="warmserve OpenAI-compatible API", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.openapi = lambda: openapi_schema(app, api_key=config.api_key is not None)  # type: ignore[method-assign]
+    refusals = Refusals()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(refusals)
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       allowed_hosts=config.allowed_hosts)
+                       allowed_hosts=config.allowed_hosts, refusals=refusals)
+    app.state.refusals = refusals
     app.state.client = client
     app.state.served = served
     v1_errors = error_responses(V1_STATUSES)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        refusals.count(exc)
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(from_validation_error(list(exc.errors()), request.headers.get("content-type")))
+        err = from_validation_error(list(exc.errors()), request.headers.get("content-type"))
+        refusals.count(err)
+        return _error(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -219,6 +231,12 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         except OpenAIError as e:
             return _error(OpenAIError(503, e.message), headers=pid_header)
         return JSONResponse({"status": "ok", "runner_id": info.runner_id}, headers=pid_header)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text exposition", "content": {CONTENT_TYPE_LATEST: {
+                 "schema": {"type": "string"}}}}, **error_responses((400, 413))})
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _card() -> ModelCard:
         info = await served.info()

@@ -75,11 +75,12 @@ GRPC_TO_HTTP = {
 class OpenAIError(Exception):
     """An answer in OpenAI's error shape: ``status`` (HTTP), ``message`` (one sentence),
     ``type`` (default: :data:`ERROR_TYPES` of the status), ``param`` (the request field at
-    fault), ``code`` (default: the status, as vLLM sends it) and ``headers`` (HTTP headers the
-    answer carries, e.g. ``Allow`` for a 405)."""
+    fault), ``code`` (default: the status, as vLLM sends it), ``headers`` (HTTP headers the
+    answer carries, e.g. ``Allow`` for a 405) and ``reason`` (set on a limit's refusal: the
+    door counts it in ``warmserve_refused_total{reason}``, :mod:`services.refusals`)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: int | str | None = None, headers: dict[str, str] | None = None, reason: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -87,6 +88,7 @@ class OpenAIError(Exception):
         self.param = param
         self.code = status if code is None else code
         self.headers = headers
+        self.reason = reason
 
     def response(self) -> ErrorResponse:
         """The body model."""
@@ -129,7 +131,7 @@ def from_rpc_error(err: grpc.RpcError, fields: dict[str, str] | None = None) -> 
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     if is_overloaded(err):
         return OpenAIError(429, (err.details() if hasattr(err, "details") else None)
-                           or "every runner is at capacity: retry later")
+                           or "every runner is at capacity: retry later", reason="overloaded")
     if code == grpc.StatusCode.UNKNOWN:
         return OpenAIError(500, "the router failed with an unexpected error (UNKNOWN; see its and the runner's logs)")
     details = (err.details() if hasattr(err, "details") else None) or code.name
@@ -152,7 +154,9 @@ def _body_error(e: dict, content_type: str | None) -> OpenAIError | None:
     loc = tuple(e.get("loc", ()))
     kind = e.get("type")
     if kind == "invalid_unicode":  # openai_service.protocol: a lone surrogate somewhere in the body
-        return bad_request(str(e.get("msg")), param=e.get("ctx", {}).get("param"))
+        err = bad_request(str(e.get("msg")), param=e.get("ctx", {}).get("param"))
+        err.reason = "unicode"
+        return err
     if kind == "json_invalid":  # FastAPI's; loc ("body", character offset)
         pos = f"at character {loc[1]}: " if len(loc) > 1 and isinstance(loc[1], int) else ""
         return bad_request(f"the body is not valid JSON ({pos}{e.get('ctx', {}).get('error', 'JSON decode error')})")

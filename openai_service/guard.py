@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_service.errors import OpenAIError
+from services.refusals import Refusals
 
 #: The routes that need the API key (as vLLM's ``--api-key``): health and docs stay open.
 PROTECTED_PREFIX = "/v1"
@@ -46,11 +47,13 @@ class RequestGuard:
     Bearer``; no key: open); a body over ``max_body_bytes`` a 413, refused on its
     ``Content-Length`` before any byte is read, or, chunked, as soon as the bytes received pass
     the limit. The body is read here (at most ``max_body_bytes`` of it held) and replayed to the
-    app, so nothing downstream parses an oversize body."""
+    app, so nothing downstream parses an oversize body. Each refusal is counted in ``refusals``
+    (by its :attr:`OpenAIError.reason <openai_service.errors.OpenAIError>`) when given."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 allowed_hosts: Sequence[str] = ()) -> None:
+                 allowed_hosts: Sequence[str] = (), refusals: Refusals | None = None) -> None:
         self.app = app
+        self.refusals = refusals
         self.key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
@@ -68,16 +71,19 @@ class RequestGuard:
             else:
                 await self.app(scope, _replay(body, receive), send)
                 return
+        if self.refusals is not None:
+            self.refusals.count(refusal)
         await JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)(scope, receive, send)
 
     def _refusal(self, scope: Scope, headers: Headers) -> OpenAIError | None:
         if not host_allowed(headers.get("host"), self.allowed_hosts):
-            return OpenAIError(400, "this server does not answer for that Host header", code="invalid_host")
+            return OpenAIError(400, "this server does not answer for that Host header", code="invalid_host",
+                               reason="host")
         if self.key is not None and scope["path"].startswith(PROTECTED_PREFIX):
             raw = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not bearer_matches(raw, self.key):
                 return OpenAIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, reason="api_key")
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
@@ -88,7 +94,7 @@ class RequestGuard:
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(413, f"the request body is over the door's limit of {self.max_body_bytes} bytes "
-                                "(--max-body-bytes)", code="request_too_large")
+                                "(--max-body-bytes)", code="request_too_large", reason="body_bytes")
 
     async def _read_body(self, receive: Receive) -> deque[Message] | None:
         """The request's body messages up to the last (or a disconnect), ``None`` once their

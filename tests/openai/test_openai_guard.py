@@ -360,3 +360,42 @@ def test_calls_to_the_router_carry_the_doors_token_and_tls(router, pki) -> None:
 def test_bad_guard_settings_are_one_sentence(config, message) -> None:
     with pytest.raises(InvalidArgument, match=message.replace("*", r"\*")):
         OpenAIConfig(**config)
+
+
+# --- refusals counted -------------------------------------------------------------------------------
+
+
+def refused(server: OpenAIServer) -> dict[str, float]:
+    """``warmserve_refused_total`` by reason, parsed from the door's ``/metrics`` with
+    prometheus_client's own text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = HTTPConnection(server.address, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) if f.name == "warmserve_refused"
+            for s in f.samples if s.name == "warmserve_refused_total"}
+
+
+def test_each_limit_refusal_is_counted_on_metrics(router) -> None:
+    with door(router, api_key=KEY, max_body_bytes=4096, allowed_hosts=("127.0.0.1",)) as d:
+        assert refused(d) == {}, "nothing refused yet"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert request(d, "GET", "/v1/models", headers={"Host": "evil.example"})[0] == 400
+        assert request(d, "GET", "/v1/models")[0] == 401
+        assert request(d, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})[0] == 401
+        assert request(d, "POST", "/v1/completions", b"x" * 5000, headers=auth)[0] == 413
+        assert request(d, "POST", "/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', headers=auth)[0] == 400
+        router[1].overloaded = True
+        try:
+            assert request(d, "POST", "/v1/completions", COMPLETION, headers=auth)[0] == 429
+        finally:
+            router[1].overloaded = False
+        assert request(d, "POST", "/v1/completions", COMPLETION, headers=auth)[0] == 200
+        assert request(d, "POST", "/v1/completions", {"prompt": "w5", "max_tokens": -1}, headers=auth)[0] == 400
+        assert refused(d) == {"host": 1, "api_key": 2, "body_bytes": 1, "unicode": 1, "overloaded": 1}
