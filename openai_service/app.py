@@ -83,8 +83,8 @@ from openai_service.router_client import RouterClient
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
 from services.healthcheck import PID_METADATA_KEY
-from services.refusals import Refusals
 from services.proto import generation_pb2
+from services.refusals import Refusals
 
 log = logging.getLogger(__name__)
 
