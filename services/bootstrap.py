@@ -45,6 +45,7 @@ from services.errors import InvalidArgument
 from services.handlers import wrap_behaviour
 from services.healthcheck import PID_METADATA_KEY
 from services.refusals import Refusals
+from services.stream_slots import OPEN_STREAMS, OpenStreamLimit
 from services.tls import TLSFiles, tls_from_args
 from services.utf8 import UndecodableRequests
 
@@ -62,8 +63,9 @@ class ServerConfig:
 
     Threads (:mod:`services.stream_slots`): a server's streaming RPCs that take a slot hold at
     most ``max_streams`` threads at once; the pool has ``max_streams + control_threads`` threads,
-    so short control calls (heartbeats, health checks, ``ModelInfo``) always find one.
-    ``max_workers`` overrides the pool size outright (``None``: that sum).
+    so short control calls (heartbeats, health checks, ``ModelInfo``) always find one; the open
+    methods' streams (reflection, which needs no token) hold at most
+    :data:`~services.stream_slots.OPEN_STREAMS` more, and a health ``Watch`` none. ``max_workers`` overrides the pool size outright (``None``: that sum).
     """
 
     service: str
@@ -99,8 +101,11 @@ class ServerConfig:
 
     @property
     def pool_threads(self) -> int:
-        """Threads of the server's pool: ``max_workers``, else ``max_streams + control_threads``."""
-        return self.max_workers if self.max_workers is not None else self.max_streams + self.control_threads
+        """Threads of the server's pool: ``max_workers``, else ``max_streams + control_threads``
+        plus the open methods' streams (:data:`services.stream_slots.OPEN_STREAMS`)."""
+        if self.max_workers is not None:
+            return self.max_workers
+        return self.max_streams + self.control_threads + OPEN_STREAMS
 
 
 class _MetricsInterceptor(grpc.ServerInterceptor):
@@ -238,7 +243,8 @@ class ServiceServer:
     def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises ``OSError`` if the bind fails."""
         cfg = self.config
-        interceptors: list[grpc.ServerInterceptor] = [_MetricsInterceptor(self.registry),
+        interceptors: list[grpc.ServerInterceptor] = [OpenStreamLimit(cfg.service, refusals=self.refusals),
+                                                      _MetricsInterceptor(self.registry),
                                                       UndecodableRequests(self.refusals)]
         if cfg.auth is not None:
             refused = Counter("warmserve_auth_refused", "RPCs refused by the token check", ["reason"],

@@ -8,8 +8,25 @@ from collections.abc import Callable
 import grpc
 
 
+def non_blocking(behaviour: Callable | None) -> bool:
+    """Whether ``behaviour`` is grpcio's callback style (``experimental_non_blocking``: it takes
+    a ``send_response_callback`` and returns at once, e.g. ``grpc_health``'s ``Watch``): such a
+    stream holds no pool thread, and a plain wrapper around it would make it hold one for its
+    whole life (the blocking fallback)."""
+    return bool(getattr(behaviour, "experimental_non_blocking", False))
+
+
+def behaviour_of(handler: grpc.RpcMethodHandler) -> Callable:
+    """The one behaviour ``handler`` carries (whichever of its four arities is set)."""
+    return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+
 def wrap_behaviour(handler: grpc.RpcMethodHandler, bind: Callable[[Callable, bool], Callable]) -> grpc.RpcMethodHandler:
-    """A handler like ``handler`` whose behaviour is ``bind(behaviour, response_streaming)``."""
+    """A handler like ``handler`` whose behaviour is ``bind(behaviour, response_streaming)``;
+    ``handler`` itself when its behaviour is :func:`non_blocking` (it is left unwrapped so it
+    keeps holding no thread)."""
+    if non_blocking(behaviour_of(handler)):
+        return handler
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(bind(handler.unary_unary, False), **kw)

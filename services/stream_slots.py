@@ -18,7 +18,9 @@ import threading
 
 import grpc
 
-from services.errors import InvalidArgument, Overloaded
+from services.errors import InvalidArgument, Overloaded, abort_with
+from services.handlers import behaviour_of, non_blocking, wrap_behaviour
+from services.scopes import scope_of
 
 
 class StreamSlots:
@@ -58,3 +60,45 @@ class StreamSlots:
 
         if not context.add_callback(release):  # the RPC has already ended
             release()
+
+
+#: Streams of open methods (reflection's ``ServerReflectionInfo``; a health ``Watch`` that is not
+#: callback-style) one server serves at once. They need no token, so this bounds the pool
+#: threads an unauthenticated peer can hold; the pool is sized with them on top
+#: (:attr:`services.bootstrap.ServerConfig.pool_threads`).
+OPEN_STREAMS = 4
+
+
+class OpenStreamLimit(grpc.ServerInterceptor):
+    """Gives the open streaming methods (:func:`services.scopes.scope_of` is ``None``) at most
+    ``limit`` threads: stream ``limit + 1`` is refused at once as ``Overloaded``
+    (``open_streams``, counted in ``refusals`` when given). A callback-style behaviour
+    (:func:`services.handlers.non_blocking`, ``grpc_health``'s ``Watch``) holds no thread and
+    passes untouched."""
+
+    def __init__(self, owner: str, limit: int = OPEN_STREAMS, refusals=None) -> None:
+        self.slots = StreamSlots(limit, f"{owner} (open methods)")
+        self._refusals = refusals
+
+    def intercept_service(self, continuation, handler_call_details):
+        """gRPC interceptor protocol."""
+        handler = continuation(handler_call_details)
+        if (handler is None or scope_of(handler_call_details.method) is not None
+                or not (handler.request_streaming or handler.response_streaming)
+                or non_blocking(behaviour_of(handler))):
+            return handler
+        slots, refusals = self.slots, self._refusals
+
+        def bind(fn, _streaming: bool):
+            def inner(request, context):
+                try:
+                    slots.take(context)
+                except Overloaded as e:
+                    e.reason = "open_streams"
+                    if refusals is not None:
+                        refusals.count(e)
+                    abort_with(context, e)
+                return fn(request, context)
+            return inner
+
+        return wrap_behaviour(handler, bind)

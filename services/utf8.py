@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from services.errors import InvalidArgument
+from services.handlers import non_blocking
 from services.refusals import Refusals
 
 
@@ -68,11 +69,13 @@ class UndecodableRequests(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
 
     def _unary(self, behaviour):
-        def inner(request, context):
+        def inner(request, context, *callback):  # a non-blocking behaviour's send_response_callback
             if isinstance(request, _Undecodable):
                 self._refuse(request, context)
-            return behaviour(request, context)
+            return behaviour(request, context, *callback)
 
+        if non_blocking(behaviour):
+            inner.experimental_non_blocking = True  # type: ignore[attr-defined]
         return inner
 
     def _streaming(self, behaviour):

@@ -148,3 +148,48 @@ def test_a_request_that_does_not_parse_is_invalid_argument_not_internal(server, 
     assert list((tmp_path / "root" / "tmp").iterdir()) == []
     assert _check(server.address) == health_pb2.HealthCheckResponse.SERVING
     channel.close()
+
+
+def test_unauthenticated_open_streams_cannot_take_the_pool(tmp_path):
+    """A pool of max_streams + control_threads + OPEN_STREAMS = 1 + 1 + 4 threads. 40 health
+    Watch streams (callback style: no thread each) and reflection streams past OPEN_STREAMS
+    (refused Overloaded) leave a Lookup and a Check answering; every Watch still sees the drain."""
+    from services.errors import is_overloaded
+    from services.stream_slots import OPEN_STREAMS
+
+    cfg = ServerConfig(service="kc", max_streams=1, control_threads=1)
+    assert cfg.pool_threads == 2 + OPEN_STREAMS
+    srv = build_server(KernelStore(tmp_path / "root"), cfg)
+    srv.start()
+    channels = [grpc.insecure_channel(srv.address) for _ in range(4)]
+    try:
+        watches = [health_pb2_grpc.HealthStub(channels[i % 4]).Watch(health_pb2.HealthCheckRequest())
+                   for i in range(40)]
+        assert all(next(w).status == SERVING for w in watches)
+        hold = threading.Event()
+
+        def requests():
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+            hold.wait(30)  # keep the stream (and its thread) open
+
+        reflections = [reflection_pb2_grpc.ServerReflectionStub(channels[0]).ServerReflectionInfo(requests())
+                       for _ in range(OPEN_STREAMS)]
+        assert all(next(r).list_services_response.service for r in reflections)
+        extra = reflection_pb2_grpc.ServerReflectionStub(channels[1]).ServerReflectionInfo(requests())
+        with pytest.raises(grpc.RpcError) as e:
+            next(extra)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_overloaded(e.value), e.value.details()
+        stub = pb_grpc.KernelCacheStub(channels[2])
+        for _ in range(5):
+            miss = stub.Lookup(pb.LookupRequest(key=pb.ProgramKey(name="p", fingerprint="f")), timeout=5)
+            assert miss.status == pb.LookupResponse.STATUS_MISS
+            assert _check(srv.address) == SERVING
+        hold.set()
+        for r in reflections:
+            r.cancel()
+        srv.drain(grace_s=1)
+        assert all(next(w).status == NOT_SERVING for w in watches)
+    finally:
+        for ch in channels:
+            ch.close()
+        srv.stop()
