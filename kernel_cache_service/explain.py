@@ -98,10 +98,15 @@ def flatten(record: Mapping, prefix: str = "") -> dict[str, object]:
 
 
 def differences(wanted: Mapping, stored: Mapping) -> tuple[Difference, ...]:
-    """The leaves in which two parts records differ, sorted by path."""
+    """The leaves in which two parts records differ, sorted by path (an empty object on one side
+    is not named when the other side has leaves under it: those are)."""
     a, b = flatten(wanted), flatten(stored)
-    return tuple(Difference(p, b.get(p, ABSENT), a.get(p, ABSENT))
-                 for p in sorted(set(a) | set(b)) if a.get(p, ABSENT) != b.get(p, ABSENT))
+    paths = sorted(p for p in set(a) | set(b) if a.get(p, ABSENT) != b.get(p, ABSENT))
+
+    def under_other(p: str) -> bool:
+        return {} in (a.get(p), b.get(p)) and any(q.startswith((p + ".", p + "[")) for q in paths)
+
+    return tuple(Difference(p, b.get(p, ABSENT), a.get(p, ABSENT)) for p in paths if not under_other(p))
 
 
 def stored_record(entry: EntryInfo) -> dict | None:
