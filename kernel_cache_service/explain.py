@@ -26,6 +26,8 @@ ABSENT = "(absent)"
 DEFAULT_NEAREST = 3
 #: Characters of a value shown in the one-line summary (JSON; longer ones are cut with "...").
 _SHORT_VALUE = 40
+#: Differences the one-line summary names (then "and N more parts").
+_SHORT_COUNT = 4
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ def show(value: object, width: int | None = None) -> str:
 def one_line(explanation: Explanation) -> str:
     """A phrase for the runner's report: ``""`` on a HIT or when no entry of the name exists, else
     which parts differ from the nearest entry (``MISS: nearest llama.decode.aoti entry 3f2a...
-    differs in compile_options.threads (2 -> 4)``), or that the entries carry no parts."""
+    differs in compile_options.threads (2 -> 4)``; the first four, then how many more and the
+    command that lists them), or that the entries carry no parts."""
     e = explanation
     if e.hit or not (e.nearest or e.without_parts):
         return ""
@@ -158,5 +161,8 @@ def one_line(explanation: Explanation) -> str:
                 "without fingerprint parts (published by an older warmserve)")
     n = e.nearest[0]
     diffs = ", ".join(f"{d.path} ({show(d.stored, _SHORT_VALUE)} -> {show(d.wanted, _SHORT_VALUE)})"
-                      for d in n.differences)
-    return f"MISS: nearest {e.name} entry {n.entry.fingerprint[:12]} differs in {diffs}"
+                      for d in n.differences[:_SHORT_COUNT])
+    more = len(n.differences) - _SHORT_COUNT
+    tail = f" and {more} more part{'' if more == 1 else 's'} (warmserve cache explain {e.name} {e.fingerprint})" \
+        if more > 0 else ""
+    return f"MISS: nearest {e.name} entry {n.entry.fingerprint[:12]} differs in {diffs}{tail}"

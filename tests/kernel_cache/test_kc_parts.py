@@ -14,6 +14,7 @@ import pytest
 
 import kernel_cache_service.keys as keys_module
 from kernel_cache_service.client import KernelCacheClient
+from kernel_cache_service.entry import EntryInfo
 from kernel_cache_service.explain import ABSENT, differences, explain, one_line
 from kernel_cache_service.fingerprint import program_parts
 from kernel_cache_service.layout import PARTS_FILE
@@ -207,3 +208,14 @@ def test_differences_name_sources_by_module_and_show_absent_leaves():
         ("sources[pkg.new]", ABSENT, "3" * 64),
     ]
     assert explain(NAME, "ee" * 32, b, []).nearest == ()
+
+
+def test_the_one_line_summary_names_four_parts_then_says_how_many_more():
+    stored = record()
+    wanted = {**stored, "dtype": "bfloat16", "torch": "2.14.0", "python": "3.12", "warmserve": "0.2.0",
+              "arch": {"family": "llama", "config": {"hidden_size": 64}}}
+    entry = EntryInfo(NAME, key_of(stored), 1, "0" * 64, 1.0, "t", "file", parts=text_of(stored))
+    line = one_line(explain(NAME, key_of(wanted), wanted, [entry]))
+    assert line == (f"MISS: nearest {NAME} entry {key_of(stored)[:12]} differs in arch.config.hidden_size (32 -> 64), "
+                    'dtype ("float32" -> "bfloat16"), python ("3.11" -> "3.12"), torch ("2.13.0" -> "2.14.0") '
+                    f"and 1 more part (warmserve cache explain {NAME} {key_of(wanted)})")
