@@ -298,7 +298,7 @@ def _explanation_text(e) -> str:
     for n in e.nearest:
         created = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(n.entry.created))
         lines.append(f"  {n.entry.fingerprint} (created {created}, producer {n.entry.producer or '-'}): "
-                     f"{len(n.differences)} part{'' if len(n.differences) == 1 else 's'} differ")
+                     f"{len(n.differences)} part{' differs' if len(n.differences) == 1 else 's differ'}")
         lines += [f"    {d.path}: {show(d.stored, 100)} -> {show(d.wanted, 100)}" for d in n.differences]
     if e.without_parts:
         lines.append(f"  {len(e.without_parts)} entr{'y' if len(e.without_parts) == 1 else 'ies'} without fingerprint "

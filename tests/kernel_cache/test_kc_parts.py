@@ -219,3 +219,18 @@ def test_the_one_line_summary_names_four_parts_then_says_how_many_more():
     assert line == (f"MISS: nearest {NAME} entry {key_of(stored)[:12]} differs in arch.config.hidden_size (32 -> 64), "
                     'dtype ("float32" -> "bfloat16"), python ("3.11" -> "3.12"), torch ("2.13.0" -> "2.14.0") '
                     f"and 1 more part (warmserve cache explain {NAME} {key_of(wanted)})")
+
+
+def test_cache_explain_over_a_daemon_prints_each_differing_part(grpc_cache, artifact, tmp_path, capsys):
+    from warmserve.cli import main
+
+    cache = grpc_cache()
+    stored, wanted = record(threads=4), record(threads=2)
+    KernelCacheClient(cache.address).publish(NAME, key_of(stored), artifact, parts=text_of(stored))
+    (tmp_path / "wanted.json").write_text(text_of(wanted))
+    capsys.readouterr()
+    assert main(["cache", "explain", "--parts", str(tmp_path / "wanted.json"), "--addr", cache.address]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"MISS {NAME}/{key_of(wanted)}; nearest entries of {NAME} (part: stored -> wanted):"
+    assert out[1].startswith(f"  {key_of(stored)} (created ") and out[1].endswith("): 1 part differs")
+    assert out[2:] == ["    compile_options.threads: 4 -> 2"]
