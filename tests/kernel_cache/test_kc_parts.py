@@ -234,3 +234,16 @@ def test_cache_explain_over_a_daemon_prints_each_differing_part(grpc_cache, arti
     assert out[0] == f"MISS {NAME}/{key_of(wanted)}; nearest entries of {NAME} (part: stored -> wanted):"
     assert out[1].startswith(f"  {key_of(stored)} (created ") and out[1].endswith("): 1 part differs")
     assert out[2:] == ["    compile_options.threads: 4 -> 2"]
+
+
+def test_a_list_answer_carries_records_up_to_its_byte_budget(grpc_cache, artifact, monkeypatch):
+    import kernel_cache_service.servicer as servicer
+
+    docs = sorted((record(threads=t) for t in (2, 3)), key=key_of)  # List sorts by fingerprint
+    monkeypatch.setattr(servicer, "MAX_LIST_PARTS_BYTES", len(text_of(docs[0])) + 10)
+    cache = grpc_cache()
+    client = KernelCacheClient(cache.address)
+    for doc in docs:
+        client.publish(NAME, key_of(doc), artifact, parts=text_of(doc))
+    assert [e.parts for e in client.list(NAME, with_parts=True)] == [text_of(docs[0]), ""]
+    assert [e.parts for e in client.list(NAME)] == ["", ""]
