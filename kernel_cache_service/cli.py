@@ -9,12 +9,14 @@ Commands::
     warmserve cache ls [PREFIX]                 (--addr HOST:PORT | --root DIR)
     warmserve cache stat                        (--addr HOST:PORT | --root DIR)
     warmserve cache evict [NAME [FINGERPRINT]] [--all]  (--addr | --root) [--token-file F] [TLS flags]
+    warmserve cache explain [NAME FINGERPRINT] [--parts FILE] [--limit N] [--json]  (--addr | --root)
 
 ``--root`` uses an embedded store in that directory (no daemon); ``--addr`` talks to a daemon.
 Neither given: the daemon at ``$WARMSERVE_KERNEL_CACHE_ADDR`` if set, else the embedded store at
 the default root (``$WARMSERVE_HOME/kernel-cache``). Exit codes: 0 success, 2 bad usage or input
 (a bad key, a missing PATH), 1 a failed operation (a MISS on ``get``, a REJECTED ``put``, an
-unreachable daemon). Heavy modules are imported inside the handlers so the CLI starts fast.
+unreachable daemon). ``explain`` prints which fingerprint parts of a key differ from the stored
+entries of its name (``docs/architecture.md`` §5). Heavy modules are imported inside the handlers so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+from kernel_cache_service.explain import DEFAULT_NEAREST
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_part, validate_prefix
 from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S
@@ -86,6 +89,19 @@ def register(subparsers) -> None:
     evict.add_argument("--all", action="store_true", help="evict every entry")
     _target_args(evict)
     evict.set_defaults(func=_cmd_evict)
+
+    explain = sub.add_parser("explain", help="which fingerprint parts of a key differ from the stored entries of its name")
+    explain.add_argument("name", nargs="?", default=None)
+    explain.add_argument("fingerprint", nargs="?", default=None)
+    explain.add_argument("--parts", default=None, metavar="FILE",
+                         help="the key's fingerprint parts record (JSON; '-' reads stdin); default: the record a "
+                              "runner of this home left beside its programs (HOME/programs/NAME-FP24.parts.json), "
+                              "or the store's own entry")
+    explain.add_argument("--limit", type=int_at_least(1), default=DEFAULT_NEAREST,
+                         help=f"the nearest entries to show (default {DEFAULT_NEAREST})")
+    explain.add_argument("--json", action="store_true", help="one JSON object")
+    _target_args(explain)
+    explain.set_defaults(func=_cmd_explain)
 
 
 def _target_args(parser: argparse.ArgumentParser) -> None:
@@ -193,3 +209,98 @@ def _cmd_evict(args) -> int:
         client.close()
     print(f"evicted {count} entries, freed {freed} bytes")
     return 0
+
+
+def _read_parts(path: str) -> dict:
+    """The parts record in file ``path`` (``-``: stdin); ``InvalidArgument`` when unreadable or
+    not a parts record."""
+    import sys
+
+    from kernel_cache_service.fingerprint import parse_parts
+    from kernel_cache_service.limits import MAX_PARTS_BYTES
+
+    try:
+        text = sys.stdin.read(MAX_PARTS_BYTES + 1) if path == "-" else Path(path).read_text()[:MAX_PARTS_BYTES + 1]
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read the parts record {path}: {getattr(e, 'strerror', None) or e}") from None
+    if len(text) > MAX_PARTS_BYTES:
+        raise InvalidArgument(f"{path} is over {MAX_PARTS_BYTES} bytes: not a parts record")
+    try:
+        return parse_parts(text, strict=False)
+    except ValueError as e:
+        raise InvalidArgument(f"{path}: {e}") from None
+
+
+def _wanted_parts(args, client) -> tuple[str, str, dict | None]:
+    """``(name, fingerprint, record)`` of the key to explain: from ``--parts`` (checked against
+    NAME and FINGERPRINT when given), else the record a runner of this home left
+    (:func:`~kernel_cache_service.explain.wanted_parts_path`), else the store's entry (``None``
+    when the store holds the key but without a record). ``InvalidArgument`` when none is found."""
+    from kernel_cache_service.explain import stored_record, wanted_parts_path
+    from kernel_cache_service.fingerprint import fingerprint_of
+    from services.paths import default_programs_dir
+
+    path = args.parts
+    if path is None:
+        recorded = wanted_parts_path(default_programs_dir(), args.name, args.fingerprint)
+        if not recorded.is_file():
+            held = next((e for e in client.list(args.name, with_parts=True)
+                         if e.name == args.name and e.fingerprint == args.fingerprint), None)
+            if held is None:
+                raise InvalidArgument(f"no fingerprint parts record for {args.name}/{args.fingerprint}: the store "
+                                      f"does not hold the key and no runner of this home recorded it ({recorded}); "
+                                      "pass --parts FILE")
+            return args.name, args.fingerprint, stored_record(held)
+        path = str(recorded)
+    record = _read_parts(path)
+    name, fp = record["name"], fingerprint_of(record)
+    if args.name is not None and args.name != name:
+        raise InvalidArgument(f"the parts record {path} is {name[:60]!r}'s, not {args.name!r}'s")
+    if args.fingerprint is not None and args.fingerprint != fp:
+        raise InvalidArgument(f"the parts record {path} has fingerprint {fp}, not {args.fingerprint}")
+    validate_key(name, fp)
+    return name, fp, record
+
+
+def _cmd_explain(args) -> int:
+    if args.parts is None and (args.name is None or args.fingerprint is None):
+        raise InvalidArgument("give NAME FINGERPRINT, or --parts FILE (a key's fingerprint parts record)")
+    if args.name is not None:
+        validate_part(args.name, "name")
+    if args.fingerprint is not None:
+        validate_part(args.fingerprint, "fingerprint")
+        if args.fingerprint == UNKNOWN:
+            raise InvalidArgument("fingerprint UNKNOWN has no parts: some part of it could not be computed")
+    client = _client(args)
+    try:
+        name, fp, wanted = _wanted_parts(args, client)
+        explanation = client.explain(name, fp, wanted or {}, args.limit)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(explanation.to_dict(), sort_keys=True))
+        return 0
+    print(_explanation_text(explanation))
+    return 0
+
+
+def _explanation_text(e) -> str:
+    """``cache explain``'s report: HIT, or each nearest entry with its differing parts
+    (``part: stored -> wanted``) and the entries that carry no parts."""
+    from kernel_cache_service.explain import show
+
+    key = f"{e.name}/{e.fingerprint}"
+    if e.hit:
+        return f"HIT {key}: the store holds this key"
+    if not e.nearest and not e.without_parts:
+        return f"MISS {key}: the store holds no entry of {e.name}"
+    lines = [f"MISS {key}; nearest entries of {e.name} (part: stored -> wanted):"]
+    for n in e.nearest:
+        created = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(n.entry.created))
+        lines.append(f"  {n.entry.fingerprint} (created {created}, producer {n.entry.producer or '-'}): "
+                     f"{len(n.differences)} part{' differs' if len(n.differences) == 1 else 's differ'}")
+        lines += [f"    {d.path}: {show(d.stored, 100)} -> {show(d.wanted, 100)}" for d in n.differences]
+    if e.without_parts:
+        lines.append(f"  {len(e.without_parts)} entr{'y' if len(e.without_parts) == 1 else 'ies'} without fingerprint "
+                     f"parts (published by an older warmserve): {', '.join(fp[:12] for fp in e.without_parts)}")
+    return "\n".join(lines)

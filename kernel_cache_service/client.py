@@ -54,7 +54,8 @@ from kernel_cache_service.convert import (
     publish_from_proto,
 )
 from kernel_cache_service.entry import ALREADY_PRESENT, REJECTED, EntryInfo, PublishResult
-from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.explain import DEFAULT_NEAREST, Explanation, explain
+from kernel_cache_service.fingerprint import UNKNOWN, known_parts
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.leases import WAIT, Claim, Lease, validate_ttl
 from kernel_cache_service.single_flight import Flight
@@ -232,13 +233,22 @@ class KernelCacheClient:
         if size != info.size_bytes or sha.hexdigest() != info.sha256:
             raise CorruptArtifact(f"{info.name}/{info.fingerprint}: bytes received do not match the entry")
 
-    def list(self, prefix: str = "") -> list[EntryInfo]:
-        """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
+    def list(self, prefix: str = "", *, with_parts: bool = False) -> list[EntryInfo]:
+        """Entries whose name starts with ``prefix``, sorted by name then fingerprint; with
+        ``with_parts``, each with its fingerprint parts record (``EntryInfo.parts``, ``""`` when
+        it has none; a daemon sends at most 4 MiB of them per answer)."""
         validate_prefix(prefix)
         if self._store is not None:
-            return self._store.list(prefix)
-        resp = self._unary(self._stub.List, pb.ListRequest(name_prefix=prefix))
+            return self._store.list(prefix, with_parts)
+        resp = self._unary(self._stub.List, pb.ListRequest(name_prefix=prefix, with_parts=with_parts))
         return [entry_from_proto(e) for e in resp.entries]
+
+    def explain(self, name: str, fingerprint: str, wanted: dict, limit: int = DEFAULT_NEAREST) -> Explanation:
+        """How the parts record ``wanted`` of ``name``/``fingerprint`` differs from those of the
+        stored entries of ``name`` (:func:`kernel_cache_service.explain.explain`: the ``limit``
+        nearest). Raises ``InvalidArgument`` for a bad key."""
+        validate_key(name, fingerprint)
+        return explain(name, fingerprint, wanted, self.list(name, with_parts=True), limit)
 
     def stat(self) -> dict:
         """``root``, ``entries``, ``total_bytes``, ``max_bytes``, the counters since the store /
@@ -303,24 +313,30 @@ class KernelCacheClient:
 
     # ---------------------------------------------------------------- writes
 
-    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> str:
+    def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
+                parts: str | None = None) -> str:
         """Publish the file or directory at ``path``: ``"PUBLISHED"``, ``"ALREADY_PRESENT"`` or
-        ``"REJECTED"`` (see :meth:`publish_result` for the reason)."""
-        return self.publish_result(name, fingerprint, path, producer=producer).status
+        ``"REJECTED"`` (see :meth:`publish_result` for the reason and ``parts``)."""
+        return self.publish_result(name, fingerprint, path, producer=producer, parts=parts).status
 
-    def publish_result(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "") -> PublishResult:
+    def publish_result(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
+                       parts: str | None = None) -> PublishResult:
         """Like :meth:`publish` but returns the whole :class:`PublishResult` (status, reason, entry);
-        signed with :attr:`signing_key` when the client has one.
+        signed with :attr:`signing_key` when the client has one. ``parts``: the key's fingerprint
+        parts record (JSON); ``None`` takes the one this process computed for ``fingerprint``
+        (:func:`~kernel_cache_service.fingerprint.known_parts`), if any; ``""`` sends none.
 
-        Raises ``InvalidArgument`` for a bad key or a ``path`` that is neither file nor directory.
+        Raises ``InvalidArgument`` for a bad key, a parts record the store refuses (nothing is
+        stored) or a ``path`` that is neither file nor directory.
         """
         path = Path(path)
         validate_key(name, fingerprint)
         if not (path.is_file() or path.is_dir()):
             raise InvalidArgument(f"{path} is not a file or a directory")
+        parts = known_parts(fingerprint) if parts is None else parts
         if self._store is not None:
             return self._store.publish(name, fingerprint, path, producer=producer or _default_producer(),
-                                       signer=self.signing_key)
+                                       signer=self.signing_key, parts=parts)
         if fingerprint == UNKNOWN:
             return PublishResult(REJECTED, "the fingerprint is UNKNOWN; unknown keys are never stored")
         present = self.lookup(name, fingerprint)
@@ -328,23 +344,24 @@ class KernelCacheClient:
             return PublishResult(ALREADY_PRESENT, "", present)
         if path.is_file():
             size, sha = hash_file(path)
-            return self._stream_publish(name, fingerprint, path, size, sha, "file", producer)
+            return self._stream_publish(name, fingerprint, path, size, sha, "file", producer, parts)
         with tempfile.TemporaryDirectory(prefix="warmserve-publish-") as tmp:
             tar_path = Path(tmp) / "artifact.tar"
             with open(tar_path, "wb") as f:
                 sink = HashingWriter(f)
                 pack_directory(path, sink)
-            return self._stream_publish(name, fingerprint, tar_path, sink.size, sink.sha256, "dir", producer)
+            return self._stream_publish(name, fingerprint, tar_path, sink.size, sink.sha256, "dir", producer, parts)
 
     def _stream_publish(self, name: str, fingerprint: str, blob: Path, size: int, sha: str,
-                        fmt: str, producer: str) -> PublishResult:
+                        fmt: str, producer: str, parts: str) -> PublishResult:
         producer = producer or _default_producer()
         signature = ""
         if self.signing_key is not None:
             unsigned = EntryInfo(name, fingerprint, size, sha, created=0.0, producer=producer, format=fmt)
             signature = self.signing_key.sign(unsigned.signed_payload()).to_text()
         header = pb.PublishHeader(key=pb.ProgramKey(name=name, fingerprint=fingerprint), size_bytes=size,
-                                  sha256=sha, producer=producer, format=fmt, signature=signature)
+                                  sha256=sha, producer=producer, format=fmt, signature=signature,
+                                  fingerprint_parts=parts)
 
         def requests():
             yield pb.PublishRequest(header=header)

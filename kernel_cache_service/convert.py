@@ -26,6 +26,7 @@ def entry_to_proto(info: EntryInfo) -> pb.EntryInfo:
         producer=info.producer,
         format=info.format,
         signature=info.signature,
+        fingerprint_parts=info.parts,
     )
 
 
@@ -41,6 +42,7 @@ def entry_from_proto(msg: pb.EntryInfo) -> EntryInfo:
         format=msg.format,
         last_access=msg.last_access_unix_s,
         signature=msg.signature,
+        parts=msg.fingerprint_parts,
     )
 
 

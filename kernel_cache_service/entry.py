@@ -4,6 +4,9 @@ An entry is an artifact blob (a file, or a directory stored as one uncompressed 
 manifest, ``manifest.json``, holding the fields of :class:`EntryInfo` except ``last_access``,
 which is the manifest's mtime (touched on every read, so LRU order needs no rewrite); the
 publisher's signature, when it gave one, is a manifest field, so it lands atomically with the entry.
+The entry's fingerprint parts record (``parts``, :mod:`kernel_cache_service.fingerprint`), when
+the publisher sent one, is a file of its own beside the manifest (``parts.json``), read only
+when asked for (``List`` with ``with_parts``), so lookups and listings stay as cheap as before.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ class EntryInfo:
     """One stored entry. Sizes in bytes, times in unix seconds; ``sha256`` is the blob's hex digest;
     ``format`` is ``"file"`` or ``"dir"``; ``producer`` is free text (host, pid, tool);
     ``signature`` the publisher's (``services.signing.Signature.to_text``: ``KEYID:BASE64``) over
-    :meth:`signed_payload`, ``""`` when unsigned."""
+    :meth:`signed_payload`, ``""`` when unsigned; ``parts`` the entry's fingerprint parts record
+    (canonical JSON whose sha256 is ``fingerprint``), ``""`` when not published or not asked for.
+    ``parts`` is not in the signed payload: the signature covers the fingerprint, which is the
+    record's digest."""
 
     name: str
     fingerprint: str
@@ -39,6 +45,7 @@ class EntryInfo:
     format: str
     last_access: float = 0.0
     signature: str = ""
+    parts: str = ""
 
     def signed_payload(self) -> bytes:
         """The bytes a publisher signs (:func:`services.signing.program_payload` of this entry)."""
@@ -53,6 +60,7 @@ class EntryInfo:
         """The manifest file's content (``last_access`` lives in the file's mtime instead)."""
         doc = {"version": MANIFEST_VERSION, **self.to_dict()}
         doc.pop("last_access")
+        doc.pop("parts")
         if not doc["signature"]:
             doc.pop("signature")
         return json.dumps(doc, sort_keys=True, indent=1).encode()

@@ -14,6 +14,8 @@ from services.errors import InvalidArgument
 
 BLOB = "blob"
 MANIFEST = "manifest.json"
+#: The entry's fingerprint parts record (canonical JSON), when published with one.
+PARTS_FILE = "parts.json"
 SUBDIRS = ("entries", "locks", "leases", "tmp", "trash", "quarantine")
 
 
@@ -30,7 +32,7 @@ class StoreLayout:
             raise InvalidArgument(f"cannot use {self.root} as a kernel-cache root: {e.strerror}") from e
 
     def entry_dir(self, name: str, fingerprint: str) -> Path:
-        """``entries/<name>/<fingerprint>``: the entry's ``blob`` and ``manifest.json``."""
+        """``entries/<name>/<fingerprint>``: the entry's ``blob``, ``manifest.json`` and maybe ``parts.json``."""
         return self.root / "entries" / name / fingerprint
 
     def lock(self, name: str, fingerprint: str) -> filelock.FileLock:

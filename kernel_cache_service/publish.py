@@ -16,8 +16,8 @@ from kernel_cache_service.artifact import HashingWriter, iter_file, pack_directo
 from kernel_cache_service.entry import REJECTED, EntryInfo, PublishResult
 from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key
-from kernel_cache_service.layout import BLOB, MANIFEST
-from kernel_cache_service.limits import check_publish_header
+from kernel_cache_service.layout import BLOB, MANIFEST, PARTS_FILE
+from kernel_cache_service.limits import check_parts, check_publish_header
 from kernel_cache_service.locks import OwnedTempDir
 from services.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, WarmserveError
 from services.fsmode import default_dir_mode, default_file_mode
@@ -65,8 +65,12 @@ def early_rejection(name: str, fingerprint: str, size: int | None, max_bytes: in
 
 def finish_temp_entry(directory: Path, info: EntryInfo) -> None:
     """Make ``directory`` (holding the verified ``blob``) a complete entry for ``info``: write
-    its manifest (mtime = ``info.created``: last access = creation, same clock) and give blob,
-    manifest and directory the default modes. Raises ``OSError`` when the disk refuses."""
+    its manifest (mtime = ``info.created``: last access = creation, same clock) and, when it has
+    one, its parts record, and give blob, manifest, record and directory the default modes.
+    Raises ``OSError`` when the disk refuses."""
+    if info.parts:
+        (directory / PARTS_FILE).write_text(info.parts)
+        os.chmod(directory / PARTS_FILE, default_file_mode())
     manifest = directory / MANIFEST
     manifest.write_bytes(info.manifest_bytes())
     os.utime(manifest, (info.created, info.created))
@@ -83,13 +87,15 @@ class PendingPublish:
     REJECTED; so do a size or sha256 different from the announced ones, or a size over
     ``max_bytes`` (0 = no budget). The bytes go to a private directory under ``tmp_root``; a
     verified entry is handed to ``install``. The entry keeps ``signature`` (the sender's, as
-    given) or, with ``signer``, its signature over the entry made at commit (embedded publishes).
+    given) or, with ``signer``, its signature over the entry made at commit (embedded publishes),
+    and ``parts``, its checked canonical fingerprint parts record (``""``: none).
     """
 
     def __init__(self, tmp_root: Path, max_bytes: int, install: Install, name: str, fingerprint: str, *,
                  fmt: str, producer: str, size: int | None, sha256: str | None, signature: str = "",
-                 signer: SigningKey | None = None) -> None:
+                 signer: SigningKey | None = None, parts: str = "") -> None:
         self.name, self.fingerprint, self.fmt, self.producer = name, fingerprint, fmt, producer
+        self.parts = parts
         self.signature, self._signer = signature, signer
         self._expected_size, self._expected_sha = size, sha256
         self._max_bytes, self._install = max_bytes, install
@@ -154,7 +160,7 @@ class PendingPublish:
                 raise empty_artifact(self.name, self.fingerprint)
             info = EntryInfo(self.name, self.fingerprint, self._sink.size, self._sink.sha256,
                              created=time.time(), producer=self.producer, format=self.fmt,
-                             signature=self.signature)
+                             signature=self.signature, parts=self.parts)
             if self._signer is not None:
                 info = replace(info, signature=self._signer.sign(info.signed_payload()).to_text())
             try:
@@ -185,14 +191,16 @@ class PendingPublish:
 
 def begin_publish(tmp_root: Path, max_bytes: int, install: Install, name: str, fingerprint: str, *,
                   fmt: str, producer: str, size: int | None, sha256: str | None, signature: str = "",
-                  signer: SigningKey | None = None) -> PendingPublish:
+                  signer: SigningKey | None = None, parts: str = "") -> PendingPublish:
     """A :class:`PendingPublish` of ``fmt`` (``"file"`` or ``"dir"``, i.e. a tar) bytes;
     ``size`` (bytes) and ``sha256`` (hex), when given, are what the sender announced and are
     verified at commit. ``signature`` (``KEYID:BASE64``) is kept with the entry as given (the
     store trusts no key: verifiers check it); ``signer`` signs the entry at commit instead.
-    Raises ``InvalidArgument`` for a bad key, format, producer, size, sha256
-    (:func:`kernel_cache_service.limits.check_publish_header`) or a malformed signature."""
-    check_publish_header(name, fingerprint, fmt=fmt, producer=producer, sha256=sha256)
+    ``parts``: the key's fingerprint parts record (JSON text, ``""`` for none), kept beside the
+    entry in canonical form. Raises ``InvalidArgument`` for a bad key, format, producer, size,
+    sha256, parts record (:func:`kernel_cache_service.limits.check_publish_header`) or a
+    malformed signature."""
+    parts = check_publish_header(name, fingerprint, fmt=fmt, producer=producer, sha256=sha256, parts=parts)
     if size is not None and size < 0:
         raise InvalidArgument(f"size must be >= 0 bytes, got {size}")
     if signature:
@@ -201,23 +209,26 @@ def begin_publish(tmp_root: Path, max_bytes: int, install: Install, name: str, f
         except WarmserveError as e:
             raise InvalidArgument(f"publishing {name}/{fingerprint[:12]}: {e}") from None
     return PendingPublish(tmp_root, max_bytes, install, name, fingerprint, fmt=fmt, producer=producer,
-                          size=size, sha256=sha256, signature=signature, signer=signer)
+                          size=size, sha256=sha256, signature=signature, signer=signer, parts=parts)
 
 
 def publish_path(store, name: str, fingerprint: str, path: str | Path, producer: str,
-                 signer: SigningKey | None = None) -> PublishResult:
+                 signer: SigningKey | None = None, parts: str = "") -> PublishResult:
     """Publish the file or directory at ``path`` (a directory as one tar) into ``store`` (its
-    ``precheck`` and ``begin_publish``; signed by ``signer`` when given). Raises ``InvalidArgument`` for a bad key or a ``path``
-    that is neither a file nor a directory; otherwise PUBLISHED, ALREADY_PRESENT or REJECTED."""
+    ``precheck`` and ``begin_publish``; signed by ``signer`` when given; with the fingerprint
+    ``parts`` record when given). Raises ``InvalidArgument`` for a bad key, a bad ``parts``
+    record or a ``path`` that is neither a file nor a directory; otherwise PUBLISHED,
+    ALREADY_PRESENT or REJECTED."""
     path = Path(path)
     validate_key(name, fingerprint)
+    check_parts(parts, name, fingerprint)
     if not (path.is_file() or path.is_dir()):
         raise InvalidArgument(f"{path} is not a file or a directory")
     early = store.precheck(name, fingerprint)
     if early is not None:
         return early
     fmt = "dir" if path.is_dir() else "file"
-    with store.begin_publish(name, fingerprint, fmt=fmt, producer=producer, signer=signer) as pending:
+    with store.begin_publish(name, fingerprint, fmt=fmt, producer=producer, signer=signer, parts=parts) as pending:
         if fmt == "file":
             for block in iter_file(path):
                 pending.write(block)

@@ -15,7 +15,7 @@ from kernel_cache_service.artifact import CHUNK_BYTES, CorruptArtifact, install_
 from kernel_cache_service.counters import Counters
 from kernel_cache_service.entry import EntryInfo
 from kernel_cache_service.fingerprint import UNKNOWN
-from kernel_cache_service.layout import BLOB, MANIFEST, StoreLayout
+from kernel_cache_service.layout import BLOB, MANIFEST, PARTS_FILE, StoreLayout
 from kernel_cache_service.locks import lock_shared
 from services.errors import InvalidArgument
 
@@ -137,6 +137,22 @@ class EntryReads:
         except BrokenEntry:
             return None
         return loaded[0] if loaded else None
+
+    def parts(self, name: str, fingerprint: str, limit: int) -> str:
+        """The entry's parts record as stored (checked at publish), ``""`` when it has none, it
+        is unreadable or over ``limit`` bytes."""
+        path = self.layout.entry_dir(name, fingerprint) / PARTS_FILE
+        try:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+        except OSError:
+            return ""
+        if len(data) > limit:
+            return ""
+        try:
+            return data.decode("ascii")
+        except UnicodeDecodeError:
+            return ""
 
     def touch(self, name: str, fingerprint: str) -> float:
         """Set the entry's last access (its manifest's mtime) to now; returns now (unix s)."""

@@ -1,5 +1,7 @@
 """The kernel cache's objects in a bucket: one object per entry, its key and the user metadata
-that describes it (``docs/architecture.md`` §6.1, "Objects")."""
+that describes it, and the entry's fingerprint parts record as an object of its own (user
+metadata is limited to 2 KiB; a record may hold up to 64 KiB) (``docs/architecture.md`` §6.1,
+"Objects")."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from services.s3_meta import ObjectHead, decode_meta, encode_meta
 
 #: The kernel cache's folder under the ``--store`` prefix, and its entries' folder in it.
 FOLDER, ENTRIES = "kernel-cache", "entries"
+#: The folder of the entries' parts records (beside ``entries/``, so listing entries never sees them).
+PARTS = "parts"
 ENTRY_VERSION = "1"
 
 
@@ -16,11 +20,16 @@ def entry_key(name: str, fingerprint: str) -> str:
     return f"{ENTRIES}/{name}/{fingerprint}"
 
 
+def parts_key(name: str, fingerprint: str) -> str:
+    """The object key of an entry's fingerprint parts record, relative to ``PREFIX/kernel-cache/``."""
+    return f"{PARTS}/{name}/{fingerprint}"
+
+
 def key_of(object_key: str) -> tuple[str, str] | None:
     """``(name, fingerprint)`` of an object key made by :func:`entry_key` (not validated),
     ``None`` for any other key."""
-    parts = object_key.split("/")
-    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == ENTRIES else None
+    segments = object_key.split("/")
+    return (segments[1], segments[2]) if len(segments) == 3 and segments[0] == ENTRIES else None
 
 
 def entry_metadata(info: EntryInfo) -> dict[str, str]:

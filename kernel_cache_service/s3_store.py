@@ -20,20 +20,24 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.layout import BLOB
 from kernel_cache_service.leases import HIT, Claim, Lease, validate_claim
+from kernel_cache_service.limits import MAX_PARTS_BYTES
 from kernel_cache_service.publish import PendingPublish, begin_publish, early_rejection, publish_path
 from kernel_cache_service.reads import fetch_entry
 from kernel_cache_service.s3_entries import (
     ENTRIES,
     FOLDER,
+    PARTS,
     entry_from_head,
     entry_key,
     entry_metadata,
     key_of,
+    parts_key,
 )
 from kernel_cache_service.s3_read_through import CountingReader, ReadThrough
 from kernel_cache_service.store import KernelStore
 from services.errors import InvalidArgument, WarmserveError
 from services.s3 import ObjectStore
+from services.s3_errors import CorruptObject
 from services.signing import SigningKey
 
 log = logging.getLogger(__name__)
@@ -115,10 +119,24 @@ class S3KernelStore:
         is quarantined here and dropped from the bucket)."""
         return fetch_entry(self.open(name, fingerprint), dest, self._quarantine, check)
 
-    def list(self, prefix: str = "") -> list[EntryInfo]:
+    def _parts(self, name: str, fingerprint: str) -> str:
+        """The entry's parts record object (``""`` when absent, corrupt or too large)."""
+        try:
+            got = self.objects.get_bytes(parts_key(name, fingerprint), limit=MAX_PARTS_BYTES)
+        except CorruptObject:
+            return ""
+        if got is None:
+            return ""
+        try:
+            return got[1].decode("ascii")
+        except UnicodeDecodeError:
+            return ""
+
+    def list(self, prefix: str = "", with_parts: bool = False) -> list[EntryInfo]:
         """The bucket's entries whose name starts with ``prefix``, sorted by name then
         fingerprint (one HEAD each; entries with unusable metadata are skipped). ``last_access``
-        is the local tier's when it holds the entry, else the object's creation."""
+        is the local tier's when it holds the entry, else the object's creation. ``with_parts``:
+        each with its parts record (one GET each of ``parts/<name>/<fingerprint>``)."""
         prefix = validate_prefix(prefix)
         out = []
         for obj in self.objects.list(f"{ENTRIES}/{prefix}"):
@@ -140,7 +158,9 @@ class S3KernelStore:
             if info is None:
                 continue
             held = self.local.reads.load_sound(name, fingerprint)
-            out.append(replace(info, last_access=held.last_access) if held is not None else info)
+            if held is not None:
+                info = replace(info, last_access=held.last_access)
+            out.append(replace(info, parts=self._parts(name, fingerprint)) if with_parts else info)
         return sorted(out, key=lambda e: (e.name, e.fingerprint))
 
     def stat(self) -> dict:
@@ -212,22 +232,27 @@ class S3KernelStore:
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
                       size: int | None = None, sha256: str | None = None, signature: str = "",
-                      signer: SigningKey | None = None) -> PendingPublish:
+                      signer: SigningKey | None = None, parts: str = "") -> PendingPublish:
         """As :meth:`KernelStore.begin_publish`: the bytes go to the local tier's ``tmp/``;
         :meth:`_install` commits them to the bucket."""
         return begin_publish(self.root / "tmp", self.max_bytes, self._install, name, fingerprint, fmt=fmt,
-                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer)
+                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer,
+                             parts=parts)
 
     def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
-                signer: SigningKey | None = None) -> PublishResult:
+                signer: SigningKey | None = None, parts: str = "") -> PublishResult:
         """As :meth:`KernelStore.publish`, into the bucket (and the local tier)."""
-        return publish_path(self, name, fingerprint, path, producer, signer)
+        return publish_path(self, name, fingerprint, path, producer, signer, parts)
 
     def _install(self, tmp: Path, info: EntryInfo) -> PublishResult:
-        """Commit the verified temp entry ``tmp``: the conditional upload decides
-        (``docs/architecture.md`` §6.1), then the local tier keeps a copy when it has room."""
+        """Commit the verified temp entry ``tmp``: its parts record goes first (a plain PUT: the
+        record of a key is one text, whoever uploads it), then the conditional upload of the
+        blob decides (``docs/architecture.md`` §6.1), then the local tier keeps a copy when it
+        has room."""
         name, fp = info.name, info.fingerprint
         what = f"publishing {name}/{fp[:12]} to {self.url}"
+        if info.parts:
+            self.objects.put_bytes(parts_key(name, fp), info.parts.encode("ascii"), if_absent=False, what=what)
         with self.local.layout.lock(name, fp):
             present = self.local.reads.present(name, fp)
             if present is not None:
@@ -289,6 +314,11 @@ class S3KernelStore:
         after = {(e.name, e.fingerprint) for e in self.local.list(name or "") if wanted((e.name, e.fingerprint))}
         removed_local = {k: size for k, size in before.items() if k not in after}
         removed_remote = {k: size for k, size in remote.items() if self.objects.delete(entry_key(*k))}
+        parts_prefix = f"{PARTS}/" if all else f"{PARTS}/{name}/{fingerprint or ''}"
+        for obj in self.objects.list(parts_prefix):  # the records go with their entries (and orphans)
+            segments = obj.key.split("/")
+            if len(segments) == 3 and wanted((segments[1], segments[2])):
+                self.objects.delete(obj.key)
         self.counters.count("evictions", len(set(removed_remote) - set(removed_local)))
         keys = set(removed_local) | set(removed_remote)
         return len(keys), sum(max(removed_local.get(k, 0), removed_remote.get(k, 0)) for k in keys)

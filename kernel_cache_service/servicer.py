@@ -27,6 +27,7 @@ seconds is cancelled (:mod:`services.idle_streams`); headers and holders are che
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -41,7 +42,12 @@ from kernel_cache_service.convert import (
 from kernel_cache_service.counters import COUNTERS
 from kernel_cache_service.entry import PublishResult
 from kernel_cache_service.leases import WAIT
-from kernel_cache_service.limits import DEFAULT_PUBLISH_IDLE_S, check_publish_header, check_text
+from kernel_cache_service.limits import (
+    DEFAULT_PUBLISH_IDLE_S,
+    MAX_LIST_PARTS_BYTES,
+    check_publish_header,
+    check_text,
+)
 from kernel_cache_service.store_api import KernelStoreAPI
 from services.bootstrap import ServerConfig, ServiceServer
 from services.errors import InvalidArgument, NotFound, Unavailable, WarmserveError, abort_with
@@ -139,12 +145,14 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
         if not h.sha256:
             raise InvalidArgument("the PublishHeader must carry the sha256 of the artifact")
         fmt, sha256 = h.format or "file", h.sha256.lower()
-        check_publish_header(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer, sha256=sha256)
+        parts = check_publish_header(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer, sha256=sha256,
+                                     parts=h.fingerprint_parts)
         early = self.store.precheck(h.key.name, h.key.fingerprint, h.size_bytes)
         if early is not None:
             return early
         with self.store.begin_publish(h.key.name, h.key.fingerprint, fmt=fmt, producer=h.producer,
-                                      size=h.size_bytes, sha256=sha256, signature=h.signature) as pending:
+                                      size=h.size_bytes, sha256=sha256, signature=h.signature,
+                                      parts=parts) as pending:
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "chunk":
                     raise InvalidArgument("only chunks may follow the PublishHeader")
@@ -155,12 +163,20 @@ class KernelCacheServicer(pb_grpc.KernelCacheServicer):
             return pending.commit()
 
     def List(self, request, context):
-        """Entries whose name starts with the prefix."""
+        """Entries whose name starts with the prefix (with their parts records when asked, up to
+        :data:`~kernel_cache_service.limits.MAX_LIST_PARTS_BYTES` of them)."""
         try:
-            entries = self.store.list(request.name_prefix)
+            entries = self.store.list(request.name_prefix, with_parts=request.with_parts)
         except WarmserveError as e:
             abort_with(context, e)
-        return pb.ListResponse(entries=[entry_to_proto(e) for e in entries])
+        budget = MAX_LIST_PARTS_BYTES
+        out = []
+        for e in entries:
+            if e.parts and len(e.parts) > budget:
+                e = replace(e, parts="")
+            budget -= len(e.parts)
+            out.append(entry_to_proto(e))
+        return pb.ListResponse(entries=out)
 
     def Stat(self, request, context):
         """Store totals and counters."""

@@ -21,6 +21,7 @@ from kernel_cache_service.entry import ALREADY_PRESENT, PUBLISHED, EntryInfo, Pu
 from kernel_cache_service.keys import validate_key, validate_prefix
 from kernel_cache_service.layout import StoreLayout
 from kernel_cache_service.leases import BuildLeases, Claim, Lease
+from kernel_cache_service.limits import MAX_PARTS_BYTES
 from kernel_cache_service.locks import sweep_unowned
 from kernel_cache_service.publish import PendingPublish, begin_publish, early_rejection, publish_path
 from kernel_cache_service.reads import EntryReader, EntryReads, fetch_entry
@@ -93,9 +94,13 @@ class KernelStore:
         nothing is written; a "dir" entry is then also verified whole before it is unpacked."""
         return fetch_entry(self.open(name, fingerprint), dest, self.reads.quarantine, check)
 
-    def list(self, prefix: str = "") -> list[EntryInfo]:
-        """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
-        return self.reads.scan(validate_prefix(prefix))
+    def list(self, prefix: str = "", with_parts: bool = False) -> list[EntryInfo]:
+        """Entries whose name starts with ``prefix``, sorted by name then fingerprint; with
+        ``with_parts``, each with its fingerprint parts record (``parts``; ``""`` when it has none)."""
+        entries = self.reads.scan(validate_prefix(prefix))
+        if with_parts:
+            entries = [replace(e, parts=self.reads.parts(e.name, e.fingerprint, MAX_PARTS_BYTES)) for e in entries]
+        return entries
 
     def stat(self) -> dict:
         """``root``, ``entries``, ``total_bytes``, ``max_bytes``, this instance's counters
@@ -151,21 +156,24 @@ class KernelStore:
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
                       size: int | None = None, sha256: str | None = None, signature: str = "",
-                      signer: SigningKey | None = None) -> PendingPublish:
+                      signer: SigningKey | None = None, parts: str = "") -> PendingPublish:
         """Start a publish of ``fmt`` (``"file"`` or ``"dir"``, i.e. a tar) bytes. ``size`` (bytes)
         and ``sha256`` (hex), when given, are what the sender announced and are verified at
-        commit. Raises ``InvalidArgument`` for a bad key, format or sha256."""
+        commit; ``parts`` (the key's fingerprint parts record) is stored beside the entry.
+        Raises ``InvalidArgument`` for a bad key, format, sha256 or parts record."""
         return begin_publish(self.root / "tmp", self.max_bytes, self._install, name, fingerprint, fmt=fmt,
-                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer)
+                             producer=producer, size=size, sha256=sha256, signature=signature, signer=signer,
+                             parts=parts)
 
     def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
-                signer: SigningKey | None = None) -> PublishResult:
-        """Publish the file or directory at ``path`` (a directory is stored as one tar).
+                signer: SigningKey | None = None, parts: str = "") -> PublishResult:
+        """Publish the file or directory at ``path`` (a directory is stored as one tar), with the
+        fingerprint ``parts`` record when given.
 
-        Raises ``InvalidArgument`` for a bad key or a ``path`` that is neither a file nor a
-        directory; otherwise returns PUBLISHED, ALREADY_PRESENT or REJECTED.
+        Raises ``InvalidArgument`` for a bad key, a bad parts record or a ``path`` that is
+        neither a file nor a directory; otherwise returns PUBLISHED, ALREADY_PRESENT or REJECTED.
         """
-        return publish_path(self, name, fingerprint, path, producer, signer)
+        return publish_path(self, name, fingerprint, path, producer, signer, parts)
 
     def _install(self, tmp: Path, info: EntryInfo) -> PublishResult:
         """Make the verified temp entry ``tmp`` visible as ``info``'s key (holding its lock)."""

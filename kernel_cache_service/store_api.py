@@ -64,8 +64,9 @@ class KernelStoreAPI(Protocol):
         """The entry written at ``dest`` atomically, ``None`` on a MISS; ``check(info)`` runs
         before any byte is written (it may raise: nothing is written)."""
 
-    def list(self, prefix: str = "") -> list[EntryInfo]:
-        """Entries whose name starts with ``prefix``, sorted by name then fingerprint."""
+    def list(self, prefix: str = "", with_parts: bool = False) -> list[EntryInfo]:
+        """Entries whose name starts with ``prefix``, sorted by name then fingerprint (with their
+        fingerprint parts records when ``with_parts``)."""
 
     def stat(self) -> dict:
         """``root``, ``entries``, ``total_bytes``, ``max_bytes``, the counters, ``leases``."""
@@ -91,12 +92,14 @@ class KernelStoreAPI(Protocol):
 
     def begin_publish(self, name: str, fingerprint: str, *, fmt: str = "file", producer: str = "",
                       size: int | None = None, sha256: str | None = None, signature: str = "",
-                      signer: SigningKey | None = None) -> PendingPublish:
-        """A publish to write bytes into and commit (keeping ``signature``, or signed by ``signer``)."""
+                      signer: SigningKey | None = None, parts: str = "") -> PendingPublish:
+        """A publish to write bytes into and commit (keeping ``signature``, or signed by
+        ``signer``; with the fingerprint ``parts`` record)."""
 
     def publish(self, name: str, fingerprint: str, path: str | Path, *, producer: str = "",
-                signer: SigningKey | None = None) -> PublishResult:
-        """Publish the file or directory at ``path`` (signed by ``signer`` when given)."""
+                signer: SigningKey | None = None, parts: str = "") -> PublishResult:
+        """Publish the file or directory at ``path`` (signed by ``signer`` when given; with the
+        fingerprint ``parts`` record)."""
 
     def evict(self, name: str | None = None, fingerprint: str | None = None, *,
               all: bool = False) -> tuple[int, int]:

@@ -21,3 +21,9 @@ def default_sidecar_root() -> Path:
 def default_kernel_cache_root() -> Path:
     """Where the kernel-cache store keeps compiled programs by default."""
     return warmserve_home() / "kernel-cache"
+
+
+def default_programs_dir() -> Path:
+    """Where a runner keeps the programs it fetched or compiled, and the fingerprint parts record
+    of each key it wanted (``warmserve cache explain`` reads them), by default."""
+    return warmserve_home() / "programs"

@@ -1,5 +1,6 @@
-"""The programs' side of the kernel cache: open it, fetch, publish, evict a broken entry, and get
-a program single-flight (:meth:`KernelCacheClient.get_or_build`) (``docs/architecture.md`` §9)."""
+"""The programs' side of the kernel cache: open it, fetch, publish, evict a broken entry, get
+a program single-flight (:meth:`KernelCacheClient.get_or_build`), record the parts record of each
+key wanted and say why a key missed (``docs/architecture.md`` §9)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernel_cache_service.fingerprint import UNKNOWN
+from kernel_cache_service.explain import explain, one_line, wanted_parts_path
+from kernel_cache_service.fingerprint import UNKNOWN, known_parts, parse_parts
 from kernel_cache_service.single_flight import Flight, holder_name, holder_who
 from services.address import parse_address
 from services.errors import InvalidArgument, Untrusted, WarmserveError
@@ -127,6 +129,39 @@ def get_or_build(spec: ProgramSpec, cache: KernelCacheClient | None, name: str, 
         return flight.value, "hit", "", f"kernel cache HIT {name} ({mib:.1f} MiB)"
     return flight.value, "hit", "", (f"fetched {name} from {holder_who(entry.producer)}'s publish after waiting "
                                      f"{flight.waited_s:.1f} s ({mib:.1f} MiB)")
+
+
+def record_wanted(work: Path, name: str, fp: str) -> None:
+    """Write the parts record of ``name``/``fp`` (computed in this process) to
+    :func:`~kernel_cache_service.explain.wanted_parts_path` in ``work``, for ``warmserve cache
+    explain NAME FP``; nothing for an ``UNKNOWN`` key. A failed write is logged only."""
+    parts = known_parts(fp) if fp != UNKNOWN else ""
+    if not parts:
+        return
+    path = wanted_parts_path(work, name, fp)
+    try:
+        if not path.is_file():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(parts)
+            os.replace(tmp, path)
+    except OSError as e:
+        log.warning("cannot record the fingerprint parts of %s/%s: %s", name, fp[:12], e)
+
+
+def miss_note(cache: KernelCacheClient | None, name: str, fp: str) -> str:
+    """A phrase for the report after ``name``/``fp`` was built here: which parts differ from the
+    nearest other entry of ``name`` (:func:`~kernel_cache_service.explain.one_line`), ``""`` when
+    there is none, no cache or no parts record of ``fp`` in this process, or the store cannot
+    be listed (logged)."""
+    parts = known_parts(fp) if cache is not None and fp != UNKNOWN else ""
+    if not parts:
+        return ""
+    try:
+        others = [e for e in cache.list(name, with_parts=True) if e.fingerprint != fp]
+    except WarmserveError as e:
+        log.warning("cannot list %s entries to explain the MISS: %s", name, e)
+        return ""
+    return one_line(explain(name, fp, parse_parts(parts), others))
 
 
 def trust_note(cache: KernelCacheClient | None, refused_before: int = 0) -> str:

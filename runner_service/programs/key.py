@@ -68,8 +68,11 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     max model length, max batch, max blocks per sequence, dynamic dims, KV pools, the block-table
     layout, the weights' buffer names and dtypes; for prefill the most tokens per row), the
     family, its pack version and config, the dtype, the device type, the torch thread count, the
-    compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is unknown.
-    Raises ``ValueError`` for an unknown ``kind``.
+    compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is unknown. It is
+    the digest of the parts record of those (:func:`kernel_cache_service.fingerprint.program_parts`),
+    remembered in this process (``fingerprint.known_parts``), so a publish of the key carries it and
+    ``warmserve cache explain`` can name the parts two keys differ in. Nothing of where the runner
+    runs (port, runner id, home, cache paths) is a part. Raises ``ValueError`` for an unknown ``kind``.
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import aoti, inductor
-from runner_service.programs.cache import open_kernel_cache, trust_note
+from runner_service.programs.cache import miss_note, open_kernel_cache, record_wanted, trust_note
 from runner_service.programs.key import program_key
 from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
 from services.errors import Untrusted, WarmserveError
@@ -53,9 +53,9 @@ class ProgramsReport:
 
 
 def _default_work_dir() -> Path:
-    from services.paths import warmserve_home
+    from services.paths import default_programs_dir
 
-    return warmserve_home() / "programs"
+    return default_programs_dir()
 
 
 def load_programs(spec: ProgramSpec, install: Install, *,
@@ -97,10 +97,12 @@ def load_programs(spec: ProgramSpec, install: Install, *,
         try:
             work.mkdir(parents=True, exist_ok=True)
             name, fp = program_key(spec, mode, sources=sources)
+            record_wanted(work, name, fp)
             if mode == "aoti":
                 program, source, published, detail = aoti.load_aoti(spec, "decode", name, fp, cache, work, progress)
             else:
                 program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
+            detail = _with_miss_note(detail, source, cache, name, fp)
         except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
             log.exception("compiled programs unavailable; running eager")
             return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
@@ -114,6 +116,13 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     seconds = time.perf_counter() - t0
     return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}; {trust}", source=source,
                           fingerprint=fp, published=published, prefill_source=prefill_source)
+
+
+def _with_miss_note(detail: str, source: str, cache: KernelCacheClient | None, name: str, fp: str) -> str:
+    """``detail``, and for a program built here (``source`` ``compiled``) the parts in which its
+    key differs from the nearest stored entry of its name (:func:`cache.miss_note`)."""
+    note = miss_note(cache, name, fp) if source == "compiled" else ""
+    return f"{detail}; {note}" if note else detail
 
 
 def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClient | str | Path | None) -> bool:
@@ -162,7 +171,9 @@ def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path
         return "eager", f"prefill eager (the {spec.family.name} family compiles decode only)"
     try:
         name, fp = program_key(spec, spec.mode, sources=sources, kind="prefill")
+        record_wanted(work, name, fp)
         program, source, _published, detail = aoti.load_aoti(spec, "prefill", name, fp, cache, work, progress)
+        detail = _with_miss_note(detail, source, cache, name, fp)
     except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
         log.exception("compiled prefill unavailable; prefill runs eager")
         return "eager", f"prefill eager ({type(e).__name__}: {e})"

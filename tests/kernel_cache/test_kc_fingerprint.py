@@ -22,10 +22,12 @@ from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.fingerprint import (
     UNKNOWN,
     code_fingerprint,
-    combine,
+    code_parts,
     detect_platform,
+    fingerprint_of,
     params_fingerprint,
     program_fingerprint,
+    program_parts,
 )
 from kernel_cache_service.store import KernelStore
 from services.proto import kernel_cache_pb2 as pb
@@ -67,7 +69,10 @@ VERSIONS = dict(package_version="0.1.0", torch_version="2.13.0", python_version=
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
-    p = tmp_path / name
+    """``text`` as ``prog.py`` in directory ``name`` under ``tmp_path``: a file's name is in the
+    key (a module's name is), its directory is not."""
+    p = tmp_path / name / "prog.py"
+    p.parent.mkdir(exist_ok=True)
     p.write_text(text)
     return p
 
@@ -147,9 +152,10 @@ def test_default_versions_are_the_installed_ones(tmp_path):
     assert code_fingerprint([src]) == explicit
 
 
-def test_a_module_object_hashes_like_its_file(tmp_path):
-    by_module = code_fingerprint([keys_module], **VERSIONS)
-    assert by_module == code_fingerprint([Path(keys_module.__file__)], **VERSIONS)
+def test_a_module_object_hashes_like_its_file_and_is_named_by_its_module_name(tmp_path):
+    by_module = code_parts([keys_module], **VERSIONS)["sources"]
+    by_file = code_parts([Path(keys_module.__file__)], **VERSIONS)["sources"]
+    assert by_module == {"kernel_cache_service.keys": by_file["keys.py"]}
 
 
 @pytest.mark.parametrize("sources", [
@@ -260,16 +266,21 @@ def test_uncomputable_params_make_it_unknown(field, value):
 
 # ------------------------------------------------------------------ program fingerprint
 
-def test_program_fingerprint_combines_both_parts(tmp_path):
+def test_program_fingerprint_is_the_digest_of_its_parts_record(tmp_path):
     src = _write(tmp_path, "a.py", SOURCE)
     rest = {k: v for k, v in PARAMS.items() if k != "name"}
     fp = program_fingerprint("llama.decode", sources=[src], package_version="0.1.0", torch_version="2.13.0", **rest)
+    parts = program_parts("llama.decode", sources=[src], package_version="0.1.0", torch_version="2.13.0", **rest)
+    # independently: sha256 of the record's canonical JSON (sorted keys, no spaces)
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    assert fp == fingerprint_of(parts) == hashlib.sha256(text.encode()).hexdigest()
+    assert list(parts["sources"]) == ["prog.py"] and parts["layout"] == LAYOUT
+    assert parts["python"] == f"{sys.version_info.major}.{sys.version_info.minor}" and parts["torch"] == "2.13.0"
     code = code_fingerprint([src], package_version="0.1.0", torch_version="2.13.0")
-    assert fp == combine(code, params_fingerprint(**PARAMS))
     assert _is_hex64(fp) and fp not in (code, params_fingerprint(**PARAMS))
     assert program_fingerprint("llama.decode", sources=[tmp_path / "gone.py"], **rest) == UNKNOWN
     assert program_fingerprint("llama.decode", sources=[src], **{**rest, "dtype": None}) == UNKNOWN
-    assert combine(UNKNOWN, code) == UNKNOWN and combine(code, UNKNOWN) == UNKNOWN
+    assert program_parts("llama.decode", sources=[src], **{**rest, "dtype": None}) is None
 
 
 # ------------------------------------------------------------------ UNKNOWN is never stored or matched

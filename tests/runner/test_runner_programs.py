@@ -320,6 +320,9 @@ def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
     assert (report.source, report.published) == ("compiled", "PUBLISHED")
     assert report.fingerprint != cold.fingerprint
     assert len(KernelCacheClient(root=kc).list("llama.decode.aoti")) == 2
+    # the programs phase says why it missed: the cold build's entry differs in the dtype and the layout
+    assert f"MISS: nearest llama.decode.aoti entry {cold.fingerprint[:12]} differs in " in report.detail, report
+    assert 'dtype ("float32" -> "bfloat16")' in report.detail and "layout.block_size (4 -> 8)" in report.detail
     eager = make_runner(dtype=torch.bfloat16, block_size=8, compile="off")
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 4, 6)], atol=3e-2)
 

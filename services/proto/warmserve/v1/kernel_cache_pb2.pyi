@@ -16,7 +16,7 @@ class ProgramKey(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class EntryInfo(_message.Message):
-    __slots__ = ("key", "size_bytes", "sha256", "created_unix_s", "last_access_unix_s", "producer", "format", "signature")
+    __slots__ = ("key", "size_bytes", "sha256", "created_unix_s", "last_access_unix_s", "producer", "format", "signature", "fingerprint_parts")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class EntryInfo(_message.Message):
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_PARTS_FIELD_NUMBER: _ClassVar[int]
     key: ProgramKey
     size_bytes: int
     sha256: str
@@ -33,7 +34,8 @@ class EntryInfo(_message.Message):
     producer: str
     format: str
     signature: str
-    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., last_access_unix_s: _Optional[float] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
+    fingerprint_parts: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., created_unix_s: _Optional[float] = ..., last_access_unix_s: _Optional[float] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ..., fingerprint_parts: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("key",)
@@ -74,20 +76,22 @@ class FetchResponse(_message.Message):
     def __init__(self, entry: _Optional[_Union[EntryInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("key", "size_bytes", "sha256", "producer", "format", "signature")
+    __slots__ = ("key", "size_bytes", "sha256", "producer", "format", "signature", "fingerprint_parts")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_PARTS_FIELD_NUMBER: _ClassVar[int]
     key: ProgramKey
     size_bytes: int
     sha256: str
     producer: str
     format: str
     signature: str
-    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ...) -> None: ...
+    fingerprint_parts: str
+    def __init__(self, key: _Optional[_Union[ProgramKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., producer: _Optional[str] = ..., format: _Optional[str] = ..., signature: _Optional[str] = ..., fingerprint_parts: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -118,10 +122,12 @@ class PublishResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[PublishResponse.Status, str]] = ..., reason: _Optional[str] = ..., entry: _Optional[_Union[EntryInfo, _Mapping]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("name_prefix",)
+    __slots__ = ("name_prefix", "with_parts")
     NAME_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    WITH_PARTS_FIELD_NUMBER: _ClassVar[int]
     name_prefix: str
-    def __init__(self, name_prefix: _Optional[str] = ...) -> None: ...
+    with_parts: bool
+    def __init__(self, name_prefix: _Optional[str] = ..., with_parts: _Optional[bool] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("entries",)
