@@ -18,6 +18,7 @@ from services.errors import InvalidArgument
 from services.proto import generation_pb2
 from services.proto.triton import grpc_service_pb2 as kserve_pb2
 from services.sampling_keys import sampling_from_dict
+from services.utf8 import utf8_size
 
 #: Request parameters Triton's gRPC frontend keeps for itself (tritonclient's
 #: ``TRITON_RESERVED_REQUEST_PARAMS``, plus every ``triton_*`` key): never sampling parameters.
@@ -33,13 +34,27 @@ FINISH_REASON_NAMES = {
 }
 
 
+#: The largest ``sampling_parameters`` JSON text, in UTF-8 bytes: every key at its limit (16 stop
+#: strings of 256 bytes, each character \u-escaped: 24 KiB; 64 stop token ids) fits with room.
+MAX_SAMPLING_JSON_BYTES = 64 << 10
+
+
 def sampling_from_json(text: str) -> generation_pb2.SamplingParams:
-    """:func:`sampling_from_dict` of the ``sampling_parameters`` tensor's JSON text. Raises
-    ``InvalidArgument`` for text that is not a JSON object, and as :func:`sampling_from_dict`."""
+    """:func:`sampling_from_dict` of the ``sampling_parameters`` tensor's JSON text (at most
+    :data:`MAX_SAMPLING_JSON_BYTES` of UTF-8). Raises ``InvalidArgument`` for longer text
+    (reason ``sampling_bytes``), text that is not a JSON object (nesting deeper than the parser
+    goes included: one sentence, never the parser's exception), and as :func:`sampling_from_dict`."""
+    size = utf8_size(text, "input 'sampling_parameters'")
+    if size > MAX_SAMPLING_JSON_BYTES:
+        raise InvalidArgument(f"input 'sampling_parameters' is {size} bytes; at most {MAX_SAMPLING_JSON_BYTES} "
+                              "are allowed", reason="sampling_bytes")
     try:
         params = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"input 'sampling_parameters' is not valid JSON: {e}") from None
+    except (RecursionError, ValueError):  # nesting too deep for the parser; a number too long to convert
+        raise InvalidArgument("input 'sampling_parameters' is not a JSON object warmserve can read "
+                              "(nested too deeply or a number too long)") from None
     if not isinstance(params, dict):
         raise InvalidArgument(f"input 'sampling_parameters' must be a JSON object, got {type(params).__name__}")
     return sampling_from_dict(params)

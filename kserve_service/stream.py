@@ -120,7 +120,7 @@ class StreamSession:
         except Exception as e:  # WarmserveError: a bad request; anything else must not hang the stream
             if not isinstance(e, WarmserveError):
                 log.exception("stream request failed")
-                e = Internal(f"the router failed to start the request: {e}")
+                e = Internal("the router failed to start the request; see its log")
             self._put((request, e, False))
             self._finish_one()
             return
@@ -138,9 +138,9 @@ class StreamSession:
                     break
         except WarmserveError as e:
             self._put((request_plan.request, e, True))
-        except Exception as e:  # a bug here must not leave the stream hanging
+        except Exception:  # a bug here must not leave the stream hanging
             log.exception("stream request failed")
-            self._put((request_plan.request, Internal(f"the router failed to relay the answer: {e}"), True))
+            self._put((request_plan.request, Internal("the router failed to relay the answer; see its log"), True))
         finally:
             with self._lock:
                 self._relays.discard(relay)

@@ -60,7 +60,7 @@ from openai_service.convert import (
     usage,
 )
 from openai_service.errors import OpenAIError, from_rpc_error, from_validation_error
-from openai_service.guard import RequestGuard
+from openai_service.guard import DOCS_PATHS, OPEN_PATHS, RequestGuard
 from openai_service.openapi import HEALTH_STATUSES, V1_STATUSES, error_responses, ok_response, openapi_schema
 from openai_service.protocol import (
     AssistantMessage,
@@ -194,7 +194,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(refusals)
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       allowed_hosts=config.allowed_hosts, refusals=refusals)
+                       allowed_hosts=config.allowed_hosts, refusals=refusals,
+                       open_paths=OPEN_PATHS + (DOCS_PATHS if docs else ()))
     app.state.refusals = refusals
     app.state.client = client
     app.state.served = served

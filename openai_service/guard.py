@@ -16,8 +16,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from openai_service.errors import OpenAIError
 from services.refusals import Refusals
 
-#: The routes that need the API key (as vLLM's ``--api-key``): health and docs stay open.
-PROTECTED_PREFIX = "/v1"
+#: The paths open without the API key (probes, scrapes); with a key set every other path,
+#: unknown ones included, needs it before any byte of the body is read. They take no body.
+OPEN_PATHS: tuple[str, ...] = ("/health", "/metrics")
+#: The documentation's paths, open too when ``--enable-docs`` serves them (a browser sends no key).
+DOCS_PATHS: tuple[str, ...] = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 def host_allowed(host_header: str | None, allowed: Sequence[str]) -> bool:
@@ -43,17 +46,22 @@ def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
 
 class RequestGuard:
     """ASGI middleware in front of the app: a ``Host`` not in ``allowed_hosts`` is a 400; a
-    ``/v1`` request without ``Authorization: Bearer <api_key>`` a 401 (with ``WWW-Authenticate:
-    Bearer``; no key: open); a body over ``max_body_bytes`` a 413, refused on its
-    ``Content-Length`` before any byte is read, or, chunked, as soon as the bytes received pass
-    the limit. The body is read here (at most ``max_body_bytes`` of it held) and replayed to the
-    app, so nothing downstream parses an oversize body. Each refusal is counted in ``refusals``
-    (by its :attr:`OpenAIError.reason <openai_service.errors.OpenAIError>`) when given."""
+    request to any path but ``open_paths`` without ``Authorization: Bearer <api_key>`` a 401
+    (with ``WWW-Authenticate: Bearer``; no key: open); a request to an open path that carries a
+    body (``Content-Length`` > 0, or a ``Transfer-Encoding``) a 413; a body over
+    ``max_body_bytes`` a 413, refused on its ``Content-Length`` before any byte is read, or,
+    chunked, as soon as the bytes received pass the limit. So a client without the key makes
+    the door hold no body at all. The body is read here (at most ``max_body_bytes`` of it held)
+    and replayed to the app, so nothing downstream parses an oversize body. Each refusal is
+    counted in ``refusals`` (by its :attr:`OpenAIError.reason <openai_service.errors.OpenAIError>`)
+    when given."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 allowed_hosts: Sequence[str] = (), refusals: Refusals | None = None) -> None:
+                 allowed_hosts: Sequence[str] = (), refusals: Refusals | None = None,
+                 open_paths: Sequence[str] = OPEN_PATHS) -> None:
         self.app = app
         self.refusals = refusals
+        self.open_paths = frozenset(open_paths)
         self.key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts)
@@ -79,17 +87,20 @@ class RequestGuard:
         if not host_allowed(headers.get("host"), self.allowed_hosts):
             return OpenAIError(400, "this server does not answer for that Host header", code="invalid_host",
                                reason="host")
-        if self.key is not None and scope["path"].startswith(PROTECTED_PREFIX):
+        is_open = scope["path"] in self.open_paths
+        if self.key is not None and not is_open:
             raw = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not bearer_matches(raw, self.key):
                 return OpenAIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, reason="api_key")
         length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return OpenAIError(400, "the Content-Length header is not a number of bytes")
-            if int(length) > self.max_body_bytes:
-                return self._too_large()
+        if length is not None and not length.isdigit():
+            return OpenAIError(400, "the Content-Length header is not a number of bytes")
+        if is_open and ((length is not None and int(length) > 0) or "transfer-encoding" in headers):
+            return OpenAIError(413, f"{scope['path']} takes no request body", code="request_too_large",
+                               reason="body_bytes")
+        if length is not None and int(length) > self.max_body_bytes:
+            return self._too_large()
         return None
 
     def _too_large(self) -> OpenAIError:

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from openai_service.guard import PROTECTED_PREFIX
+from openai_service.guard import OPEN_PATHS
 from openai_service.protocol import ChatCompletionChunk, Completion, ErrorResponse
 
 #: Each error status the door answers, and when.
@@ -21,7 +21,7 @@ ERROR_STATUSES = {
     400: "the request is invalid (body, field, Host or Content-Length), or can never fit the model",
     401: "no valid API key (`Authorization: Bearer <key>`), or the router refused the door's credential",
     404: "unknown route or model",
-    413: "the body is over `--max-body-bytes`",
+    413: "the body is over `--max-body-bytes`, or the open `/health` and `/metrics` were sent one",
     429: "every runner is at capacity (`rate_limit_error`): retry later",
     500: "the runner failed while generating",
     502: "the router's stream ended without a final message",
@@ -30,7 +30,7 @@ ERROR_STATUSES = {
 }
 #: The statuses of a ``/v1`` route (the guard's, the router's).
 V1_STATUSES = (400, 401, 404, 413, 429, 500, 502, 503, 504)
-#: The statuses of ``GET /health`` (open: no 401; every router failure is a 503).
+#: The statuses of ``GET /health`` (open: no 401; a body is a 413; every router failure is a 503).
 HEALTH_STATUSES = (400, 413, 503)
 
 _STRING = {"schema": {"type": "string"}}
@@ -111,14 +111,14 @@ def _add_components(schemas: dict[str, Any]) -> None:
 def openapi_schema(app: FastAPI, *, api_key: bool) -> dict[str, Any]:
     """``app``'s schema (built once, then cached on ``app.openapi_schema``): FastAPI's, less its
     422 responses and validation-error models, integer bounds exact; with ``api_key``, a ``bearer`` HTTP scheme that
-    every ``/v1`` operation requires."""
+    every operation but those of :data:`~openai_service.guard.OPEN_PATHS` requires."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)
-            if api_key and path.startswith(PROTECTED_PREFIX):
+            if api_key and path not in OPEN_PATHS:
                 operation["security"] = [{"bearer": []}]
     components = schema.setdefault("components", {})
     _add_components(components.setdefault("schemas", {}))

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from services.errors import InvalidArgument
-from services.fsmode import write_secret
+from services.fsmode import check_secret_file, private_dir, write_secret
 from services.handlers import deny_handler, wrap_behaviour
 from services.scopes import SCOPES, scope_of
 
@@ -147,14 +147,17 @@ def ensure_credentials(directory: str | Path, wanted: Mapping[str, Iterable[str]
 
     ``wanted`` maps identity -> scopes. Writes ``<dir>/<name>.token`` (0600; an existing one is
     kept, so restarts keep their tokens) and ``<dir>/auth`` (the :class:`AuthTable`); the
-    directory is made 0700. Returns the table."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
+    directory is made 0700. Returns the table. Raises ``InvalidArgument`` when the existing
+    directory or a token file could have been planted or changed by another user
+    (:func:`services.fsmode.private_dir`, :func:`services.fsmode.check_secret_file`)."""
+    d = private_dir(directory, "the credentials directory")
     creds = []
     for name, scopes in wanted.items():
         token_path = d / f"{name}.token"
-        token = read_token(token_path) if token_path.exists() else None
+        token = None
+        if os.path.lexists(token_path):
+            check_secret_file(token_path, "the token file")
+            token = read_token(token_path)
         if token is None:
             token = new_token()
             write_secret(token_path, token + "\n")

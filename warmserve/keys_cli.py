@@ -19,18 +19,19 @@ def register(subparsers) -> None:
 
 
 def _new(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from services.errors import InvalidArgument
+    from services.fsmode import check_private_dir
     from services.signing import SigningKey
 
     if not args.name or "/" in args.name or args.name.startswith("."):
         raise InvalidArgument(f"--name must be a plain file name stem, got {args.name!r}")
-    out = Path(args.out).expanduser()
-    if not out.exists():
+    out = Path(args.out).expanduser().resolve()
+    if out.exists():  # a directory another user can change could have the key swapped under us
+        check_private_dir(out, "the key directory")
+    else:
         out.mkdir(parents=True, mode=0o700)
-        os.chmod(out, 0o700)
     key = SigningKey.generate()
     key_path, pub_path = key.write(out, args.name)
     print(f"{key_path} (private, keep it with its publisher)\n{pub_path} (public, key id {key.key_id}: "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.auth import ENV_TOKEN, new_token, read_token
 from services.channel import ClientSecurity
-from services.fsmode import write_secret
+from services.fsmode import check_private_dir, check_secret_file, write_secret
 from services.scopes import GENERATE, PREPARE, PUBLISH, READ, REGISTER, SCOPES
 
 #: The directory under the home that holds the tokens and the auth file.
@@ -48,13 +48,20 @@ def auth_dir(home: Path) -> Path:
 
 def ensure_stack_credentials(home: Path, runners: int) -> Path:
     """Make (or keep) the stack's tokens and auth file under ``HOME/auth`` (0700; files 0600)
-    and the OpenAI door's API key ``openai.key`` (0600), and return that directory. Raises ``InvalidArgument`` for an unreadable token file."""
+    and the OpenAI door's API key ``openai.key`` (0600), and return that directory. Raises
+    ``InvalidArgument`` for an unreadable token file, and before using anything that another
+    user could have planted or changed: a home or ``auth`` directory not owned by this user or
+    writable by group/others, a token or key file not a regular file of this user with mode
+    0600 or narrower (``docs/security.md``, "Files that hold secrets")."""
     from services.auth import ensure_credentials
 
+    check_private_dir(home, "the home")
     d = auth_dir(home)
     ensure_credentials(d, stack_identities(runners))
     key = d / OPENAI_KEY_FILE
-    if not key.exists():
+    if os.path.lexists(key):
+        check_secret_file(key, "the OpenAI door's API key file")
+    else:
         write_secret(key, new_token() + "\n", exclusive=True)
     return d
 
@@ -65,9 +72,13 @@ def token_file(home: Path, identity: str) -> Path:
 
 
 def stack_security(home: Path, identity: str = CLIENT) -> ClientSecurity:
-    """What ``identity`` of the stack in ``home`` presents (no token when the file is absent)."""
+    """What ``identity`` of the stack in ``home`` presents (no token when the file is absent).
+    Raises ``InvalidArgument`` for a token file :func:`services.fsmode.check_secret_file` refuses."""
     path = token_file(home, identity)
-    return ClientSecurity(token=read_token(path) if path.exists() else None)
+    if not os.path.lexists(path):
+        return ClientSecurity(token=None)
+    check_secret_file(path, "the token file")
+    return ClientSecurity(token=read_token(path))
 
 
 def cli_security(token_file_arg: str | None, address: str, home: Path) -> ClientSecurity:

@@ -13,6 +13,7 @@ import ssl
 from pathlib import Path
 
 from services.channel import ClientSecurity
+from services.fsmode import check_private_dir, private_dir
 from services.tls import DevPKI, make_dev_pki
 
 #: The directory of the stack's PKI, under its home.
@@ -26,11 +27,14 @@ def stack_pki(home: Path) -> DevPKI:
 
 def make_stack_pki(home: Path, host: str) -> DevPKI:
     """A new CA and certificate for ``localhost``, ``127.0.0.1`` and ``host`` under
-    ``HOME/tls/`` (keys 0600, the directory 0700), replacing any earlier ones."""
+    ``HOME/tls/`` (keys 0600, the directory 0700), replacing any earlier ones. Raises
+    ``InvalidArgument`` when the home or an existing ``HOME/tls`` is not this user's or is
+    writable by group/others (:func:`services.fsmode.private_dir`): another user could swap
+    the keys."""
     names = list(dict.fromkeys(["localhost", "127.0.0.1", host]))
-    pki = make_dev_pki(home / TLS_DIR, names, common_name="warmserve up CA")
-    (home / TLS_DIR).chmod(0o700)
-    return pki
+    check_private_dir(home, "the home")
+    d = private_dir(home / TLS_DIR, "the TLS directory")
+    return make_dev_pki(d, names, common_name="warmserve up CA")
 
 
 def client_security(pki: DevPKI | None) -> ClientSecurity | None:

@@ -45,16 +45,31 @@ def _announce_back(stack: LocalStack, back: set[int], pending: set[int], out: Te
         out.flush()
 
 
+def door_curl(stack: LocalStack) -> str:
+    """The start of a ``curl`` command line (bash) that the stack's OpenAI door accepts: its
+    TLS files, and with the stack's API key the ``Authorization`` header read from
+    ``HOME/auth/openai.key`` by ``-H @<(printf ...)`` (``printf`` is a bash builtin, so the key
+    is on no process's command line, unlike ``-H "Authorization: Bearer $(cat KEY)"``)."""
+    from warmserve.stack_auth import DOOR_TAKES_API_KEY, OPENAI_KEY_FILE, auth_dir
+
+    pki, parts = stack.commands.pki, ["curl"]
+    if pki is not None:
+        parts.append(f"--cacert {pki.ca} --cert {pki.cert} --key {pki.key}")
+    if stack.config.auth and DOOR_TAKES_API_KEY:
+        parts.append(f"-H @<(printf 'Authorization: Bearer %s' \"$(cat {auth_dir(stack.home) / OPENAI_KEY_FILE})\")")
+    return " ".join(parts)
+
+
 def ready_hint(stack: LocalStack) -> str:
     """What ``up`` prints once started: a ``generate`` command that works now, or, for a stack
     without runners, how to add one (its router answers UNAVAILABLE until one registers); then,
-    when the stack runs its OpenAI door, the door's base URL."""
+    when the stack runs its OpenAI door, the door's base URL and a ``curl`` line it accepts
+    (:func:`door_curl`)."""
     door, pki = "", stack.commands.pki
     tls = f" --tls-ca {pki.ca} --tls-cert {pki.cert} --tls-key {pki.key}" if pki is not None else ""
     if OPENAI in stack.services:
         url = f"{'https' if pki else 'http'}://{stack.address(OPENAI)}/v1"
-        curl = f"curl --cacert {pki.ca} --cert {pki.cert} --key {pki.key} " if pki is not None else "curl "
-        door = f"\nOpenAI-compatible API: {url}   (e.g. {curl}{url}/models)"
+        door = f"\nOpenAI-compatible API: {url}   (e.g. {door_curl(stack)} {url}/models)"
     if stack.runners:
         return f"ready: warmserve generate --addr {stack.router_address}{tls} \"Hello!\"   (Ctrl-C stops)" + door
     return (f"ready, with no runners: the router at {stack.router_address} answers UNAVAILABLE until one "
@@ -98,7 +113,8 @@ def run_up(config: StackConfig, *, out: TextIO = sys.stdout) -> int:
             out.write(f"\ntokens: {d} (0600; `warmserve generate/chat/status` against this stack use "
                       f"{d / 'client.token'} by themselves; drain/evict need {d / 'admin.token'})\n")
             if OPENAI in stack.services and DOOR_TAKES_API_KEY:
-                out.write(f"OpenAI API key: {d / OPENAI_KEY_FILE} (Authorization: Bearer $(cat that file))\n")
+                out.write(f"OpenAI API key: {d / OPENAI_KEY_FILE} (send 'Authorization: Bearer <its first line>'; "
+                          "the curl line below keeps it off the command line)\n")
         out.write("\n" + ready_hint(stack) + "\n")
         out.flush()
         ticks, restarts, back = 0, stack.restarts(), set()

@@ -107,3 +107,36 @@ def test_bad_utf8_in_a_string_field_on_the_wire_is_invalid_argument(stack) -> No
         with pytest.raises(grpc.RpcError) as err:
             list(stream(iter([bad_id]), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid UTF-8" in err.value.details()
+
+
+#: 20,000 nested arrays: 40 KB, under the size limit, deeper than Python's JSON parser goes.
+DEEP = "[" * 20_000 + "]" * 20_000
+#: The review's 200 KB of nesting: over MAX_SAMPLING_JSON_BYTES (64 KiB).
+HUGE = "[" * 100_000 + "]" * 100_000
+
+
+def test_deeply_nested_or_oversize_sampling_json_is_one_sentence_of_invalid_argument(stack, stub) -> None:
+    before = _refused(stack, "sampling_bytes")
+    expected = {
+        DEEP: "input 'sampling_parameters' is not a JSON object warmserve can read (nested too deeply or a "
+              "number too long)",
+        HUGE: f"input 'sampling_parameters' is {len(HUGE)} bytes; at most {64 * 1024} are allowed",
+    }
+    for sampling, sentence in expected.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelInfer(request(sampling=sampling), timeout=60)
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, sentence)
+        (only,) = stub.ModelStreamInfer(iter([request(request_id="d", stream=True, sampling=sampling)]), timeout=60)
+        assert (only.error_message, only.infer_response.id) == (sentence, "d")
+    assert _refused(stack, "sampling_bytes") == before + 2
+    assert stub.ModelInfer(request(sampling={"max_tokens": 2, "temperature": 0}), timeout=60).outputs
+
+
+def test_a_stream_request_that_fails_unexpectedly_gets_a_sentence_not_the_exception(stack, stub,
+                                                                                    monkeypatch) -> None:
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("internal detail: /secret/path and a stack frame")
+
+    monkeypatch.setattr(stack.server.router, "generate", broken)
+    (only,) = stub.ModelStreamInfer(iter([request(request_id="x", stream=True, sampling=GREEDY_8)]), timeout=60)
+    assert only.error_message == "the router failed to start the request; see its log"

@@ -87,7 +87,7 @@ def assert_error(doc: dict, status: int) -> dict:
 # --- the body limit --------------------------------------------------------------------------------
 
 
-def _asgi_post(app, chunks, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, int]:
+def _asgi_post(app, chunks, headers: list[tuple[bytes, bytes]], path: str = "/v1/completions") -> tuple[int, dict, int]:
     """POST ``chunks`` (a chunked body) to the ASGI ``app`` in-process: (status, JSON body,
     bytes of the body the app received before it answered)."""
     received = 0
@@ -106,7 +106,7 @@ def _asgi_post(app, chunks, headers: list[tuple[bytes, bytes]]) -> tuple[int, di
         sent.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"), *headers],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
@@ -276,6 +276,34 @@ def test_every_v1_route_needs_the_api_key_and_health_stays_open(keyed_door) -> N
 def test_an_unauthenticated_oversize_body_is_refused_as_unauthenticated(keyed_door) -> None:
     status, _, doc = request(keyed_door, "POST", "/v1/completions", b"x" * (DEFAULT_MAX_BODY_BYTES + 1))
     assert status == 401 and assert_error(doc, 401)
+
+
+@pytest.mark.parametrize("api_key", [KEY, None])
+def test_the_open_paths_take_no_body_and_others_need_the_key_before_one_is_read(api_key) -> None:
+    app = create_app(OpenAIConfig(router="127.0.0.1:1", api_key=api_key))
+    chunked = [(b"transfer-encoding", b"chunked")]
+    for path in ("/health", "/metrics"):  # the review's 50 x 4 MiB `POST /health`: refused on its headers
+        for headers in (chunked, [(b"content-length", b"4000000")], [(b"content-length", b"1")]):
+            status, doc, received = _asgi_post(app, _forty_mb(), headers, path=path)
+            error = assert_error(doc, 413)
+            assert (status, received, error["message"]) == (413, 0, f"{path} takes no request body"), path
+    if api_key is not None:  # any other path, unknown ones included, needs the key first
+        for path in ("/nowhere", "/v1/completions", "/health/", "/docs"):
+            status, doc, received = _asgi_post(app, _forty_mb(), chunked, path=path)
+            assert (status, received, assert_error(doc, 401)["code"]) == (401, 0, "invalid_api_key"), path
+
+
+def test_an_open_path_with_a_body_is_refused_over_a_socket_and_counted(router) -> None:
+    with door(router, api_key=KEY) as d:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+            s.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      b"10000\r\n" + b"w" * 4096)  # a chunk that never finishes
+            head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413 ")
+        assert request(d, "GET", "/health")[0] == 200
+        assert refused(d) == {"body_bytes": 1}  # (read from GET /metrics, open and bodiless)
+        with door(router, api_key=KEY, enable_docs=True) as docs:  # a browser sends no key to the docs
+            assert request(docs, "GET", "/openapi.json")[0] == 200
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment_never_argv(tmp_path) -> None:

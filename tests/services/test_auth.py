@@ -145,3 +145,46 @@ def test_every_rpc_of_every_service_has_a_scope_or_is_open() -> None:
 def test_make_creds_files_are_private(tmp_path) -> None:
     creds = make_creds(tmp_path, a="read")
     assert os.stat(creds.token_file("a")).st_mode & 0o077 == 0
+
+
+def _planted(d):
+    """An auth directory someone else prepared (umask 0): a world-writable directory and a
+    world-readable admin token whose value they know."""
+    d.mkdir()
+    d.chmod(0o777)
+    (d / "admin.token").write_text("wst_known_to_the_attacker\n")
+    (d / "admin.token").chmod(0o666)
+    return d
+
+
+def test_ensure_credentials_refuses_a_directory_or_token_another_user_could_write(tmp_path) -> None:
+    wanted = {"admin": SCOPES}
+    d = _planted(tmp_path / "auth")
+    with pytest.raises(InvalidArgument, match=f"refusing the credentials directory {d}: it is writable by group "
+                                              "or others \\(mode 0777\\)"):
+        ensure_credentials(d, wanted)
+    d.chmod(0o700)  # a private directory, but a token readable and writable by all
+    with pytest.raises(InvalidArgument, match=f"refusing the token file {d / 'admin.token'}: group or others "
+                                              "may access it \\(mode 0666\\)"):
+        ensure_credentials(d, wanted)
+    assert not (d / "auth").exists()  # nothing accepts the planted token
+    (d / "admin.token").unlink()
+    (d / "admin.token").symlink_to(tmp_path / "elsewhere.token")
+    with pytest.raises(InvalidArgument, match="it is a symbolic link"):
+        ensure_credentials(d, wanted)
+    (d / "admin.token").unlink()
+    table = ensure_credentials(d, wanted)  # what remains is ours: a fresh token
+    assert table.identify("wst_known_to_the_attacker") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another uid needs root")
+def test_ensure_credentials_refuses_files_of_another_user(tmp_path) -> None:
+    d = tmp_path / "auth"
+    ensure_credentials(d, {"admin": SCOPES})
+    os.chown(d / "admin.token", 65534, 65534)
+    with pytest.raises(InvalidArgument, match="admin.token: it is owned by uid 65534"):
+        ensure_credentials(d, {"admin": SCOPES})
+    os.chown(d / "admin.token", 0, 0)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(InvalidArgument, match=f"{d}: it is owned by uid 65534"):
+        ensure_credentials(d, {"admin": SCOPES})

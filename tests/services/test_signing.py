@@ -95,6 +95,12 @@ def test_keys_new_cli_writes_the_pair_and_refuses_to_overwrite(tmp_path, capsys)
     TrustedKeys.load(tmp_path / "k" / "runner-0.pub")
     assert main(["keys", "new", "--out", str(tmp_path / "k"), "--name", "runner-0"]) == 2
     assert "never overwritten" in capsys.readouterr().err
+    shared = tmp_path / "shared"  # a directory others may write: they could swap the key under us
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert main(["keys", "new", "--out", str(shared), "--name", "runner-1"]) == 2
+    assert f"refusing the key directory {shared}: it is writable by group or others" in capsys.readouterr().err
+    assert list(shared.iterdir()) == []
 
 
 def test_a_remembered_verification_still_refuses_other_bytes():

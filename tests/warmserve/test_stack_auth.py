@@ -5,6 +5,7 @@ and `warmserve generate` finds the client token by itself."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -108,3 +109,55 @@ def test_a_stack_with_auth_off_starts_its_daemons_without_the_flags(tmp_path: Pa
     stack = LocalStack(StackConfig(runners=1, base_port=0, home=tmp_path, auth=False), progress=None)
     assert "--auth-file" not in stack.runner_argv(0) and "--token-file" not in stack.runner_argv(0)
     assert stack_security(tmp_path).token is None  # nothing made before start
+
+
+def _plant(home: Path, owner: int | None) -> None:
+    """What another user with umask 0 leaves for the victim's `up --home HOME`: world-writable
+    directories and a world-readable admin token and API key whose values they know."""
+    (home / "auth").mkdir(parents=True)
+    for name in ("admin.token", "openai.key"):
+        (home / "auth" / name).write_text("wst_known_to_the_attacker\n")
+    for p in (home / "auth" / "admin.token", home / "auth" / "openai.key", home / "auth", home):
+        p.chmod(0o666 if p.is_file() else 0o777)
+        if owner is not None:
+            os.chown(p, owner, owner)
+
+
+@pytest.mark.parametrize("owner", [None, pytest.param(65534, marks=pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving files to another uid needs root"))])
+def test_up_refuses_a_home_with_planted_credentials_and_starts_nothing(tmp_path: Path, monkeypatch, capsys,
+                                                                       owner: int | None) -> None:
+    home = tmp_path / "host-a"
+    _plant(home, owner)
+    launched = []
+    monkeypatch.setattr(LocalStack, "_launch", lambda self, child: launched.append(child) or pytest.fail("launched"))
+    argv = ["up", "--home", str(home), "--base-port", "0", "--runners", "0", "--no-openai"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    problem = f"owned by uid {owner}" if owner is not None else "writable by group or others (mode 0777)"
+    assert f"refusing the home {home}: it is {problem}" in err
+    home.chmod(0o700)
+    if owner is not None:
+        os.chown(home, os.geteuid(), os.getegid())
+    assert main(argv) == 2
+    problem = f"owned by uid {owner}" if owner is not None else "writable by group or others (mode 0777)"
+    assert f"refusing the credentials directory {home / 'auth'}: it is {problem}" in capsys.readouterr().err
+    (home / "auth").chmod(0o700)
+    if owner is not None:
+        os.chown(home / "auth", os.geteuid(), os.getegid())
+    assert main(argv) == 2
+    assert f"refusing the token file {home / 'auth' / 'admin.token'}: " in capsys.readouterr().err
+    (home / "auth" / "admin.token").unlink()
+    assert main(argv) == 2
+    assert f"refusing the OpenAI door's API key file {home / 'auth' / 'openai.key'}: " in capsys.readouterr().err
+    assert launched == [] and (home / "auth" / "admin.token").read_text() != "wst_known_to_the_attacker\n"
+
+
+def test_up_tls_refuses_a_tls_directory_another_user_could_change(tmp_path: Path, monkeypatch, capsys) -> None:
+    home = tmp_path / "host-a"
+    (home / "tls").mkdir(parents=True)
+    (home / "tls").chmod(0o777)
+    monkeypatch.setattr(LocalStack, "_launch", lambda self, child: pytest.fail("launched"))
+    assert main(["up", "--home", str(home), "--base-port", "0", "--runners", "0", "--no-openai", "--tls"]) == 2
+    assert f"refusing the TLS directory {home / 'tls'}: it is writable by group or others" in capsys.readouterr().err
+    assert not (home / "tls" / "key.pem").exists()

@@ -9,6 +9,7 @@ import io
 import json
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from warmserve.stack import LocalStack
 from warmserve.stack_config import StackConfig
 from warmserve.stack_report import print_status
 from warmserve.stack_state import stack_services
-from warmserve.up import ready_hint
+from warmserve.up import door_curl, ready_hint
 
 
 def test_up_starts_the_door_unless_told_not_to_and_the_demo_does_not() -> None:
@@ -93,7 +94,17 @@ def test_a_stack_runs_records_shows_heals_and_stops_its_door(tmp_path: Path) -> 
         assert print_status(stack.router_address, services, out=out, security=stack.credentials()) == 0
         row = next(line for line in out.getvalue().splitlines() if line.startswith("openai"))
         assert f"http://{door.address}/v1" in row and "NOT_SERVING" in row
-        assert f"OpenAI-compatible API: http://{door.address}/v1" in ready_hint(stack)
+        hint = ready_hint(stack)
+        assert f"OpenAI-compatible API: http://{door.address}/v1" in hint
+        # the hint's curl line carries the API key, and not on any command line (ps shows argv)
+        url = f"http://{door.address}/v1/models"
+        assert f"(e.g. {door_curl(stack)} {url})" in hint
+        key = (tmp_path / "auth" / "openai.key").read_text().strip()
+        assert key not in hint
+        for line, status in ((f"{door_curl(stack)} {url}", "503"), (f"curl {url}", "401")):  # no runner: 503
+            done = subprocess.run(["bash", "-c", f"{line} -s -o /dev/null -w '%{{http_code}}'"], capture_output=True,
+                                  text=True, timeout=30)
+            assert done.stdout == status, (line, done.stdout, done.stderr)
 
         door.proc.send_signal(signal.SIGKILL)
         door.proc.wait(timeout=10)
