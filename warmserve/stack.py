@@ -242,6 +242,9 @@ class LocalStack:
         :meth:`preflight`. On failure every child is stopped and the error re-raised."""
         self.preflight()
         try:
+            if not self.home.exists():  # a new home holds secrets: 0700 whatever the umask
+                self.home.mkdir(parents=True, mode=0o700)
+                os.chmod(self.home, 0o700)
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InvalidArgument(f"cannot create the home {self.home} (--home / $WARMSERVE_HOME): "
