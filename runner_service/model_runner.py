@@ -72,11 +72,14 @@ class ModelRunner:
     ``args``/``weights``: the family config and weights (the family is ``family``, or the one
     whose config class built ``args``); ``kv``: the cache allocated for the family's
     :meth:`~model_families.family.ModelFamily.cache_specs`; ``max_model_len``: context length in
-    tokens (sizes the block tables and derived tables such as RoPE).
+    tokens (sizes the block tables and derived tables such as RoPE); ``prepack``: make the
+    oneDNN-blocked copies of the matrices (:class:`PackedMatrices`; a build child, which only
+    compiles, does without).
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, kv: KVCache, config: EngineConfig,
-                 max_model_len: int, device: torch.device, family: ModelFamily | None = None) -> None:
+                 max_model_len: int, device: torch.device, family: ModelFamily | None = None, *,
+                 prepack: bool = True) -> None:
         self.args = args
         self.family = family or family_for_config(args)
         self.kv = kv
@@ -90,12 +93,14 @@ class ModelRunner:
         self.dtype = weights.dtype
         self.model = self.family.build_model(args, weights, max_model_len).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
-        self.packed = PackedMatrices(self.model.linear_matrices(), batch_hint=config.max_num_seqs)
+        self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device, self.layout)
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
-        #: this runner's modules in another thread (:func:`runner_service.programs.aoti.compile_aoti`).
+        #: this runner's modules (:func:`runner_service.programs.aoti.compile_aoti`): a background
+        #: build runs in a child process (:mod:`runner_service.programs.build_child`), so while
+        #: serving nothing but the steps takes it.
         self.forward_lock = threading.Lock()
         #: The compiled decode (the compile contract), or None: eager.
         self.decode_program: Program | None = None
