@@ -107,3 +107,25 @@ def test_the_child_refuses_to_compile_for_another_thread_count(tmp_path):
     finally:
         child.close()
     assert not (tmp_path / "program.pt2").exists()
+
+
+@pytest.mark.parametrize("weights_dtype", ["f32", "int8"])
+def test_the_child_spec_from_the_sidecar_or_random_weights_has_the_runners_key(tmp_path, weights_dtype):
+    from weights_tiny import write_tiny_checkpoint
+
+    from runner_service.programs.build_child import child_spec
+    from weight_service.prepare import prepare
+
+    write_tiny_checkpoint(tmp_path / "ckpt", vocab=96, tokenizer=True)
+    sidecar = prepare(str(tmp_path / "ckpt"), dtype=weights_dtype, root=tmp_path / "sidecars").path
+    eng = LLMEngine.from_sidecar(sidecar, tiny_config(max_num_seqs=4, max_model_len=64))  # the keys are asked for aoti
+    try:
+        spec = eng.runner.program_spec()
+        for source in (sidecar, None):  # mapped as the runner did, or same-shape random weights
+            setup = ChildSetup.of(eng.runner, spec, sidecar=source, weights_dtype=eng.programs.weights_dtype, nice=0)
+            twin = child_spec(setup)
+            assert twin.decode_module is not spec.decode_module
+            for kind in ("decode", "prefill"):
+                assert program_key(twin, "aoti", kind=kind) == program_key(spec, "aoti", kind=kind), (source, kind)
+    finally:
+        eng.close()
