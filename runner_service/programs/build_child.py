@@ -16,7 +16,7 @@ Protocol, JSON lines over pipes (nothing on argv): the parent writes one :class:
 the child's stdin, then one request per program, ``{"kind": "decode", "package": PATH,
 "fingerprint": FP}``; the child answers each on its stdout, ``{"ok": true, "seconds": S}`` or
 ``{"ok": false, "error": "Type: why"}``, and exits at the end of its stdin. Its stderr is the
-parent's (its log lines start with ``build-child``); it dies with the thread that started it
+parent's (JSON log lines of service ``build-child``, warnings and errors only); it dies with the thread that started it
 (``PR_SET_PDEATHSIG`` on Linux).
 """
 
@@ -223,7 +223,8 @@ def _answer(out, **reply) -> None:
 
 def main() -> int:
     """The child: read the setup, lower its priority, build the spec, then compile each request
-    (see the module docstring). Returns 0 at the end of stdin."""
+    (see the module docstring); a setup that fails (an unreadable sidecar, an unknown family) is
+    the answer to every request. Returns 0 at the end of stdin."""
     out = os.fdopen(os.dup(1), "w")  # the answers; anything else written to stdout goes to stderr
     os.dup2(2, 1)
     _follow_parent()
@@ -231,7 +232,9 @@ def main() -> int:
     os.nice(max(0, setup.nice))  # before the heavy imports; the C++ compiler it starts inherits it
     if setup.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, setup.cpus)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="build-child %(levelname)s %(name)s: %(message)s")
+    from services.log import configure_logging
+
+    configure_logging("build-child", "WARNING")
 
     import torch
 
@@ -239,10 +242,17 @@ def main() -> int:
     from runner_service.programs.key import program_key
 
     torch.set_num_threads(setup.threads)  # the serving count: it is in the key and in the generated code
-    spec = child_spec(setup)
+    try:
+        spec, failed = child_spec(setup), ""
+    except Exception as e:  # noqa: BLE001 - answered to each request
+        log.exception("the build child could not build its program spec")
+        spec, failed = None, f"setting up: {type(e).__name__}: {e}"
     for line in sys.stdin:
         request = json.loads(line)
         kind = request["kind"]
+        if spec is None:
+            _answer(out, ok=False, error=failed)
+            continue
         try:
             name, got = program_key(spec, spec.mode, kind=kind)
             if got != request["fingerprint"]:

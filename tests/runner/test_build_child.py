@@ -1,7 +1,8 @@
 """The background build in a child process (runner_service/programs/build_child.py,
 runner_service/program_installer.py) on a tiny random Llama, without a real compile: a child that
-is SIGKILLed mid-build, and one asked to compile for another key. The build that completes and is
-installed between two steps is tests/runner/test_runner_background_compile.py (slow)."""
+is SIGKILLed mid-build, one asked to compile for another key, and the child's
+spec against the runner's. The build that completes and is installed between two steps is
+tests/runner/test_runner_background_compile.py (slow)."""
 
 from __future__ import annotations
 
@@ -94,15 +95,20 @@ def test_a_sigkilled_build_child_leaves_the_runner_serving_eager_and_saying_why(
     eng.close()
 
 
-def test_the_child_refuses_to_compile_for_another_thread_count(tmp_path):
+def _runner() -> ModelRunner:
     config = tiny_config(max_num_seqs=4, max_model_len=64, compile="aoti", device="cpu")
     kv = KVCache(LLAMA.cache_specs(ARGS, 4), 16, 4, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(ARGS, LLAMA.random_weights(ARGS, seed=3), kv, config, 64, torch.device("cpu"))
+    return ModelRunner(ARGS, LLAMA.random_weights(ARGS, seed=3), kv, config, 64, torch.device("cpu"))
+
+
+def test_the_child_refuses_to_compile_for_another_thread_count(tmp_path):
+    runner = _runner()
     spec = runner.program_spec()
     setup = ChildSetup.of(runner, spec, sidecar=None, weights_dtype="f32", nice=0)
-    child = BuildChild(dataclasses.replace(setup, threads=spec.threads + 1))
+    child = BuildChild(dataclasses.replace(setup, threads=spec.threads + 1))  # the thread count is in the key
+    why = r"ValueError: the child's key of llama.decode.aoti \(\w+\) differs from the runner's"
     try:
-        with pytest.raises(Internal, match=r"the child's key of llama.decode.aoti \(\w+\) differs from the runner's"):
+        with pytest.raises(Internal, match=r"the build child \(pid \d+\) failed to compile llama.decode.aoti: " + why):
             child.compile(spec, "decode", tmp_path / "program.pt2")
     finally:
         child.close()
