@@ -7,10 +7,11 @@ cache and an empty Inductor cache, serving ``--streams`` back-to-back requests o
 ``--max-tokens`` tokens from launch until its programs are installed (or ``--limit`` seconds):
 
 - ``off``: ``--compile off`` for ``--off-seconds``: the baseline gap between tokens;
-- ``cede`` (the default share): the child at nice +10; the engine steps on one thread fewer
-  while it builds when its threads fill every core;
-- ``nice``: the child at nice +10, no thread ceded (the share before the child had its core);
-- ``fair``: the child at nice 0, no thread ceded.
+- ``cede`` (the default share): the child at nice 0 confined to the CPUs the engine leaves; the
+  engine steps on one thread fewer while it builds when its threads fill every core;
+- ``nice``: the child at nice +10 beside the engine's threads, no thread ceded (the share of the
+  in-process background compile before);
+- ``fair``: the child at nice 0 beside them, no thread ceded.
 
 Per way: ``installed_s`` (start-up to both programs installed, ``null`` past the limit),
 ``max_gap_s`` (the longest gap between two tokens of a stream while the build ran; for

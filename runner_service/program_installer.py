@@ -28,39 +28,37 @@ log = logging.getLogger(__name__)
 #: ``eager`` (they failed: serving eager).
 PROGRAM_STATES = ("off", "pending", "installed", "eager")
 #: How a build child shares the CPU with serving (:func:`build_share`): ``cede`` (default) gives
-#: it a core, the engine stepping on one thread fewer while it compiles when its threads would
-#: otherwise fill every core; ``nice`` (niced only: starves beside busy OpenMP threads) and
-#: ``fair`` (nice 0, no thread ceded) are kept for ``bench/build_share.py``.
+#: it cores of its own at a fair share, the engine stepping on one thread fewer while it builds
+#: when its threads would otherwise fill every core; ``nice`` (nice +10 beside the engine's
+#: threads: starves under load) and ``fair`` (nice 0 beside them) are kept for ``bench/build_share.py``.
 BUILD_SHARES = ("cede", "nice", "fair")
-#: Added to a build child's nice value when a core is left to it (its C++ compiler inherits it).
+#: The nice increment of the ``nice`` share.
 BUILD_NICE = 10
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
+def available_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask where the OS has one), ascending."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
-def build_share(threads: int, cpus: int, share: str = "cede") -> tuple[int, int]:
-    """``(engine threads while a child builds, the child's nice increment)`` for an engine serving
-    on ``threads`` torch threads with ``cpus`` CPUs, under ``share`` (:data:`BUILD_SHARES`).
-    ``cede``: with a core to spare the engine keeps its threads and the child runs niced
-    (:data:`BUILD_NICE`); with none, an engine on 2+ threads steps on one fewer (the compile
-    gets a core, niced); a single thread on a single CPU shares it at nice 0 (a niced child
-    would starve, and progress must stay bounded). Raises ``ValueError`` for another ``share``."""
+def build_share(threads: int, cpus: int, share: str = "cede") -> tuple[int, int, int]:
+    """``(engine threads while a child builds, the child's nice increment, CPUs it is confined
+    to or 0 for all)`` for an engine serving on ``threads`` torch threads with ``cpus`` CPUs,
+    under ``share`` (:data:`BUILD_SHARES`). ``cede``: the child gets the CPUs the engine's
+    threads leave, at nice 0 (a niced child starves beside any busy process: programs must come
+    in bounded time); when the engine's threads fill every core, an engine on 2+ threads steps on
+    one fewer meanwhile, so one core is left; a single thread on a single CPU shares it. Raises
+    ``ValueError`` for another ``share``."""
     if share not in BUILD_SHARES:
         raise ValueError(f"build share must be one of {BUILD_SHARES}, got {share!r}")
     if share == "nice":
-        return threads, BUILD_NICE
+        return threads, BUILD_NICE, 0
     if share == "fair":
-        return threads, 0
-    if threads < cpus:
-        return threads, BUILD_NICE
-    if threads >= 2:
-        return threads - 1, BUILD_NICE
-    return threads, 0
+        return threads, 0, 0
+    serving = threads - 1 if 2 <= threads and threads >= cpus else threads
+    return serving, 0, max(1, cpus - serving)
 
 
 class ProgramInstaller:
@@ -161,9 +159,10 @@ class ProgramInstaller:
         when they failed) and ``installed_at_s`` says when."""
         from runner_service.programs.build_child import BuildChild, ChildSetup
 
-        serving, nice = build_share(spec.threads, available_cpus(), self.share)
-        self.child = BuildChild(ChildSetup.of(self.runner, spec, sidecar=self.sidecar,
-                                              weights_dtype=self.weights_dtype, nice=nice))
+        cpus = available_cpus()
+        serving, nice, own = build_share(spec.threads, len(cpus), self.share)
+        self.child = BuildChild(ChildSetup.of(self.runner, spec, sidecar=self.sidecar, weights_dtype=self.weights_dtype,
+                                              nice=nice, cpus=cpus[-own:] if own else None))
         if self._closed:
             self.child.stop()
         compiler = self._child_compiler(self.child, between_steps, serving)
@@ -184,7 +183,9 @@ class ProgramInstaller:
             ceded = serving < spec.threads
             if ceded:
                 between_steps(lambda: torch.set_num_threads(serving))
+            cpus = child.setup.cpus
             self._progress(f"compiling {name} here, in a build child (nice +{child.setup.nice}"
+                           + (f", on {len(cpus)} CPU(s) of its own" if cpus else "")
                            + (f"; serving on {serving} of {spec.threads} threads meanwhile)" if ceded else ")"))
             try:
                 return child.compile(spec, kind, package)

@@ -72,7 +72,7 @@ class ChildSetup:
     threads: int
     sidecar: str | None = None
     weights_dtype: str = "f32"
-    nice: int = 10
+    nice: int = 0
     cpus: list[int] | None = None
 
     @classmethod
