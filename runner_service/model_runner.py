@@ -102,6 +102,10 @@ class ModelRunner:
         #: build runs in a child process (:mod:`runner_service.programs.build_child`), so while
         #: serving nothing but the steps takes it.
         self.forward_lock = threading.Lock()
+        #: The thread count :meth:`program_spec` reports while the stepping thread steps on fewer
+        #: (a background build ceded one, :mod:`runner_service.program_installer`); ``None``: the
+        #: calling thread's.
+        self.serving_threads: int | None = None
         #: The compiled decode (the compile contract), or None: eager.
         self.decode_program: Program | None = None
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
@@ -112,7 +116,7 @@ class ModelRunner:
 
     def program_spec(self) -> ProgramSpec:
         """What this runner's programs are built for and from (:class:`ProgramSpec`), now: the
-        thread count is the calling thread's, the family config as it is."""
+        thread count is :attr:`serving_threads` or the calling thread's, the family config as it is."""
         return ProgramSpec(
             family=self.family, config=self.args.to_dict(), mode=self.config.compile, block_size=self.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
@@ -120,7 +124,7 @@ class ModelRunner:
             max_prefill_tokens=min(self.config.resolved_max_num_batched_tokens(self.max_model_len),
                                    self.max_model_len),
             block_layout=self.layout.describe(), pool_specs=tuple(self.kv.specs), dtype=self.dtype,
-            device=self.device, threads=torch.get_num_threads(), decode_module=self.decode_module,
+            device=self.device, threads=self.serving_threads or torch.get_num_threads(), decode_module=self.decode_module,
             model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
             decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
             build_lease_s=self.config.build_lease_s)

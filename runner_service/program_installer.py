@@ -182,7 +182,7 @@ class ProgramInstaller:
             name = f"{spec.family.name}.{kind}.{spec.mode}"
             ceded = serving < spec.threads
             if ceded:
-                between_steps(lambda: torch.set_num_threads(serving))
+                between_steps(lambda: self._step_on(serving, spec.threads))
             cpus = child.setup.cpus
             self._progress(f"compiling {name} here, in a build child (nice +{child.setup.nice}"
                            + (f", on {len(cpus)} CPU(s) of its own" if cpus else "")
@@ -191,9 +191,15 @@ class ProgramInstaller:
                 return child.compile(spec, kind, package)
             finally:
                 if ceded:
-                    between_steps(lambda: torch.set_num_threads(spec.threads))
+                    between_steps(lambda: self._step_on(spec.threads, None))
 
         return compile_in_child
+
+    def _step_on(self, threads: int, key_threads: int | None) -> None:
+        """In the stepping thread: step on ``threads`` torch threads while the program key keeps
+        naming ``key_threads`` (``None``: the stepping thread's, :attr:`ModelRunner.serving_threads`)."""
+        torch.set_num_threads(threads)
+        self.runner.serving_threads = key_threads
 
     def _record(self, report: ProgramsReport, clock: Callable[[], float]) -> None:
         self.installed_at_s = clock()

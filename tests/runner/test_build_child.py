@@ -79,6 +79,7 @@ def test_a_sigkilled_build_child_leaves_the_runner_serving_eager_and_saying_why(
     eng.step()  # runs what the build handed over: ceding a thread when the engine's fill every core
     fills_every_core = threads >= 2 and threads >= len(available_cpus())
     assert torch.get_num_threads() == (threads - 1 if fills_every_core else threads)
+    assert eng.runner.program_spec().threads == threads  # the key still names the serving count
     os.kill(pid, signal.SIGKILL)  # mid-build: it was importing, tracing or compiling
     eng.programs.join(timeout=60)
     assert not eng.programs.in_flight
