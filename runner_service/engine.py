@@ -86,6 +86,8 @@ class LLMEngine:
             weights' quantization, or their float dtype).
         generation_config: the model's generation defaults (the sidecar's
             ``generation_config.json``, :mod:`runner_service.generation_config`; default none).
+        sidecar_path: the sidecar directory ``weights`` were mapped from (a background build
+            child maps it too; ``None``: weights from memory, see :class:`ProgramInstaller`).
 
     ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
     device), ``dtype`` its torch dtype. ``eos_token_ids`` are the tokens that end a sequence
@@ -99,7 +101,7 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
                  family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
                  kernel_cache: str | None = None, weights_dtype: str = "",
-                 generation_config: GenerationConfig | None = None) -> None:
+                 generation_config: GenerationConfig | None = None, sidecar_path: str | Path | None = None) -> None:
         self._created = time.perf_counter()
         self.sampler = Sampler()
         self._lock = threading.Lock()
@@ -170,7 +172,8 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         #: The compiled programs and their state (``ModelInfo.program_state``).
-        self.programs = ProgramInstaller(self.runner, kernel_cache)
+        self.programs = ProgramInstaller(self.runner, kernel_cache, sidecar=sidecar_path,
+                                         weights_dtype=self.weights_dtype if sidecar_path else weights.quantization or "f32")
         self._phase("programs", t0, self.programs.start(self.call_between_steps, self._since_startup))
         t0 = time.perf_counter()
         if config.warmup:
@@ -209,7 +212,7 @@ class LLMEngine:
             + f"; {sidecar.trust}")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
                    family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,
-                   generation_config=generation_config)
+                   generation_config=generation_config, sidecar_path=path)
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
@@ -441,7 +444,8 @@ class LLMEngine:
                     self._finish(seq, FinishReason.ABORTED)
 
     def close(self) -> None:
-        """Stop the loop, abort what is in flight (ABORTED), free the buffers."""
+        """Stop the loop and a background build, abort what is in flight (ABORTED), free the buffers."""
+        self.programs.close()
         with self._lock:
             self._stopping = True
             self._wake.notify_all()

@@ -72,11 +72,14 @@ class ModelRunner:
     ``args``/``weights``: the family config and weights (the family is ``family``, or the one
     whose config class built ``args``); ``kv``: the cache allocated for the family's
     :meth:`~model_families.family.ModelFamily.cache_specs`; ``max_model_len``: context length in
-    tokens (sizes the block tables and derived tables such as RoPE).
+    tokens (sizes the block tables and derived tables such as RoPE); ``prepack``: make the
+    oneDNN-blocked copies of the matrices (:class:`PackedMatrices`; a build child, which only
+    compiles, does without).
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, kv: KVCache, config: EngineConfig,
-                 max_model_len: int, device: torch.device, family: ModelFamily | None = None) -> None:
+                 max_model_len: int, device: torch.device, family: ModelFamily | None = None, *,
+                 prepack: bool = True) -> None:
         self.args = args
         self.family = family or family_for_config(args)
         self.kv = kv
@@ -90,13 +93,19 @@ class ModelRunner:
         self.dtype = weights.dtype
         self.model = self.family.build_model(args, weights, max_model_len).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
-        self.packed = PackedMatrices(self.model.linear_matrices(), batch_hint=config.max_num_seqs)
+        self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device, self.layout)
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
-        #: this runner's modules in another thread (:func:`runner_service.programs.aoti.compile_aoti`).
+        #: this runner's modules (:func:`runner_service.programs.aoti.compile_aoti`): a background
+        #: build runs in a child process (:mod:`runner_service.programs.build_child`), so while
+        #: serving nothing but the steps takes it.
         self.forward_lock = threading.Lock()
+        #: The thread count :meth:`program_spec` reports while the stepping thread steps on fewer
+        #: (a background build ceded one, :mod:`runner_service.program_installer`); ``None``: the
+        #: calling thread's.
+        self.serving_threads: int | None = None
         #: The compiled decode (the compile contract), or None: eager.
         self.decode_program: Program | None = None
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
@@ -107,7 +116,7 @@ class ModelRunner:
 
     def program_spec(self) -> ProgramSpec:
         """What this runner's programs are built for and from (:class:`ProgramSpec`), now: the
-        thread count is the calling thread's, the family config as it is."""
+        thread count is :attr:`serving_threads` or the calling thread's, the family config as it is."""
         return ProgramSpec(
             family=self.family, config=self.args.to_dict(), mode=self.config.compile, block_size=self.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
@@ -115,7 +124,7 @@ class ModelRunner:
             max_prefill_tokens=min(self.config.resolved_max_num_batched_tokens(self.max_model_len),
                                    self.max_model_len),
             block_layout=self.layout.describe(), pool_specs=tuple(self.kv.specs), dtype=self.dtype,
-            device=self.device, threads=torch.get_num_threads(), decode_module=self.decode_module,
+            device=self.device, threads=self.serving_threads or torch.get_num_threads(), decode_module=self.decode_module,
             model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
             decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
             build_lease_s=self.config.build_lease_s)

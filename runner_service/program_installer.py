@@ -1,14 +1,14 @@
-"""The engine's compiled programs: load them at start-up, or build them in the background while the
-engine serves eager and install them between two steps; their state for ``ModelInfo``
+"""The engine's compiled programs: load them at start-up, or build them in a child process while
+the engine serves eager and install them between two steps; their state for ``ModelInfo``
 (``docs/architecture.md`` §9)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +17,9 @@ from services.errors import FailedPrecondition
 
 if TYPE_CHECKING:
     from runner_service.model_runner import ModelRunner
+    from runner_service.programs.build_child import BuildChild
     from runner_service.programs.load import ProgramsReport
+    from runner_service.programs.spec import ProgramSpec
 
 log = logging.getLogger(__name__)
 
@@ -25,58 +27,85 @@ log = logging.getLogger(__name__)
 #: while the programs are fetched, waited for or compiled in the background), ``installed``,
 #: ``eager`` (they failed: serving eager).
 PROGRAM_STATES = ("off", "pending", "installed", "eager")
-#: The interpreter's GIL switch interval (seconds) while programs compile beside eager serving.
-COMPILE_SWITCH_INTERVAL_S = 0.0002
+#: How a build child shares the CPU with serving (:func:`build_share`): ``cede`` (default) gives
+#: it cores of its own at a fair share, the engine stepping on one thread fewer while it builds
+#: when its threads would otherwise fill every core; ``nice`` (nice +10 beside the engine's
+#: threads: starves under load) and ``fair`` (nice 0 beside them) are kept for ``bench/build_share.py``.
+BUILD_SHARES = ("cede", "nice", "fair")
+#: The nice increment of the ``nice`` share.
+BUILD_NICE = 10
 
 
-def _lower_thread_priority(step: int = 10) -> None:
-    """Raise the calling thread's nice value by ``step`` (Linux: a thread's own priority, which
-    the processes it starts, e.g. the C++ compiler, inherit). Elsewhere nothing: ``PRIO_PROCESS``
-    would renice the whole process."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
-    except OSError:
-        pass
+def available_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask where the OS has one), ascending."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def build_share(threads: int, cpus: int, share: str = "cede") -> tuple[int, int, int]:
+    """``(engine threads while a child builds, the child's nice increment, CPUs it is confined
+    to or 0 for all)`` for an engine serving on ``threads`` torch threads with ``cpus`` CPUs,
+    under ``share`` (:data:`BUILD_SHARES`). ``cede``: the child gets the CPUs the engine's
+    threads leave, at nice 0 (a niced child starves beside any busy process: programs must come
+    in bounded time); when the engine's threads fill every core, an engine on 2+ threads steps on
+    one fewer meanwhile, so one core is left; a single thread on a single CPU shares it. Raises
+    ``ValueError`` for another ``share``."""
+    if share not in BUILD_SHARES:
+        raise ValueError(f"build share must be one of {BUILD_SHARES}, got {share!r}")
+    if share == "nice":
+        return threads, BUILD_NICE, 0
+    if share == "fair":
+        return threads, 0, 0
+    serving = threads - 1 if 2 <= threads and threads >= cpus else threads
+    return serving, 0, max(1, cpus - serving)
 
 
 class ProgramInstaller:
     """Owns ``runner``'s compiled programs for an engine.
 
     ``kernel_cache``: address or directory (:func:`runner_service.programs.load.load_programs`).
-    ``state`` is one of :data:`PROGRAM_STATES`; ``detail`` what was (or
-    is being) done; ``installed_at_s`` the ``clock()`` when background-built programs took over
-    (``None`` otherwise); ``thread`` the background compile, if one was started.
+    ``sidecar``: the directory the engine's weights were mapped from (a build child maps it too;
+    ``None``: the child makes random weights in ``weights_dtype``, see
+    :mod:`runner_service.programs.build_child`). ``share``: :data:`BUILD_SHARES`.
+    ``state`` is one of :data:`PROGRAM_STATES`; ``detail`` what was (or is being) done;
+    ``installed_at_s`` the ``clock()`` when background-built programs took over (``None``
+    otherwise); ``thread`` the background build, if one was started; ``child`` its
+    :class:`~runner_service.programs.build_child.BuildChild` (``pid`` once it runs).
     """
 
-    def __init__(self, runner: ModelRunner, kernel_cache: str | None) -> None:
+    def __init__(self, runner: ModelRunner, kernel_cache: str | None, *, sidecar: str | Path | None = None,
+                 weights_dtype: str = "f32", share: str = "cede") -> None:
+        build_share(1, 1, share)  # a bad share fails here, not in the background
         self.runner, self.kernel_cache = runner, kernel_cache
+        self.sidecar, self.weights_dtype, self.share = sidecar, weights_dtype, share
         self.state = "off"
         self.detail = ""
         self.installed_at_s: float | None = None
         self.thread: threading.Thread | None = None
+        self.child: BuildChild | None = None
+        self._closed = False
 
     @property
     def pending(self) -> bool:
-        """A background compile is still running or its programs are not installed yet."""
+        """A background build is still running or its programs are not installed yet."""
         return self.state == "pending"
 
     @property
     def in_flight(self) -> bool:
-        """Whether the background compile thread is still fetching or compiling the programs."""
+        """Whether the background thread is still fetching, waiting for or building the programs."""
         return self.thread is not None and self.thread.is_alive()
 
     def start(self, between_steps: Callable[[Callable[[], None]], None], clock: Callable[[], float]) -> str:
-        """The start-up ``programs`` phase: load the programs now (installed at once), or, with
-        ``background_compile`` in ``aoti`` mode and not all of them in the kernel cache, start
-        building them in the background, each installed by ``between_steps(fn)`` (runs ``fn`` in
-        the stepping thread before the next step: :meth:`LLMEngine.call_between_steps`);
-        ``clock()`` gives ``installed_at_s`` (seconds since start-up began, on the start-up
-        report's clock). Only the background thread holds the two (no cycle with the engine). Returns the phase's detail. Raises
-        ``FailedPrecondition`` when a compile mode is asked for and the programs package cannot
-        be imported."""
+        """The start-up ``programs`` phase (call it in the stepping thread): load the programs
+        now (installed at once), or, with ``background_compile`` in ``aoti`` mode and not all of
+        them in the kernel cache, fetch or build them in a background thread, each built in a
+        child process and installed by ``between_steps(fn)`` (runs ``fn`` in the stepping thread
+        before the next step: :meth:`LLMEngine.call_between_steps`); ``clock()`` gives
+        ``installed_at_s`` (seconds since start-up began, on the start-up report's clock). Only
+        the background thread holds the two (no cycle with the engine). Returns the phase's
+        detail. Raises ``FailedPrecondition`` when a compile mode is asked for and the programs
+        package cannot be imported."""
         config = self.runner.config
         if config.compile == "off":
             self.state, self.detail = "off", "compile off (eager)"
@@ -90,8 +119,8 @@ class ProgramInstaller:
         if config.background_compile and config.compile == "aoti" \
                 and not load.programs_cached(spec, "aoti", self.kernel_cache):
             self.state = "pending"
-            self.detail = "not all in the kernel cache: fetching or compiling them in the background"
-            self.thread = threading.Thread(target=self._compile_in_background, args=(load, spec, between_steps, clock),
+            self.detail = "not all in the kernel cache: fetching them, or compiling them in a build child"
+            self.thread = threading.Thread(target=self._build_in_background, args=(load, spec, between_steps, clock),
                                            name="background-compile", daemon=True)
             self.thread.start()
             return f"{config.compile}: serving eager; {self.detail}"
@@ -102,36 +131,83 @@ class ProgramInstaller:
         return self.detail
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds for the background compile (no-op without one)."""
+        """Wait up to ``timeout`` seconds for the background build (no-op without one)."""
         if self.thread is not None:
             self.thread.join(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop a build in progress (its child is killed; the lease is released by the build's
+        failure) and wait up to ``timeout`` seconds for the background thread to end."""
+        self._closed = True
+        if self.in_flight:
+            child = self.child
+            log.warning("stopped with the background compile still running: %s",
+                        f"killing its build child (pid {child.pid})" if child is not None and child.pid
+                        else "no build child yet", extra={"runner_id": self.runner.config.runner_id})
+            if child is not None:
+                child.stop()
+            self.join(timeout)
 
     def _progress(self, what: str) -> None:
         """What the programs phase is doing now (``ModelInfo.program_detail``; logged)."""
         self.detail = what
         log.info("programs: %s", what, extra={"runner_id": self.runner.config.runner_id})
 
-    def _compile_in_background(self, load, spec, between_steps, clock) -> None:
-        """Fetch or compile the programs in this thread at lower CPU priority; each is installed
-        between two steps; then ``state`` becomes ``installed`` (or ``eager`` when they failed)
-        and ``installed_at_s`` says when."""
-        _lower_thread_priority()
-        torch.set_num_threads(spec.threads)  # the engine's: OpenMP's thread count is per thread, and the key has it
-        # Tracing and Inductor's code generation are Python that holds the GIL; an eager step takes
-        # the GIL back after every torch op, waiting up to the switch interval each time (5 ms by
-        # default). A short interval while compiling bounds that wait.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
+    def _build_in_background(self, load, spec: ProgramSpec, between_steps, clock) -> None:
+        """Fetch the programs, or build them in a child process (:meth:`_compile_in_child`);
+        each is installed between two steps; then ``state`` becomes ``installed`` (or ``eager``
+        when they failed) and ``installed_at_s`` says when."""
+        from runner_service.programs.build_child import BuildChild, ChildSetup
+
+        cpus = available_cpus()
+        serving, nice, own = build_share(spec.threads, len(cpus), self.share)
+        self.child = BuildChild(ChildSetup.of(self.runner, spec, sidecar=self.sidecar, weights_dtype=self.weights_dtype,
+                                              nice=nice, cpus=cpus[-own:] if own else None))
+        if self._closed:
+            self.child.stop()
+        compiler = self._child_compiler(self.child, between_steps, serving)
         try:
             report = load.load_programs(spec, self.runner.install_program, kernel_cache=self.kernel_cache,
-                                        defer=between_steps, progress=self._progress)
+                                        defer=between_steps, progress=self._progress, compiler=compiler)
         finally:
-            sys.setswitchinterval(interval)
+            self.child.close()
         between_steps(lambda: self._record(report, clock))
+
+    def _child_compiler(self, child: BuildChild, between_steps, serving: int):
+        """The :data:`~runner_service.programs.aoti.Compiler` of the background build: ``child``
+        compiles while the stepping thread steps on ``serving`` torch threads (restored to the
+        spec's count after, between two steps as well)."""
+
+        def compile_in_child(spec: ProgramSpec, kind: str, package: Path) -> Path:
+            name = f"{spec.family.name}.{kind}.{spec.mode}"
+            ceded = serving < spec.threads
+            if ceded:
+                between_steps(lambda: self._step_on(serving, spec.threads))
+            cpus = child.setup.cpus
+            self._progress(f"compiling {name} here, in a build child (nice +{child.setup.nice}"
+                           + (f", on {len(cpus)} CPU(s) of its own" if cpus else "")
+                           + (f"; serving on {serving} of {spec.threads} threads meanwhile)" if ceded else ")"))
+            try:
+                return child.compile(spec, kind, package)
+            finally:
+                if ceded:
+                    between_steps(lambda: self._step_on(spec.threads, None))
+
+        return compile_in_child
+
+    def _step_on(self, threads: int, key_threads: int | None) -> None:
+        """In the stepping thread: step on ``threads`` torch threads while the program key keeps
+        naming ``key_threads`` (``None``: the stepping thread's, :attr:`ModelRunner.serving_threads`)."""
+        torch.set_num_threads(threads)
+        self.runner.serving_threads = key_threads
 
     def _record(self, report: ProgramsReport, clock: Callable[[], float]) -> None:
         self.installed_at_s = clock()
         self.state = "eager" if report.source == "eager" else "installed"
         self.detail = str(report)
+        if self.state == "eager":
+            log.warning("compiled programs failed %.1f s after start-up began; serving eager: %s",
+                        self.installed_at_s, report, extra={"runner_id": self.runner.config.runner_id})
+            return
         log.info("compiled programs installed %.1f s after start-up began, between two steps: %s",
                  self.installed_at_s, report, extra={"runner_id": self.runner.config.runner_id})

@@ -132,12 +132,27 @@ def read_own_constants(package: Path, device: torch.device | None = None) -> dic
             for n, v in data.items()}
 
 
+#: ``compile(spec, kind, package) -> package``: writes the ``kind`` program of ``spec`` to the
+#: ``.pt2`` path ``package`` (:func:`compile_program` here, or in a build child).
+Compiler = Callable[[ProgramSpec, str, Path], Path]
+
+
+def compile_program(spec: ProgramSpec, kind: str, package: Path) -> Path:
+    """Export the ``kind`` module of ``spec`` at its example inputs with its dynamic shapes
+    (:mod:`runner_service.programs.export_specs`) and AOTI-compile it to ``package``
+    (:func:`compile_aoti`)."""
+    if kind == "decode":
+        example, dynamic = export_specs.example_inputs(spec), export_specs.dynamic_shapes(spec)
+    else:
+        example, dynamic = export_specs.prefill_example_inputs(spec), export_specs.prefill_dynamic_shapes(spec)
+    return compile_aoti(spec.module(kind), example, dynamic, package, spec.forward_lock)
+
+
 def load_aoti(spec: ProgramSpec, kind: str, name: str, fp: str, cache: KernelCacheClient | None, work: Path,
-              progress: Callable[[str], None]) -> kc.Loaded:
+              progress: Callable[[str], None], compiler: Compiler | None = None) -> kc.Loaded:
     """Fetch the ``kind`` program ``name``/``fp`` or (single flight, :func:`cache.get_or_build`)
-    export the ``kind`` module at its example inputs with its dynamic shapes
-    (:mod:`runner_service.programs.export_specs`), compile and publish it. A fetched package that
-    does not load is evicted and rebuilt."""
+    build it with ``compiler`` (default :func:`compile_program`, in this process), publish it and
+    load it bound to ``spec``'s tensors. A fetched package that does not load is evicted and rebuilt."""
     module = spec.module(kind)
     package = work / f"{name}-{fp[:24]}.pt2"
 
@@ -152,13 +167,9 @@ def load_aoti(spec: ProgramSpec, kind: str, name: str, fp: str, cache: KernelCac
             return None
 
     def build(holder: str) -> tuple[Callable, str, float]:
-        if kind == "decode":
-            example, dynamic = export_specs.example_inputs(spec), export_specs.dynamic_shapes(spec)
-        else:
-            example, dynamic = export_specs.prefill_example_inputs(spec), export_specs.prefill_dynamic_shapes(spec)
         with tempfile.TemporaryDirectory(dir=work, prefix="compile-") as tmp:
             t = time.perf_counter()
-            built = compile_aoti(module, example, dynamic, Path(tmp) / "program.pt2", spec.forward_lock)
+            built = (compiler or compile_program)(spec, kind, Path(tmp) / "program.pt2")
             seconds = time.perf_counter() - t
             published = kc.publish(cache, name, fp, built, holder)
             return AotiProgram(built, module, spec.device), published, seconds  # the loader keeps its own copy

@@ -62,7 +62,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
                   kernel_cache: KernelCacheClient | str | Path | None = None,
                   work_dir: str | Path | None = None, sources: list | None = None,
                   defer: Callable[[Callable[[], None]], None] | None = None,
-                  progress: Callable[[str], None] | None = None) -> ProgramsReport:
+                  progress: Callable[[str], None] | None = None,
+                  compiler: aoti.Compiler | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``spec.mode`` and ``install("decode", program)``;
     in ``aoti`` mode then the prefill program likewise (its failure leaves only prefill eager).
 
@@ -74,7 +75,10 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     thread passes one that hands the function to the thread stepping the runner
     (:meth:`LLMEngine.call_between_steps`), so nothing changes under a running step.
     ``progress``: called with a phrase at each step that can take long ("compiling
-    llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). Returns the
+    llama.decode.aoti here", "waiting for runner-0 to build llama.decode.aoti"). ``compiler``:
+    what builds an AOTI program on a MISS (:data:`~runner_service.programs.aoti.Compiler`;
+    default in this process; the engine's background build passes one that compiles in a child
+    process, :mod:`runner_service.programs.build_child`). Returns the
     report; on any failure nothing is installed for that program (the runner stays eager). A
     client with trusted keys refuses a fetched program whose signature fails before writing it
     (the program is compiled here instead); the report's detail ends with
@@ -99,7 +103,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
             name, fp = program_key(spec, mode, sources=sources)
             record_wanted(work, name, fp)
             if mode == "aoti":
-                program, source, published, detail = aoti.load_aoti(spec, "decode", name, fp, cache, work, progress)
+                program, source, published, detail = aoti.load_aoti(spec, "decode", name, fp, cache, work, progress,
+                                                                    compiler)
             else:
                 program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
             detail = _with_miss_note(detail, source, cache, name, fp)
@@ -108,7 +113,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
             return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
                                   f"{trust_note(cache, refused_before)}", source="eager")
         defer(lambda: install("decode", program))
-        prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress)
+        prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress,
+                                                       compiler)
         trust = trust_note(cache, refused_before)
     finally:
         if cache is not None and cache is not kernel_cache:
@@ -160,7 +166,7 @@ def _trusted_hit(cache: KernelCacheClient, name: str, fp: str) -> bool:
 
 def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path, sources: list | None,
                   install: Install, defer: Callable[[Callable[[], None]], None],
-                  progress: Callable[[str], None]) -> tuple[str, str]:
+                  progress: Callable[[str], None], compiler: aoti.Compiler | None) -> tuple[str, str]:
     """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
     prefill eager, its dynamic token count would recompile graphs at run time). Returns its
     source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
@@ -172,7 +178,8 @@ def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path
     try:
         name, fp = program_key(spec, spec.mode, sources=sources, kind="prefill")
         record_wanted(work, name, fp)
-        program, source, _published, detail = aoti.load_aoti(spec, "prefill", name, fp, cache, work, progress)
+        program, source, _published, detail = aoti.load_aoti(spec, "prefill", name, fp, cache, work, progress,
+                                                              compiler)
         detail = _with_miss_note(detail, source, cache, name, fp)
     except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
         log.exception("compiled prefill unavailable; prefill runs eager")

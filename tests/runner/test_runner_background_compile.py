@@ -1,6 +1,7 @@
-"""Serving eager first while the compiled programs build in the background, then installing them
-between two steps (``EngineConfig.background_compile``), on a tiny random Llama (one cold AOTI
-build of decode and prefill, ~40 s on 2 cores)."""
+"""Serving eager first while the compiled programs build in the background (in a build child,
+``runner_service/programs/build_child.py``), then installing them between two steps
+(``EngineConfig.background_compile``), on a tiny random Llama (one cold AOTI build of decode and
+prefill, ~40 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def test_eager_first_then_the_programs_are_installed_between_steps_mid_decode(tm
     programs_phase = {p.name: p.detail for p in eng.startup_report.phases}["programs"]
     assert "serving eager" in programs_phase and eng.programs.state == "pending"
     runner = eng.runner
-    # 8 streams run eager, stepped from this thread while the compile runs beside them (the
-    # trace, then Inductor and the C++ compiler): a step every 0.3 s, at most 40 of 60 tokens
+    # 8 streams run eager, stepped from this thread while the build child compiles beside them
+    # (the trace, then Inductor and the C++ compiler): a step every 0.3 s, at most 40 of 60 tokens
     # (the decode program, built first, may be installed by one of these steps: the swap then
     # happens with the 8 sequences mid-decode too)
     streams = [eng.add_request(_params(), token_ids=p) for p in PROMPTS]
