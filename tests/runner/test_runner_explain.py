@@ -187,7 +187,7 @@ def test_a_miss_names_the_differing_parts_in_the_programs_phase_and_explain_read
     KernelCacheClient(root=root).publish(name, other, blob)
     wanted = program_key(runner.program_spec(), "aoti")[1]
 
-    def built_here(spec, kind, name, fp, cache, work, progress):  # instead of a 100 s compile
+    def built_here(spec, kind, name, fp, cache, work, progress, compiler=None):  # instead of a 100 s compile
         return (lambda *a: None), "compiled", "PUBLISHED", f"compiled {name} in 0.1 s here (PUBLISHED)"
 
     monkeypatch.setattr(aoti, "load_aoti", built_here)
