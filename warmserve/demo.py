@@ -34,6 +34,7 @@ from typing import TextIO
 
 from services.errors import InvalidArgument
 from services.generation_client import GenerationClient, GenerationResult, chat_request, sampling_params
+from services.proto import generation_pb2
 from warmserve.stack import LocalStack
 from warmserve.stack_config import StackConfig
 from warmserve.stack_report import format_startup_report, print_status, programs_took_over
@@ -222,9 +223,11 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))
+            # the same number of tokens each (EOS ignored), so their per-token times compare
+            measured = generation_pb2.SamplingParams(max_tokens=min(32, max_tokens), temperature=0.0, ignore_eos=True)
             with GenerationClient(warm_child.address, security=stack.credentials()) as client:
                 sent = time.monotonic()
-                warm_results = [client.complete(chat_request([("user", p)], sampling), timeout_s=300)
+                warm_results = [client.complete(chat_request([("user", p)], measured), timeout_s=300)
                                 for p in WARM_PROMPTS]
             warm = stack.startup_report(warm_index)
             _say(out)
