@@ -17,8 +17,10 @@ loaded at start-up), and the longest gap between two tokens of a stream served w
 programs were pending. ``--load idle`` sends only that first request while the programs are
 pending; ``--load busy`` streams chat requests back to back until they are installed. Then the
 **first request vs steady**: the first request's seconds per token (call to last token, over
-its tokens) against the median of ``--steady`` later requests (other prompts of the same kind),
-compiled; target <= 1.2x on the warm launch. Then the runner's own phase breakdown through
+its tokens) against the median of ``--steady`` later requests (other prompts of the same kind,
+which find the chat template's system prompt in the prefix cache, as steady traffic does),
+compiled; target <= 1.2x on the warm launch; also each one's first token and its ms/token after
+it (the streaming rate). Then the runner's own phase breakdown through
 ``ModelInfo``, and SIGTERM. Prints one JSON document, then Markdown tables. ``--against DIR``
 runs the same launches from another checkout too (e.g. the parent commit's worktree),
 interleaved: cold here, cold there, warm here, warm there, each pair on its own caches.
@@ -43,7 +45,7 @@ children (the C++ compiler, Inductor's workers) until then. ``compile_cpu_s`` is
 the ``warm`` way's (which compiles nothing).
 
 Usage: ``python bench/startup.py [--compile aoti|inductor|off] [--max-num-seqs 8]
-[--kv-cache-bytes 268435456] [--threads N] [--load idle|busy] [--max-tokens 32] [--steady 3]
+[--kv-cache-bytes 268435456] [--threads N] [--load idle|busy] [--max-tokens 64] [--steady 3]
 [--against DIR | --warm-only DIR] [--keep DIR] [--fleet N]``.
 """
 
@@ -223,13 +225,21 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
               for i in range(args.steady)]
     steady_s = statistics.median(per_token_s(r) for r in steady) if steady else None
     first_s = per_token_s(first)
+
+    def median_ms(values) -> float | None:
+        values = [v for v in values if v is not None]
+        return _r(statistics.median(values) * 1000, 2) if values else None
+
     return {"first_token_s": _r(first_sent - t0 + (first.first_token_s or first.seconds)),
             "compiled_s": _r(compiled_s), "streams_while_compiling": len(during),
             "max_gap_while_compiling_s": _r(max((r.max_gap_s for r in during), default=None)),
             "first_request": {"prompt_tokens": first.prompt_tokens, "tokens": first.completion_tokens,
                               "seconds": _r(first.seconds), "first_token_s": _r(first.first_token_s),
-                              "max_gap_s": _r(first.max_gap_s), "per_token_ms": _r(first_s * 1000, 2)},
+                              "max_gap_s": _r(first.max_gap_s), "per_token_ms": _r(first_s * 1000, 2),
+                              "stream_ms_per_token": median_ms([first.per_token_s])},
             "steady_per_token_ms": _r(None if steady_s is None else steady_s * 1000, 2),
+            "steady_first_token_ms": median_ms(r.first_token_s for r in steady),
+            "steady_stream_ms_per_token": median_ms(r.per_token_s for r in steady),
             "first_over_steady": _r(first_s / steady_s if steady_s else None, 2)}
 
 
@@ -244,8 +254,12 @@ def markdown(launches: list[dict]) -> str:
             ("**serving at compiled speed (s)**", "compiled_s", ".2f"),
             ("streams served while compiling", "streams_while_compiling", "d"),
             ("longest gap between tokens while compiling (s)", "max_gap_while_compiling_s", ".3f"),
-            ("first request, ms/token", ("first_request", "per_token_ms"), ".2f"),
-            ("steady, ms/token", "steady_per_token_ms", ".2f"),
+            ("first request: first token (s)", ("first_request", "first_token_s"), ".3f"),
+            ("steady: first token (ms, median)", "steady_first_token_ms", ".1f"),
+            ("first request: ms/token after its first", ("first_request", "stream_ms_per_token"), ".2f"),
+            ("steady: ms/token after the first (median)", "steady_stream_ms_per_token", ".2f"),
+            ("first request, ms/token (whole request)", ("first_request", "per_token_ms"), ".2f"),
+            ("steady, ms/token (whole request, median)", "steady_per_token_ms", ".2f"),
             (f"first / steady (target <= {TARGET_FIRST_OVER_STEADY}x on warm)", "first_over_steady", ".2f")]
     for label, key, fmt in rows:
         vals = [r.get(key[0], {}).get(key[1]) if isinstance(key, tuple) else r.get(key) for r in launches]
@@ -444,7 +458,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="the runners' --threads (default: torch's)")
     parser.add_argument("--load", choices=("idle", "busy"), default="idle",
                         help="requests while the programs are pending: the first one only, or back to back")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (EOS ignored)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (EOS ignored; the demo's default)")
     parser.add_argument("--steady", type=int, default=3, help="compiled requests after the first, for the steady rate")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="also launch from this checkout (e.g. the parent commit's worktree), interleaved")
