@@ -1,20 +1,30 @@
 """Start-up benchmark: a cold launch with empty caches vs a warm launch that reuses them.
 
 Launches ``warmserve runner serve --model smollm2-135m-instruct --compile MODE`` twice as
-subprocesses, each with its own empty ``WARMSERVE_HOME`` and empty ``TORCHINDUCTOR_CACHE_DIR``:
+subprocesses (serving eager at once while programs compile in the background, the default),
+each with its own empty ``WARMSERVE_HOME`` and empty ``TORCHINDUCTOR_CACHE_DIR``:
 
 1. **cold**: empty ``--kernel-cache-dir`` and empty ``--sidecar-dir``: the runner packs the
-   sidecar from the GGUF and compiles the decode program (then publishes it);
+   sidecar from the GGUF, serves eager and compiles its programs (then publishes them);
 2. **warm**: the *same* kernel-cache and sidecar directories (the sidecar is hot in the page
    cache, since the cold launch just wrote it): the runner validates the sidecar and loads the
-   program from the kernel cache.
+   programs from the kernel cache.
 
-For each launch it measures the wall time from ``Popen`` to the gRPC health check answering
-``SERVING`` (the runner starts its server only after the engine is built and warmed up), then
-reads the runner's own phase breakdown through ``ModelInfo`` and sends SIGTERM.
-Prints one JSON document, then a Markdown table. Acceptance: ``cold / warm >= 10``. These two
-launches wait for their programs before serving (``--no-compile-in-background``), so the cold
-figure is the whole compile.
+Per launch, in seconds from ``Popen``: health ``SERVING`` (the runner starts its server only
+after the engine is built and warmed up), the first token of a chat request sent at once,
+compiled programs installed (``ModelInfo`` polled every 0.25 s; at SERVING when they were
+loaded at start-up), and the longest gap between two tokens of a stream served while the
+programs were pending. ``--load idle`` sends only that first request while the programs are
+pending; ``--load busy`` streams chat requests back to back until they are installed. Then the
+**first request vs steady**: the first request's seconds per token (call to last token, over
+its tokens) against the median of ``--steady`` later requests (other prompts of the same kind,
+which find the chat template's system prompt in the prefix cache, as steady traffic does),
+compiled; target <= 1.2x on the warm launch; also each one's first token and its ms/token after
+it (the streaming rate). Then the runner's own phase breakdown through
+``ModelInfo``, and SIGTERM. Prints one JSON document, then Markdown tables. ``--against DIR``
+runs the same launches from another checkout too (e.g. the parent commit's worktree),
+interleaved: cold here, cold there, warm here, warm there, each pair on its own caches.
+``--warm-only DIR`` runs only a warm launch on caches an earlier run filled.
 
 **Fleet** (``--fleet N``, e.g. 4): N runners on an empty kernel cache (the sidecar is prepared
 first, so only programs are missing), each with ``--threads 1`` and its own empty Inductor cache
@@ -35,7 +45,8 @@ children (the C++ compiler, Inductor's workers) until then. ``compile_cpu_s`` is
 the ``warm`` way's (which compiles nothing).
 
 Usage: ``python bench/startup.py [--compile aoti|inductor|off] [--max-num-seqs 8]
-[--kv-cache-bytes 268435456] [--keep DIR] [--fleet N]``.
+[--kv-cache-bytes 268435456] [--threads N] [--load idle|busy] [--max-tokens 64] [--steady 3]
+[--against DIR | --warm-only DIR] [--keep DIR] [--fleet N]``.
 """
 
 from __future__ import annotations
@@ -44,9 +55,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,18 +69,33 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from services.generation_client import GenerationClient, GenerationResult, chat_request  # noqa: E402
 from services.ports import free_port  # noqa: E402
 from services.procs import stop_process  # noqa: E402
 from services.proto import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+#: Chat prompts of the requests (each ~40 tokens with SmolLM2's template): the first request
+#: after a launch takes the first, the steady ones the next, a busy load cycles through them.
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Give me three short tips for writing clear code.",
+    "Name three colors of the rainbow.",
+    "What is the capital of Italy? Answer in one sentence.",
+    "Write one sentence about the moon.",
+)
+#: The warm launch's first request may take this many times the steady seconds per token.
+TARGET_FIRST_OVER_STEADY = 1.2
 
 
-
-def warmserve_command() -> list[str]:
-    """The ``warmserve`` console script next to this interpreter, else ``python -m warmserve.cli``."""
+def warmserve_command(repo: Path = REPO) -> list[str]:
+    """The ``warmserve`` console script next to this interpreter, else ``python -m warmserve.cli``;
+    for another checkout ``repo``, ``python -m warmserve.cli`` run there."""
     script = Path(sys.executable).with_name("warmserve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "warmserve.cli"]
+    if repo == REPO and script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "warmserve.cli"]
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -92,25 +120,49 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None
     raise TimeoutError(f"runner at {address} not SERVING within {timeout_s:.0f} s")
 
 
-def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path) -> dict:
-    """One runner launch; returns its wall time to SERVING and its start-up phases."""
+def chat(address: str, prompt: str, max_tokens: int, timeout_s: float) -> GenerationResult:
+    """One greedy chat request of ``max_tokens`` tokens (EOS ignored), streamed to the end."""
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with GenerationClient(address, ready_timeout_s=timeout_s) as client:
+        return client.complete(chat_request([("user", prompt)], sampling), timeout_s=timeout_s)
+
+
+def per_token_s(r: GenerationResult) -> float:
+    """A request's seconds per token: call to last token, over its tokens."""
+    return r.seconds / max(1, r.completion_tokens)
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, repo: Path = REPO,
+           measure: bool = True) -> dict:
+    """One runner launch from checkout ``repo``; returns its timings (see the module docstring)
+    and its start-up phases. ``measure=False``: only the wall time to SERVING and the phases."""
     home, inductor = scratch / f"home-{name}", scratch / f"inductor-{name}"
     home.mkdir()
     inductor.mkdir()
     port = free_port()
-    cmd = [*warmserve_command(), "runner", "serve", "--model", MODEL, "--compile", args.compile,
+    cmd = [*warmserve_command(repo), "runner", "serve", "--model", MODEL, "--compile", args.compile,
            "--kernel-cache-dir", str(kernel_cache), "--sidecar-dir", str(sidecars), "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(args.kv_cache_bytes),
-           "--dtype", args.dtype, "--log-level", "WARNING", "--no-compile-in-background"]
-    env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor))
+           "--dtype", args.dtype, "--log-level", "WARNING"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor),
+               PYTHONPATH=str(repo))
     log_path = scratch / f"runner-{name}.log"
+    address = f"127.0.0.1:{port}"
+    timings: dict = {}
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo)
         try:
-            address = f"127.0.0.1:{port}"
             wait_serving(address, proc, args.timeout)
             wall = time.perf_counter() - t0
+            if measure:
+                timings = measure_launch(address, args, t0, wall)
             with grpc.insecure_channel(address) as channel:
                 info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(
                     generation_pb2.ModelInfoRequest(), timeout=10)
@@ -120,22 +172,108 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path) -
         finally:
             stop_process(proc, grace_s=60)
     phases = [{"name": p.name, "seconds": round(p.seconds, 3), "detail": p.detail} for p in info.startup.phases]
-    return {"launch": name, "wall_to_serving_s": round(wall, 3), "engine_total_s": round(info.startup.total_seconds, 3),
+    return {"launch": name, "repo": str(repo), "wall_to_serving_s": round(wall, 3),
+            "engine_total_s": round(info.startup.total_seconds, 3), **timings,
+            "program_state": info.program_state, "program_detail": info.program_detail,
             "compile_mode": info.compile_mode, "num_kv_blocks": info.num_kv_blocks, "phases": phases}
 
 
-def markdown(cold: dict, warm: dict, ratio: float) -> str:
-    names = [p["name"] for p in cold["phases"]]
-    names += [p["name"] for p in warm["phases"] if p["name"] not in names]
-    by = {r["launch"]: {p["name"]: p for p in r["phases"]} for r in (cold, warm)}
-    lines = ["| phase | cold (s) | warm (s) | cold detail | warm detail |", "|---|---:|---:|---|---|"]
+def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
+    """The figures of a runner that just answered SERVING (``t0``: its ``Popen``, perf_counter
+    clock): the first request at once, the load while its programs are pending, then the steady
+    requests (see the module docstring)."""
+    streams: list[tuple[float, GenerationResult]] = []  # (sent, result) of the streams while pending
+    pending = threading.Event()
+    pending.set()
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        n = 0
+        try:
+            while n == 0 or (args.load == "busy" and pending.is_set()):
+                sent = time.perf_counter()
+                streams.append((sent, chat(address, PROMPTS[n % len(PROMPTS)], args.max_tokens, args.timeout)))
+                n += 1
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    loader = threading.Thread(target=load, name="load")
+    loader.start()
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        end = time.monotonic() + args.timeout
+        while True:
+            info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=30)
+            if info.program_state != "pending":
+                break
+            if time.monotonic() > end or errors:
+                pending.clear()
+                loader.join()
+                raise errors[0] if errors else TimeoutError(f"programs still pending: {info.program_detail}")
+            time.sleep(0.25)
+    pending_until = time.perf_counter() - t0
+    pending.clear()
+    loader.join()
+    if errors:
+        raise errors[0]
+    # built in the background (installed or failed): pending until then; else loaded at start-up
+    background = bool(info.programs_installed_at_s) or info.program_state == "eager"
+    compiled_s = None if info.program_state != "installed" else pending_until if background else serving_s
+    first_sent, first = streams[0]
+    during = [r for sent, r in streams if background and sent - t0 < pending_until]
+    steady = [chat(address, PROMPTS[(i + 1) % len(PROMPTS)], args.max_tokens, args.timeout)
+              for i in range(args.steady)]
+    steady_s = statistics.median(per_token_s(r) for r in steady) if steady else None
+    first_s = per_token_s(first)
+
+    def median_ms(values) -> float | None:
+        values = [v for v in values if v is not None]
+        return _r(statistics.median(values) * 1000, 2) if values else None
+
+    return {"first_token_s": _r(first_sent - t0 + (first.first_token_s or first.seconds)),
+            "compiled_s": _r(compiled_s), "streams_while_compiling": len(during),
+            "max_gap_while_compiling_s": _r(max((r.max_gap_s for r in during), default=None)),
+            "first_request": {"prompt_tokens": first.prompt_tokens, "tokens": first.completion_tokens,
+                              "seconds": _r(first.seconds), "first_token_s": _r(first.first_token_s),
+                              "max_gap_s": _r(first.max_gap_s), "per_token_ms": _r(first_s * 1000, 2),
+                              "stream_ms_per_token": median_ms([first.per_token_s])},
+            "steady_per_token_ms": _r(None if steady_s is None else steady_s * 1000, 2),
+            "steady_first_token_ms": median_ms(r.first_token_s for r in steady),
+            "steady_stream_ms_per_token": median_ms(r.per_token_s for r in steady),
+            "first_over_steady": _r(first_s / steady_s if steady_s else None, 2)}
+
+
+def markdown(launches: list[dict]) -> str:
+    """The per-launch figures (one column per launch), then the phases of each."""
+    def cell(x, fmt=".2f", none="—"):
+        return none if x is None else format(x, fmt)
+
+    heads = [f"{r['launch']}" for r in launches]
+    lines = ["| from process start | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(launches)]
+    rows = [("SERVING (s)", "wall_to_serving_s", ".2f"), ("first token (s)", "first_token_s", ".2f"),
+            ("**serving at compiled speed (s)**", "compiled_s", ".2f"),
+            ("streams served while compiling", "streams_while_compiling", "d"),
+            ("longest gap between tokens while compiling (s)", "max_gap_while_compiling_s", ".3f"),
+            ("first request: first token (s)", ("first_request", "first_token_s"), ".3f"),
+            ("steady: first token (ms, median)", "steady_first_token_ms", ".1f"),
+            ("first request: ms/token after its first", ("first_request", "stream_ms_per_token"), ".2f"),
+            ("steady: ms/token after the first (median)", "steady_stream_ms_per_token", ".2f"),
+            ("first request, ms/token (whole request)", ("first_request", "per_token_ms"), ".2f"),
+            ("steady, ms/token (whole request, median)", "steady_per_token_ms", ".2f"),
+            (f"first / steady (target <= {TARGET_FIRST_OVER_STEADY}x on warm)", "first_over_steady", ".2f")]
+    for label, key, fmt in rows:
+        vals = [r.get(key[0], {}).get(key[1]) if isinstance(key, tuple) else r.get(key) for r in launches]
+        lines.append(f"| {label} | " + " | ".join(cell(v, fmt) for v in vals) + " |")
+    names: list[str] = []
+    for r in launches:
+        names += [p["name"] for p in r["phases"] if p["name"] not in names]
+    by = [{p["name"]: p for p in r["phases"]} for r in launches]
+    lines += ["", "| phase | " + " | ".join(f"{h} (s)" for h in heads) + " | detail (last launch) |",
+              "|---|" + "---:|" * len(launches) + "---|"]
     for n in names:
-        c, w = by["cold"].get(n, {}), by["warm"].get(n, {})
-        lines.append(f"| {n} | {c.get('seconds', 0):.2f} | {w.get('seconds', 0):.2f} | {c.get('detail', '')} | "
-                     f"{w.get('detail', '')} |")
-    lines.append(f"| engine total | {cold['engine_total_s']:.2f} | {warm['engine_total_s']:.2f} | | |")
-    lines.append(f"| **wall: process start -> SERVING** | **{cold['wall_to_serving_s']:.2f}** | "
-                 f"**{warm['wall_to_serving_s']:.2f}** | | ratio **{ratio:.1f}x** |")
+        lines.append(f"| {n} | " + " | ".join(f"{b.get(n, {}).get('seconds', 0):.2f}" for b in by)
+                     + f" | {by[-1].get(n, {}).get('detail', '')} |")
+    lines.append("| engine total | " + " | ".join(f"{r['engine_total_s']:.2f}" for r in launches) + " | |")
     return "\n".join(lines)
 
 
@@ -268,7 +406,7 @@ def run_fleet(args, scratch: Path) -> dict:
     """Every fleet way, one after the other, on one prepared sidecar; then the compile CPU."""
     sidecars, shared = scratch / "sidecars", scratch / "kernel-cache-shared"
     prep = launch("prepare-sidecar", argparse.Namespace(**{**vars(args), "compile": "off"}), scratch / "prep-kc",
-                  sidecars, scratch)
+                  sidecars, scratch, measure=False)
     ways = {w: run_fleet_way(w, args, scratch, sidecars, shared) for w in FLEET_WAYS}
     warm_cpu = ways["warm"]["cpu_s"]
     for w in ways.values():
@@ -287,12 +425,46 @@ def fleet_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_launches(args, scratch: Path) -> dict:
+    """Cold then warm from this checkout (and, with ``--against``, from that one, interleaved)."""
+    repos = [("", REPO), *([("against-", Path(args.against).resolve())] if args.against else [])]
+    launches: dict[str, dict] = {}
+    if args.warm_only:
+        base = Path(args.warm_only)
+        launches["warm"] = launch("warm", args, base / "kernel-cache", base / "sidecars", scratch)
+    for kind in () if args.warm_only else ("cold", "warm"):
+        for tag, repo in repos:
+            base = scratch / f"{tag}caches"
+            base.mkdir(exist_ok=True)
+            launches[f"{tag}{kind}"] = launch(f"{tag}{kind}", args, base / "kernel-cache", base / "sidecars",
+                                              scratch, repo)
+    cold, warm = launches.get("cold", {}), launches["warm"]
+    ratio = cold["compiled_s"] / warm["compiled_s"] if cold.get("compiled_s") and warm["compiled_s"] else None
+    first = warm["first_over_steady"]
+    return {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "kv_cache_bytes": args.kv_cache_bytes, "threads": args.threads, "load": args.load,
+            "max_tokens": args.max_tokens, "launches": launches,
+            "compiled_cold_over_warm": _r(ratio, 2),
+            "warm_first_over_steady": first, "target_first_over_steady": TARGET_FIRST_OVER_STEADY,
+            "meets_first_request_target": first is not None and first <= TARGET_FIRST_OVER_STEADY}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile", choices=("aoti", "inductor", "off"), default="aoti")
-    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
+    parser.add_argument("--dtype", choices=("auto", "f32", "bf16"), default="f32")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--kv-cache-bytes", type=int, default=256 * 2**20)
+    parser.add_argument("--threads", type=int, default=None, help="the runners' --threads (default: torch's)")
+    parser.add_argument("--load", choices=("idle", "busy"), default="idle",
+                        help="requests while the programs are pending: the first one only, or back to back")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (EOS ignored; the demo's default)")
+    parser.add_argument("--steady", type=int, default=3, help="compiled requests after the first, for the steady rate")
+    parser.add_argument("--against", default=None, metavar="DIR",
+                        help="also launch from this checkout (e.g. the parent commit's worktree), interleaved")
+    parser.add_argument("--warm-only", default=None, metavar="DIR",
+                        help="only a warm launch, on DIR/kernel-cache and DIR/sidecars (a warmserve home, or the "
+                             "caches/ of an earlier --keep DIR)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a launch may take to serve")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep caches and logs under DIR")
     parser.add_argument("--fleet", type=int, default=0, metavar="N",
@@ -301,30 +473,14 @@ def main() -> int:
 
     scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="warmserve-startup-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    if args.fleet:
-        try:
-            result = run_fleet(args, scratch)
-        finally:
-            if not args.keep:
-                shutil.rmtree(scratch, ignore_errors=True)
-        print(json.dumps(result, indent=2))
-        print()
-        print(fleet_markdown(result))
-        return 0
-    kernel_cache, sidecars = scratch / "kernel-cache", scratch / "sidecars"
     try:
-        cold = launch("cold", args, kernel_cache, sidecars, scratch)
-        warm = launch("warm", args, kernel_cache, sidecars, scratch)
+        result = run_fleet(args, scratch) if args.fleet else run_launches(args, scratch)
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
-    ratio = cold["wall_to_serving_s"] / warm["wall_to_serving_s"]
-    result = {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-              "kv_cache_bytes": args.kv_cache_bytes, "cold": cold, "warm": warm,
-              "ratio_cold_over_warm": round(ratio, 2), "target_ratio": 10.0, "meets_target": ratio >= 10.0}
     print(json.dumps(result, indent=2))
     print()
-    print(markdown(cold, warm, ratio))
+    print(fleet_markdown(result) if args.fleet else markdown(list(result["launches"].values())))
     return 0
 
 

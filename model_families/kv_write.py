@@ -20,8 +20,16 @@ import torch
 
 from model_families.custom_ops import tracing
 
+#: ``torch.ops.warmserve.kv_write_``, defined with the low-level ``torch.library.Library`` (as
+#: ``warmserve::linear``, :mod:`model_families.custom_ops`) rather than ``torch.library.custom_op``,
+#: which wraps the kernel in Dynamo's lazy ``disable``: its first call imports ``torch._dynamo``
+#: (about 1.2 s of CPU), so a warm runner's first compiled prefill paid that import, and every
+#: call edits process-wide fx tracing metadata. The schema is the one ``custom_op`` made
+#: (``cache`` mutated: ``Tensor(a!)``), so export still functionalizes it into one in-place call.
+_LIB = torch.library.Library("warmserve", "FRAGMENT")
+_LIB.define("kv_write_(Tensor(a0!) cache, SymInt layer, Tensor slots, Tensor values) -> ()")
 
-@torch.library.custom_op("warmserve::kv_write_", mutates_args=("cache",))
+
 def kv_write_(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``values`` into layer ``layer`` of the pool ``cache`` at ``slots``, in place.
 
@@ -34,7 +42,10 @@ def kv_write_(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torc
     cache[layer].view(-1, *cache.shape[3:]).index_copy_(0, slots, values)
 
 
-@kv_write_.register_fake
+_LIB.impl("kv_write_", kv_write_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmserve::kv_write_", lib=_LIB)
 def _kv_write_fake(cache: torch.Tensor, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
     return None
 

@@ -176,9 +176,11 @@ class LLMEngine:
                                          weights_dtype=self.weights_dtype if sidecar_path else weights.quantization or "f32")
         self._phase("programs", t0, self.programs.start(self.call_between_steps, self._since_startup))
         t0 = time.perf_counter()
-        if config.warmup:
-            self.runner.warmup(self.warmup_buckets())
-        self._phase("warmup", t0, f"decode buckets {self.warmup_buckets()}" if config.warmup else "skipped")
+        #: What the start-up warm-up ran (:meth:`ModelRunner.warmup_plan`), ``None`` when it was off.
+        self.warmup_plan = self.runner.warmup_plan() if config.warmup else None
+        if self.warmup_plan is not None:
+            self.runner.warmup(self.warmup_plan)
+        self._phase("warmup", t0, "skipped" if self.warmup_plan is None else self.warmup_plan.describe())
         self._ready = time.perf_counter()  # serving from now on (eager while programs are pending)
         log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
 
@@ -242,14 +244,6 @@ class LLMEngine:
         with self._lock:
             self._inbox.append(("call", fn))
             self._wake.notify()
-
-    def warmup_buckets(self) -> list[int]:
-        """Decode batch buckets run at start-up. One step of the smallest bucket touches every
-        weight page and starts the thread pool, which is all eager mode and the single
-        dynamic-shape AOTI program need; ``inductor`` specialises per shape, so it warms every
-        bucket (otherwise the first requests would compile)."""
-        buckets = self.runner.buckets
-        return list(buckets) if self.config.compile == "inductor" else buckets[:1]
 
     # -- requests ----------------------------------------------------------------------------
 

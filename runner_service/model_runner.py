@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +58,28 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         out.append(b)
         b *= 2
     return [*out, max_num_seqs]
+
+
+#: Tokens of the prefill step the warm-up runs through a compiled prefill: a chat prompt's length
+#: (SmolLM2's chat template makes 30-60-token prompts of short questions).
+WARMUP_PREFILL_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """The steps the start-up warm-up runs (:meth:`ModelRunner.warmup`), all on padding rows that
+    touch only the scratch block: ``decode`` ``(batch bucket, block-table width)`` pairs and
+    ``prefill`` ``(rows, tokens)`` pairs."""
+
+    decode: tuple[tuple[int, int], ...]
+    prefill: tuple[tuple[int, int], ...] = ()
+
+    def describe(self) -> str:
+        """``decode buckets [1] width 1; prefill 1 x 48 tokens`` (the ``warmup`` phase's detail)."""
+        widths = sorted({w for _, w in self.decode})
+        parts = [f"decode buckets {sorted({b for b, _ in self.decode})} width {'/'.join(map(str, widths))}"]
+        parts += [f"prefill {rows} x {tokens} tokens" for rows, tokens in self.prefill]
+        return "; ".join(parts)
 
 
 def _bucket(n: int, buckets: list[int]) -> int:
@@ -196,13 +219,42 @@ class ModelRunner:
         (:meth:`block_width`): views of the persistent buffers."""
         return self.buffers.views(batch, self.block_width(num_blocks))
 
+    def warmup_plan(self) -> WarmupPlan:
+        """What :meth:`warmup` runs so that the first requests run at steady speed: whatever
+        costs more on its first call than later, for each program those requests use.
+
+        - Decode: one step of bucket 1 pages every weight in and starts the thread pool, which is
+          all eager mode and the single dynamic-shape AOTI program need (its first call at each
+          other bucket and width costs what later calls do: measured, ``docs/benchmarks.md``).
+          ``inductor`` specialises graphs per batch bucket and on a block-table width of 1 vs
+          >= 2, so it runs every bucket at widths 1 and 2 (otherwise the first requests compile).
+        - Prefill, when a compiled prefill is installed: one row of :data:`WARMUP_PREFILL_TOKENS`
+          tokens (capped by the step's token budget and the context), over as many blocks as such
+          a prompt holds: the program's first call initialises what later calls reuse (one
+          dynamic-shape program: no per-length cost after it). Eager prefill has no first-call
+          cost beyond decode's."""
+        buckets = self.buckets
+        if self.config.compile == "inductor":
+            widths = sorted({1, min(2, self.max_blocks_per_seq)})
+            decode = tuple((b, w) for b in buckets for w in widths)
+        else:
+            decode = ((buckets[0], 1),)
+        prefill: tuple[tuple[int, int], ...] = ()
+        if self.prefill_program is not None:
+            budget = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len - 1)
+            prefill = ((1, max(2, min(WARMUP_PREFILL_TOKENS, budget))),)
+        return WarmupPlan(decode, prefill)
+
     @torch.inference_mode()
-    def warmup(self, buckets: list[int]) -> None:
-        """Run one decode step of each batch bucket in ``buckets`` on padding rows (they touch
-        only the scratch block), e.g. to page the weights in and start the thread pool."""
+    def warmup(self, plan: WarmupPlan) -> None:
+        """Run ``plan``'s decode and prefill steps on padding rows: every slot they write is in
+        the scratch block and every table entry is it, so no sequence's blocks are touched and
+        no block is allocated; their logits are dropped."""
         with self.forward_lock:
-            for b in buckets:
-                self.decode(*self.decode_views(b))
+            for batch, width in plan.decode:
+                self.decode(*self.decode_views(batch, width))
+            for rows, tokens in plan.prefill:
+                self.prefill(*self._prefill_padding(rows, tokens, self.block_width(self.layout.blocks_needed(tokens))))
             synchronize(self.device)
 
     # -- steps -------------------------------------------------------------------------------
@@ -256,16 +308,9 @@ class ModelRunner:
         Rows are padded to the longest chunk (padding tokens write the scratch block); for the
         compiled prefill to at least 2 tokens (its token dim is dynamic from 2: export
         specialises a size of 1)."""
-        B, S, bs = len(batch), max(batch.num_tokens), self.block_size
-        if self.prefill_program is not None:
-            S = max(S, 2)
-        ids = torch.zeros((B, S), dtype=torch.int64)
-        pos = torch.zeros((B, S), dtype=torch.int64)
-        slots = torch.full((B, S), SCRATCH_BLOCK * bs, dtype=torch.int64)
+        B, S = len(batch), max(batch.num_tokens)
         nb = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.full((B, nb), SCRATCH_BLOCK, dtype=torch.int64)
-        lens = torch.tensor([st + n for st, n in zip(batch.starts, batch.num_tokens, strict=True)])
-        last = torch.tensor([n - 1 for n in batch.num_tokens])
+        ids, pos, slots, tables, lens, last = self._prefill_padding(B, S, nb)
         for i, (seq, st, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens, strict=True)):
             ids[i, :n] = torch.tensor(seq.token_ids[st:st + n])
             p = torch.arange(st, st + n)
@@ -273,8 +318,25 @@ class ModelRunner:
             bt = torch.tensor(seq.block_table, dtype=torch.int64)
             tables[i, : len(seq.block_table)] = bt
             slots[i, :n] = self.layout.slots(bt, p)
+            lens[i], last[i] = st + n, n - 1
+        return self.prefill(ids, pos, slots, tables, lens, last)
+
+    def _prefill_padding(self, rows: int, tokens: int, blocks: int) -> list[torch.Tensor]:
+        """Host prefill inputs ``[ids, pos, slots [rows, S], tables [rows, blocks], lens, last
+        [rows]]`` of padding rows: every token id and position 0, every slot in the scratch
+        block, every table entry the scratch block, ``lens`` 1, ``last`` 0. ``S`` is ``tokens``,
+        at least 2 when the prefill is compiled (see :meth:`run_prefill`)."""
+        S = max(tokens, 2) if self.prefill_program is not None else tokens
+        grid = torch.zeros((rows, S), dtype=torch.int64)
+        return [grid, grid.clone(), torch.full((rows, S), SCRATCH_BLOCK * self.block_size, dtype=torch.int64),
+                torch.full((rows, blocks), SCRATCH_BLOCK, dtype=torch.int64), torch.ones(rows, dtype=torch.int64),
+                torch.zeros(rows, dtype=torch.int64)]
+
+    def prefill(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One prefill step over host ``inputs`` (the family ``forward``'s, without the caches),
+        through the installed program or eagerly; returns logits [B, V] f32 at ``last``."""
         dev = self.device
-        inputs = (ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev), lens.to(dev), last.to(dev))
+        inputs = tuple(t.to(dev) for t in inputs)
         if self.prefill_program is not None:
             return self.prefill_program(self.kv.tensors, *inputs)[0]
         return self.model(self.kv.tensors, *inputs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TextIO
 
 import grpc
@@ -77,7 +78,8 @@ def chat_request(messages: Sequence[tuple[str, str]], sampling: generation_pb2.S
 @dataclass
 class GenerationResult:
     """One finished request: text, token ids, finish reason name, usage, who served it, and
-    timings in seconds (``first_token_s`` from the call to the first token)."""
+    timings in seconds (``first_token_s`` from the call to the first token; ``token_times_s``
+    from the call to each message that carried tokens, with ``token_counts`` its token count)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -87,6 +89,21 @@ class GenerationResult:
     runner_id: str = ""
     seconds: float = 0.0
     first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)
+
+    @property
+    def max_gap_s(self) -> float:
+        """The longest wait in seconds between two messages that carried tokens (0 with fewer
+        than two): how long the stream stalled at worst."""
+        return max((b - a for a, b in pairwise(self.token_times_s)), default=0.0)
+
+    @property
+    def per_token_s(self) -> float | None:
+        """Mean seconds per token after the first message: (last - first arrival) / tokens
+        after the first message; ``None`` when no token came after it."""
+        after = sum(self.token_counts[1:])
+        return (self.token_times_s[-1] - self.token_times_s[0]) / after if after else None
 
     def add(self, resp: generation_pb2.GenerateResponse) -> None:
         """Fold one streamed message in."""
@@ -155,8 +172,11 @@ class GenerationClient:
         result = GenerationResult()
         start = time.perf_counter()
         for resp in self.stream(request, timeout_s=timeout_s):
-            if result.first_token_s is None and resp.token_ids:
-                result.first_token_s = time.perf_counter() - start
+            if resp.token_ids:
+                result.token_times_s.append(time.perf_counter() - start)
+                result.token_counts.append(len(resp.token_ids))
+                if result.first_token_s is None:
+                    result.first_token_s = result.token_times_s[0]
             result.add(resp)
             if out is not None and resp.text:
                 out.write(resp.text)

@@ -8,9 +8,13 @@
    uses a new temporary home, removed at the end: a deliberately cold run;
 2. stream the answer to a chat prompt through the router (eager, beside the compile), wait for
    runner-0's compiled programs to take over, then stream two more (compiled);
-3. launch one more runner: the *warm* launch finds the sidecar and the programs ready;
-4. print both start-up reports side by side, send a burst of concurrent requests through the
-   router to show them spread over the runners, print the router's runner table;
+3. launch one more runner: the *warm* launch finds the sidecar and the programs ready; stream
+   chat answers straight from it: the first request after its launch, then steady ones;
+4. print both start-up reports side by side and what each launch cost a user
+   (:class:`LaunchFigures`: process start -> first token, -> serving at compiled speed, the
+   longest gap between tokens of a stream served while a compile ran) and the warm runner's
+   first request against its steady per-token time; send a burst of concurrent requests through
+   the router to show them spread over the runners, print the router's runner table;
 5. stop everything and exit 0.
 
 Progress goes to stderr, results to stdout.
@@ -24,12 +28,13 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
 from services.errors import InvalidArgument
-from services.generation_client import GenerationClient, chat_request, sampling_params
+from services.generation_client import GenerationClient, GenerationResult, chat_request, sampling_params
+from services.proto import generation_pb2
 from warmserve.stack import LocalStack
 from warmserve.stack_config import StackConfig
 from warmserve.stack_report import format_startup_report, print_status, programs_took_over
@@ -48,6 +53,75 @@ BURST_PROMPTS = (
     "Name a planet in the solar system.",
     "What do bees make?",
 )
+
+
+#: Chat prompts sent straight to the warm runner after its launch: the first request, then the steady ones.
+WARM_PROMPTS = (
+    "Name three colors of the rainbow.",
+    "What is the capital of Italy? Answer in one sentence.",
+    "Write one sentence about the moon.",
+)
+
+
+@dataclass(frozen=True)
+class LaunchFigures:
+    """What one runner launch cost a user, in seconds from the runner process's start:
+    ``first_token_s`` to the first token of the first answer it streamed; ``compiled_s`` to
+    serving at compiled speed (:func:`compiled_since_start`; ``None`` when it never did: compile
+    off, or the programs failed); ``max_gap_compiling_s`` the longest gap between two tokens of a
+    stream served while its programs were pending (``None`` when none was)."""
+
+    first_token_s: float | None
+    compiled_s: float | None
+    max_gap_compiling_s: float | None
+
+
+def compiled_since_start(info, ready_s: float | None) -> float | None:
+    """Seconds from a runner process's start to its compiled programs installed, from its
+    ``ModelInfoResponse`` and ``ready_s`` (process start -> health SERVING, as its launcher saw
+    it). Programs loaded at start-up (a kernel-cache HIT) run, warmed up, from SERVING: ``ready_s``.
+    Programs built in the background took over ``programs_installed_at_s`` after the start-up
+    report's clock began, which is ``ready_s - startup.total_seconds`` after the process started
+    (imports, the server's start). ``None`` when the programs are not installed (or ``ready_s``
+    is unknown)."""
+    if info.program_state != "installed" or ready_s is None:
+        return None
+    if not info.programs_installed_at_s:
+        return ready_s
+    return ready_s - info.startup.total_seconds + info.programs_installed_at_s
+
+
+def _fmt_s(value: float | None, missing: str) -> str:
+    return missing if value is None else f"{value:.2f} s"
+
+
+def launch_comparison(first_kind: str, first: LaunchFigures, warm: LaunchFigures) -> list[str]:
+    """The demo's summary of two launches (``first_kind`` ``cold`` or ``warm``): one line per
+    figure of :class:`LaunchFigures`, ``first -> warm``, with the ratio of the time to
+    compiled-speed serving."""
+    ratio = (f" ({first.compiled_s / warm.compiled_s:.1f}x)"
+             if first.compiled_s and warm.compiled_s else "")
+    return [f"{first_kind} launch -> warm launch, seconds from the runner process's start:",
+            f"  first token                     {_fmt_s(first.first_token_s, 'none'):>10} -> "
+            f"{_fmt_s(warm.first_token_s, 'none')}",
+            f"  serving at compiled speed       {_fmt_s(first.compiled_s, 'never'):>10} -> "
+            f"{_fmt_s(warm.compiled_s, 'never')}{ratio}",
+            f"  longest gap while compiling     {_fmt_s(first.max_gap_compiling_s, 'no compile'):>10} -> "
+            f"{_fmt_s(warm.max_gap_compiling_s, 'no compile')}"]
+
+
+def first_vs_steady(first: GenerationResult, steady: list[GenerationResult]) -> str:
+    """``first request after the warm launch 9.4 ms/token, steady 8.3 ms/token (1.13x)``: each
+    request's seconds per token (call to last token, over its tokens), the steady figure the
+    median of ``steady``."""
+    def per_token(r: GenerationResult) -> float:
+        return r.seconds / max(1, r.completion_tokens)
+
+    rates = sorted(per_token(r) for r in steady)
+    mid = rates[len(rates) // 2] if rates else 0.0
+    ratio = f" ({per_token(first) / mid:.2f}x)" if mid else ""
+    return (f"first request after the warm launch {per_token(first) * 1000:.1f} ms/token "
+            f"(first token {first.first_token_s or 0:.3f} s), steady {mid * 1000:.1f} ms/token{ratio}")
 
 
 def _say(out: TextIO, text: str = "") -> None:
@@ -126,6 +200,8 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
 
             _say(out)
             _say(out, f"== chat through the router at {stack.router_address} (greedy, {max_tokens} tokens max)")
+            started0, ready0 = stack.runners[0].started_at, stack.runners[0].ready_s
+            first_token0 = gap0 = None
             with GenerationClient(stack.router_address, security=stack.credentials()) as client:
                 for n, prompt in enumerate(DEMO_PROMPTS):
                     if n == 1:  # the first answer came eager, beside the compile; the rest compiled
@@ -133,20 +209,39 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                     _say(out)
                     _say(out, f"user: {prompt}")
                     out.write("assistant: ")
+                    compiling = n == 0 and cold.program_state == "pending"
+                    sent = time.monotonic()
                     result = client.stream_to(chat_request([("user", prompt)], sampling), out, timeout_s=300)
+                    if n == 0 and result.first_token_s is not None:
+                        first_token0 = sent + result.first_token_s - started0
+                    if compiling:
+                        gap0 = result.max_gap_s
                     _say(out)
                     _say(out, f"  ({result.summary()})")
+            first_figures = LaunchFigures(first_token0, compiled_since_start(cold, ready0), gap0)
 
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))
+            # the same number of tokens each (EOS ignored), so their per-token times compare
+            measured = generation_pb2.SamplingParams(max_tokens=min(32, max_tokens), temperature=0.0, ignore_eos=True)
+            with GenerationClient(warm_child.address, security=stack.credentials()) as client:
+                sent = time.monotonic()
+                warm_results = [client.complete(chat_request([("user", p)], measured), timeout_s=300)
+                                for p in WARM_PROMPTS]
             warm = stack.startup_report(warm_index)
             _say(out)
             _say(out, format_startup_report(warm, f"== warm launch: {warm_child.name} start-up report"))
             _say(out)
-            ratio = cold.startup.total_seconds / warm.startup.total_seconds if warm.startup.total_seconds else 0
-            _say(out, f"{first_kind.split(':')[0]} launch {cold.startup.total_seconds:.2f} s -> warm launch "
-                      f"{warm.startup.total_seconds:.2f} s ({ratio:.1f}x)")
+            warm_first = warm_results[0].first_token_s
+            warm_figures = LaunchFigures(None if warm_first is None else sent + warm_first - warm_child.started_at,
+                                         compiled_since_start(warm, warm_child.ready_s), None)
+            kind = first_kind.split(":")[0]
+            for line in launch_comparison(kind, first_figures, warm_figures):
+                _say(out, line)
+            _say(out, first_vs_steady(warm_results[0], warm_results[1:]))
+            _say(out, f"start-up reports (to serving, eager or compiled) {cold.startup.total_seconds:.2f} s -> "
+                      f"{warm.startup.total_seconds:.2f} s:")
             cold_p, warm_p = _phase_seconds(cold), _phase_seconds(warm)
             for name in cold_p:
                 if name in warm_p:

@@ -287,6 +287,37 @@ def test_warm_launch_in_a_new_process_never_runs_the_cpp_compiler(built, tmp_pat
     assert not marker.exists(), marker.read_text()
 
 
+FIRST_STEPS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{tests!r}, {here!r}]
+    import torch
+    torch.set_num_threads({threads})
+    from test_runner_programs import load, make_runner, prefill_batch
+    runner = make_runner()
+    report = load(runner, kernel_cache={kc!r}, work_dir={work!r})
+    loaded = "torch._dynamo" in sys.modules
+    runner.run_prefill(prefill_batch([(7, 0, 7)], runner.args.vocab_size, runner.block_size, seed=1))
+    with torch.inference_mode():
+        runner.decode(*runner.decode_views(2, 2))
+    print(json.dumps({{"source": report.prefill_source, "dynamo_at_load": loaded,
+                       "dynamo_after_steps": "torch._dynamo" in sys.modules}}))
+""")
+
+
+def test_a_warm_launchs_first_compiled_steps_import_no_compiler_stack(built, tmp_path):
+    """A warm runner's first compiled prefill and decode steps import nothing heavy: the KV
+    write op once imported ``torch._dynamo`` on its first call (custom_op's lazy wrapper), which
+    cost the first request after a warm launch over a second."""
+    root, _, _ = built
+    script = FIRST_STEPS_SCRIPT.format(tests=str(TESTS_DIR), here=str(Path(__file__).resolve().parent),
+                                       kc=str(root / "kc"), work=str(tmp_path / "work"),
+                                       threads=int((root / "threads").read_text()))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "source": "hit", "dynamo_at_load": False, "dynamo_after_steps": False}
+
+
 def test_fingerprint_changes_with_layout_dtype_arch_and_compile_options(built):
     base = program_key(make_runner().program_spec(), "aoti")
     assert base == program_key(make_runner(seed=9).program_spec(), "aoti")  # weights are not in the key

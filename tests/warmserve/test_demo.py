@@ -48,11 +48,21 @@ def test_the_second_demo_on_a_home_is_warm_and_compiles_nothing(tmp_path: Path) 
     assert "runner-0: compiled programs installed at" in first  # built in the background, then took over
     programs = sorted(p.name for p in (home / "kernel-cache").rglob("*") if p.is_file() and "lease" not in str(p))
     assert programs, "the cold run published nothing to the home's kernel cache"
+    # the summary: time to compiled speed on both launches (and their ratio), the cold answer's
+    # longest gap while compiling, the warm runner's first request against its steady ones
+    summary = first.split("cold launch -> warm launch, seconds from the runner process's start:\n")[1]
+    token, compiled, gap, first_request = summary.splitlines()[:4]
+    assert token.split()[:2] == ["first", "token"] and compiled.split()[:4] == ["serving", "at", "compiled", "speed"]
+    assert compiled.endswith("x)") and "never" not in compiled, compiled
+    assert gap.split()[:4] == ["longest", "gap", "while", "compiling"] and gap.split()[5:] == ["s", "->", "no", "compile"]
+    assert first_request.startswith("first request after the warm launch "), first_request
 
     second = _demo(home, model)
     assert f"home {home}: warm: programs from the kernel cache, sidecar HOT" in second
     assert "--fresh" in second and "compiled programs installed at" not in second
     assert "sidecar BUILT" not in second
+    assert "warm launch -> warm launch, seconds from the runner process's start:" in second
+    assert " ".join(second.split("longest gap while compiling")[1].split()[:5]) == "no compile -> no compile"
     first_launch = second.split("== first launch (warm): runner-0 start-up report")[1].split("\n\n")[0]
     assert first_launch.count("kernel cache HIT") == 2, first_launch  # decode and prefill, fetched
     assert "compiled" not in first_launch
