@@ -23,10 +23,12 @@ Per layer count and variant (``--variants``, default ``unrolled,scan``; ``unroll
   the eager decode (the unrolled Python loop) over those inputs.
 
 ``--prefill`` also compiles the prefill program (``forward``, unrolled in every variant) once
-per layer count and reports its phases.
+per layer count and reports its phases; ``--prefill-scan`` tries a looped prefill
+(:class:`PrefillScan`: the layers as one ``scan`` writing the pools, its extra operands, in place)
+and reports how far it gets (torch 2.13: its functionalization refuses the in-place write).
 
 Prints JSON, then a Markdown table. Usage: ``python bench/compile_spike.py [--layers 2,8]
-[--variants unrolled,scan] [--prefill] [--threads 1] [--steps 12] [--blocks 450]``.
+[--variants unrolled,scan] [--prefill] [--prefill-scan] [--threads 1] [--steps 12] [--blocks 450]``.
 """
 
 from __future__ import annotations
@@ -137,6 +139,47 @@ def compile_timed(module, example, dynamic, package: Path, configs: dict) -> dic
             "inductor_s": round(total - ph.export_s - cpp_s, 1), "cpp_builds": ph.cpp}
 
 
+class PrefillScan(torch.nn.Module):
+    """The prefill forward with its layers as one ``scan`` (the spike): the pools are extra
+    operands, written in place at the layer's offset (``index_copy_``) and read through the block
+    tables shifted by ``layer * num_blocks``; called like :meth:`LlamaModel.forward`."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, caches, input_ids, positions, slot_mapping, block_tables, seq_lens, last_index):
+        import torch.nn.functional as F
+        from torch._higher_order_ops.scan import scan_op
+
+        from model_families.attention import paged_attention
+        from model_families.linear import linear
+        from model_families.norm_rope import rms_norm
+
+        m, c = self.model, self.model.config
+        dtype = m.final_norm.dtype
+        cos, sin = m.cos_table[positions].to(dtype), m.sin_table[positions].to(dtype)
+        h = F.embedding(input_ids, m.embed_tokens)
+
+        def body(h, i, input_norm, qkv, o, post, gate_up, down, kc, vc, cos, sin, tables, pos, lens, slots, _b):
+            blocks, rows = kc.shape[1], kc.shape[1] * kc.shape[2]
+
+            def attend(q, k, v):
+                kc.view(-1, *kc.shape[3:]).index_copy_(0, slots + i * rows, k.reshape(-1, *k.shape[2:]))
+                vc.view(-1, *vc.shape[3:]).index_copy_(0, slots + i * rows, v.reshape(-1, *v.shape[2:]))
+                return paged_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]),
+                                       tables + i * blocks, pos, lens)
+
+            return [m._layer(h, input_norm, qkv, None, o, post, gate_up, down, cos, sin, attend)[0]]
+
+        xs = [torch.arange(c.num_hidden_layers), m.input_norm, m.qkv_proj, m.o_proj, m.post_attn_norm,
+              m.gate_up_proj, m.down_proj]
+        (h,) = scan_op(body, [h], xs, (*caches, cos, sin, block_tables, positions, seq_lens,
+                                       slot_mapping.reshape(-1), h.shape[0]))
+        last = h[torch.arange(h.shape[0]), last_index]
+        return (linear(rms_norm(last, m.final_norm, c.rms_norm_eps), m.lm_head).float(),)
+
+
 def case_inputs(runner: ModelRunner, batch: int, context: int) -> tuple[torch.Tensor, ...]:
     per = runner.layout.blocks_needed(context)
     tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch)]
@@ -162,7 +205,7 @@ def run_layers(layers: int, variants: list[str], args, work: Path) -> dict:
         out["variants"][name] = row
         print(json.dumps({"layers": layers, name: row}), file=sys.stderr, flush=True)
     pools = runner.kv.tensors
-    for batch, context in CASES:
+    for batch, context in CASES if programs else ():
         inputs = case_inputs(runner, batch, context)
         with torch.inference_mode():
             model.scan_layers = False
@@ -186,6 +229,13 @@ def run_layers(layers: int, variants: list[str], args, work: Path) -> dict:
         example = export_specs.prefill_example_inputs(spec)
         out["prefill"] = compile_timed(spec.model, example, export_specs.prefill_dynamic_shapes(spec),
                                        work / f"{layers}-prefill.pt2", {})
+    if args.prefill_scan:
+        example = export_specs.prefill_example_inputs(spec)
+        try:
+            out["prefill_scan"] = compile_timed(PrefillScan(model), example, export_specs.prefill_dynamic_shapes(spec),
+                                                work / f"{layers}-prefill-scan.pt2", {})
+        except Exception as e:  # noqa: BLE001 - the spike reports where it stops
+            out["prefill_scan"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     return out
 
 
@@ -196,6 +246,8 @@ def markdown(report: dict) -> str:
         rows = [(f"decode {n}", r) for n, r in entry["variants"].items()]
         if "prefill" in entry:
             rows.append(("prefill (unrolled)", entry["prefill"]))
+        if "prefill_scan" in entry and "error" not in entry["prefill_scan"]:
+            rows.append(("prefill scan", entry["prefill_scan"]))
         for label, r in rows:
             cells = ["-" if c not in r else f"{r[c]:.1e}" if c == "max_abs_diff" else str(r[c]) for c in cols]
             lines.append(f"| {entry['layers']} | {label} | " + " | ".join(cells) + " |")
@@ -208,11 +260,12 @@ def main() -> int:
     parser.add_argument("--variants", default="unrolled,scan",
                         help=f"comma-separated, of {', '.join(VARIANTS)} (default unrolled,scan)")
     parser.add_argument("--prefill", action="store_true", help="also compile the prefill program")
+    parser.add_argument("--prefill-scan", action="store_true", help="also try a looped prefill (PrefillScan)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per case (default 12)")
     parser.add_argument("--blocks", type=int, default=450, help="KV blocks (default 450)")
     args = parser.parse_args()
-    variants = args.variants.split(",")
+    variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
@@ -227,6 +280,9 @@ def main() -> int:
     print(json.dumps(report, indent=1))
     print()
     print(markdown(report))
+    for entry in report["runs"]:
+        if "error" in entry.get("prefill_scan", {}):
+            print(f"\nprefill scan, {entry['layers']} layers: {entry['prefill_scan']['error']}")
     return 0
 
 
