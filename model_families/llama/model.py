@@ -193,7 +193,7 @@ class LlamaModel(FamilyModel):
               slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
-        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. A traced decode over
+        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. An exported decode over
         float matrices runs the layers as one loop (:meth:`_scan_decode_layers`)."""
         k_cache, v_cache = caches
         c = self.config
@@ -202,7 +202,7 @@ class LlamaModel(FamilyModel):
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
         h = F.embedding(input_ids, self.embed_tokens)
-        if slots is None and self.scan_layers and tracing(h) and self._float_matrices():
+        if slots is None and self.scan_layers and self._exporting(h) and self._float_matrices():
             h, k_rows, v_rows = self._scan_decode_layers(h, k_cache, v_cache, cos, sin, block_tables, positions,
                                                          seq_lens)
         else:
@@ -230,9 +230,15 @@ class LlamaModel(FamilyModel):
             return logits, k_rows, v_rows
         return (logits,)
 
-    #: Whether a traced decode over float matrices runs its layers as one loop
+    #: Whether an exported decode over float matrices runs its layers as one loop
     #: (:meth:`_scan_decode_layers`) instead of unrolled; an attribute so benchmarks can compare.
     scan_layers = True
+
+    @staticmethod
+    def _exporting(h: torch.Tensor) -> bool:
+        """Whether ``h`` flows through ``torch.export`` (the AOTI programs), not Dynamo
+        (``--compile inductor`` traces the unrolled layers) nor eager execution."""
+        return tracing(h) and not torch.compiler.is_dynamo_compiling()
 
     def _float_matrices(self) -> bool:
         return all(isinstance(getattr(self, n), torch.Tensor)
