@@ -1,5 +1,5 @@
-"""The traced Llama decode runs its layers as one ``scan`` loop (docs/architecture.md §9, "Compile
-time"): the exported graph holds the layer body once whatever the layer count, and computes what
+"""With ``LlamaModel.scan_layers`` the exported Llama decode runs its layers as one ``scan`` loop
+(docs/architecture.md §9, "Compile time"): the exported graph holds the layer body once whatever the layer count, and computes what
 the eager decode (the unrolled loop, checked against transformers in test_llama_model.py) does.
 Export only, no C++ compile (the compiled program is compared in tests/runner/test_runner_programs.py)."""
 
@@ -19,6 +19,7 @@ def _model(layers: int, bias: bool = False, weights_dtype: str = "f32") -> tuple
     args = tiny_args(vocab=96, hidden=32, inter=64, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=64,
                      bias=bias)
     model = LLAMA.build_model(args, LLAMA.random_weights(args, seed=layers, weights_dtype=weights_dtype), 64)
+    model.scan_layers = True  # off by default (its step is slower); what is tested is the loop
     g = torch.Generator().manual_seed(7)
     pools = tuple(torch.randn((layers, BLOCKS, BLOCK_SIZE, 2, 8), generator=g) for _ in range(2))
     return model, pools
@@ -89,3 +90,23 @@ def test_the_loop_computes_what_the_eager_decode_does(exported, name):
 def test_quantized_matrices_stay_unrolled():
     model, pools = _model(2, weights_dtype="int8")
     assert "scan" not in _calls(_export(model, pools))
+
+
+@pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
+def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_path):
+    from runner_service.programs.aoti import AotiProgram, compile_aoti
+
+    model, pools, _ep = exported["3-bias"]
+    step = LLAMA.decode_module(model)
+    example = (pools, *_inputs(2, 2, seed=9))
+    Dim = torch.export.Dim
+    batch, width = Dim("batch", min=1, max=8), Dim("blocks", min=1, max=8)
+    dynamic = (({1: Dim("num_blocks", min=2)},) * 2, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: width},
+               {0: batch})
+    program = AotiProgram(compile_aoti(step, example, dynamic, tmp_path / "loop.pt2"), step, torch.device("cpu"))
+    for n, (batch_size, blocks) in enumerate([(1, 1), (3, 2), (8, 3)]):
+        inputs = _inputs(batch_size, blocks, seed=20 + n)
+        with torch.no_grad():
+            got, want = program(pools, *inputs), step(pools, *inputs)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
