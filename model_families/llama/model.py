@@ -193,8 +193,8 @@ class LlamaModel(FamilyModel):
               slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
-        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. An exported decode over
-        float matrices runs the layers as one loop (:meth:`_scan_decode_layers`)."""
+        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. With :attr:`scan_layers`,
+        an exported decode over float matrices runs the layers as one loop (:meth:`_scan_decode_layers`)."""
         k_cache, v_cache = caches
         c = self.config
         B = input_ids.shape[0]
