@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from model_families.attention import paged_attention
+from model_families.custom_ops import tracing
 from model_families.family import FamilyModel, FamilyWeights
 from model_families.kv_write import write_kv
 from model_families.linear import linear
@@ -192,37 +193,123 @@ class LlamaModel(FamilyModel):
               slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
-        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing."""
+        (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. With :attr:`scan_layers`,
+        an exported decode over float matrices runs the layers as one loop (:meth:`_scan_decode_layers`)."""
         k_cache, v_cache = caches
         c = self.config
-        B, S = input_ids.shape
-        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        B = input_ids.shape[0]
         dtype = self.final_norm.dtype
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
-        k_rows, v_rows = [], []
         h = F.embedding(input_ids, self.embed_tokens)
-        for i in range(c.num_hidden_layers):
-            x = rms_norm(h, self.input_norm[i], eps)
-            qkv = linear(x, self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None)
-            q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-            q = apply_rope(q.view(B, S, nh, hd), cos, sin)
-            k = apply_rope(k.view(B, S, nkv, hd), cos, sin)
-            v = v.view(B, S, nkv, hd)
+        if slots is None and self.scan_layers and self._exporting(h) and self._float_matrices():
+            h, k_rows, v_rows = self._scan_decode_layers(h, k_cache, v_cache, cos, sin, block_tables, positions,
+                                                         seq_lens)
+        else:
+            k_list, v_list = [], []
+            for i in range(c.num_hidden_layers):
+                layer = self._layer_weights(i)
+                if slots is None:
+                    h, k, v = self._decode_layer(h, *layer, k_cache[i], v_cache[i], cos, sin, block_tables,
+                                                 positions, seq_lens)
+                    k_list.append(k)
+                    v_list.append(v)
+                else:
+                    def attend(q, k, v, i=i):
+                        S = q.shape[1]
+                        write_kv(k_cache, i, slots, k.reshape(B * S, *k.shape[2:]))
+                        write_kv(v_cache, i, slots, v.reshape(B * S, *v.shape[2:]))
+                        return paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
+
+                    h = self._layer(h, *layer, cos, sin, attend)[0]
             if slots is None:
-                k_rows.append(k.reshape(B, nkv, hd))
-                v_rows.append(v.reshape(B, nkv, hd))
-                attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens, k, v)
-            else:
-                write_kv(k_cache, i, slots, k.reshape(B * S, nkv, hd))
-                write_kv(v_cache, i, slots, v.reshape(B * S, nkv, hd))
-                attn = paged_attention(q, k_cache[i], v_cache[i], block_tables, positions, seq_lens)
-            h = h + linear(attn.reshape(B, S, nh * hd), self.o_proj[i])
-            x = rms_norm(h, self.post_attn_norm[i], eps)
-            gate, up = linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, self.down_proj[i])
+                k_rows, v_rows = torch.stack(k_list), torch.stack(v_list)
         last = h[torch.arange(B, device=h.device), last_index]
-        logits = linear(rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        logits = linear(rms_norm(last, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         if slots is None:
-            return logits, torch.stack(k_rows), torch.stack(v_rows)
+            return logits, k_rows, v_rows
         return (logits,)
+
+    #: Whether an exported decode over float matrices runs its layers as one loop
+    #: (:meth:`_scan_decode_layers`) instead of unrolled. Off: the loop compiles in a third of the
+    #: time at 30 layers but its step measured about 5 % slower (``docs/benchmarks.md``, "Compile
+    #: time of the decode program"); ``bench/compile_spike.py`` and the tests turn it on.
+    scan_layers = False
+
+    @staticmethod
+    def _exporting(h: torch.Tensor) -> bool:
+        """Whether ``h`` flows through ``torch.export`` (the AOTI programs), not Dynamo
+        (``--compile inductor`` traces the unrolled layers) nor eager execution."""
+        return tracing(h) and not torch.compiler.is_dynamo_compiling()
+
+    def _float_matrices(self) -> bool:
+        return all(isinstance(getattr(self, n), torch.Tensor)
+                   for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+
+    def _layer_weights(self, i: int) -> tuple:
+        """Layer ``i``'s ``(input_norm, qkv_proj, qkv_bias or None, o_proj, post_attn_norm,
+        gate_up_proj, down_proj)``."""
+        return (self.input_norm[i], self.qkv_proj[i], self.qkv_bias[i] if self._has_bias else None, self.o_proj[i],
+                self.post_attn_norm[i], self.gate_up_proj[i], self.down_proj[i])
+
+    def _layer(self, h: torch.Tensor, input_norm: torch.Tensor, qkv_proj: Weight, qkv_bias: torch.Tensor | None,
+               o_proj: Weight, post_attn_norm: torch.Tensor, gate_up_proj: Weight, down_proj: Weight,
+               cos: torch.Tensor, sin: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder layer on ``h`` [B, S, H] (cos/sin [B, S, hd]); ``attend(q [B, S, nh, hd], k, v
+        [B, S, nkv, hd])`` -> [B, S, nh, hd] is the attention. Returns ``(h, k, v)``."""
+        c = self.config
+        B, S = h.shape[0], h.shape[1]
+        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        x = rms_norm(h, input_norm, eps)
+        qkv = linear(x, qkv_proj, qkv_bias)
+        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+        q = apply_rope(q.view(B, S, nh, hd), cos, sin)
+        k = apply_rope(k.view(B, S, nkv, hd), cos, sin)
+        v = v.view(B, S, nkv, hd)
+        attn = attend(q, k, v)
+        h = h + linear(attn.reshape(B, S, nh * hd), o_proj)
+        x = rms_norm(h, post_attn_norm, eps)
+        gate, up = linear(x, gate_up_proj).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, down_proj), k, v
+
+    def _decode_layer(self, h: torch.Tensor, input_norm: torch.Tensor, qkv_proj: Weight,
+                      qkv_bias: torch.Tensor | None, o_proj: Weight, post_attn_norm: torch.Tensor,
+                      gate_up_proj: Weight, down_proj: Weight, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+                      seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode layer (``h`` [B, 1, H], one layer's pools [num_blocks, block_size, nkv, hd],
+        read only): returns ``(h, k_row, v_row)``, the rows [B, nkv, hd] this step's token has."""
+        def attend(q, k, v):
+            return paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k, v)
+
+        h, k, v = self._layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm, gate_up_proj, down_proj,
+                              cos, sin, attend)
+        return h, k.reshape(k.shape[0], *k.shape[2:]), v.reshape(v.shape[0], *v.shape[2:])
+
+    def _scan_decode_layers(self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+                            seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode layers as one ``scan`` over the stacked weights and pools: the traced
+        program holds the layer body once (Inductor lowers it to a ``while_loop``), so its C++ and
+        compile time do not grow with the layer count. Returns ``(h [B, 1, H], k_rows, v_rows
+        [L, B, nkv, hd])``.
+
+        ``scan_op`` is called directly, not ``torch.scan``: that wrapper traces the body with
+        Dynamo, which cannot close over the export's symbolic batch size; and Inductor's
+        scan -> while_loop lowering allocates the stacked rows from the SymInts among the operands,
+        so the batch size is passed as one (the body reads its sizes from ``h``)."""
+        from torch._higher_order_ops.scan import scan_op
+
+        bias = (self.qkv_bias,) if self._has_bias else ()
+
+        def body(h, input_norm, qkv_proj, *rest):
+            qkv_bias, rest = (rest[0], rest[1:]) if bias else (None, rest)
+            o_proj, post_attn_norm, gate_up_proj, down_proj, k_pool, v_pool, cos, sin, tables, pos, lens, _b = rest
+            h, k, v = self._decode_layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm, gate_up_proj,
+                                         down_proj, k_pool, v_pool, cos, sin, tables, pos, lens)
+            return [h, k.clone(), v.clone()]  # a scan body's outputs may not alias each other (v views qkv)
+
+        xs = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
+              self.down_proj, k_cache, v_cache]
+        h, k_rows, v_rows = scan_op(body, [h], xs, (cos, sin, block_tables, positions, seq_lens, h.shape[0]))
+        return h, k_rows, v_rows

@@ -1,0 +1,112 @@
+"""With ``LlamaModel.scan_layers`` the exported Llama decode runs its layers as one ``scan`` loop
+(docs/architecture.md §9, "Compile time"): the exported graph holds the layer body once whatever the layer count, and computes what
+the eager decode (the unrolled loop, checked against transformers in test_llama_model.py) does.
+Export only, no C++ compile (the compiled program is compared in tests/runner/test_runner_programs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_tiny import tiny_args
+
+from model_families.llama import FAMILY as LLAMA
+from model_families.llama.model import LlamaModel
+
+BLOCKS, BLOCK_SIZE = 12, 4
+
+
+def _model(layers: int, bias: bool = False, weights_dtype: str = "f32") -> tuple[LlamaModel, tuple]:
+    args = tiny_args(vocab=96, hidden=32, inter=64, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=64,
+                     bias=bias)
+    model = LLAMA.build_model(args, LLAMA.random_weights(args, seed=layers, weights_dtype=weights_dtype), 64)
+    model.scan_layers = True  # off by default (its step is slower); what is tested is the loop
+    g = torch.Generator().manual_seed(7)
+    pools = tuple(torch.randn((layers, BLOCKS, BLOCK_SIZE, 2, 8), generator=g) for _ in range(2))
+    return model, pools
+
+
+def _export(model: LlamaModel, pools: tuple) -> torch.export.ExportedProgram:
+    """Export the decode module as the runner does (batch and block-table width dynamic)."""
+    Dim = torch.export.Dim
+    batch, width = Dim("batch", min=1, max=8), Dim("blocks", min=1, max=8)
+    row = {0: batch}
+    example = (pools, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+               torch.zeros(2, dtype=torch.int64), torch.zeros((2, 2), dtype=torch.int64), torch.ones(2, dtype=torch.int64))
+    dynamic = (({1: Dim("num_blocks", min=2)},) * 2, row, row, row, {0: batch, 1: width}, row)
+    with torch.no_grad():
+        return torch.export.export(LLAMA.decode_module(model), example, dynamic_shapes=dynamic, strict=False)
+
+
+def _calls(ep: torch.export.ExportedProgram) -> list[str]:
+    return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+
+
+def _inputs(batch: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Row i decodes at a random position < width * BLOCK_SIZE over random distinct blocks."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.stack([torch.randperm(BLOCKS - 1, generator=g)[:width] + 1 for _ in range(batch)])
+    pos = torch.randint(0, width * BLOCK_SIZE, (batch,), generator=g)
+    slots = tables[torch.arange(batch), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    return torch.randint(0, 96, (batch,), generator=g), pos, slots, tables, pos + 1
+
+
+@pytest.fixture(scope="module")
+def exported() -> dict:
+    """(model, pools, exported program) of a 2-layer model and a 3-layer one with a q/k/v bias
+    (Qwen2)."""
+    out = {}
+    for name, layers, bias in (("2", 2, False), ("3-bias", 3, True)):
+        model, pools = _model(layers, bias=bias)
+        out[name] = model, pools, _export(model, pools)
+    return out
+
+
+@pytest.mark.parametrize("name", ["2", "3-bias"])
+def test_the_graph_holds_the_layer_body_once(exported, name):
+    ep = exported[name][2]
+    linear = str(torch.ops.warmserve.linear.default)
+    assert _calls(ep).count("scan") == 1
+    assert _calls(ep).count(linear) == 1  # the head; no layer's matrices outside the loop
+    body = [str(n.target) for n in ep.graph_module.scan_combine_graph_0.graph.nodes if n.op == "call_function"]
+    assert body.count(linear) == 4  # qkv, o, gate_up, down: the prepacked-matrix op, once each
+
+
+@pytest.mark.parametrize("name", ["2", "3-bias"])
+def test_the_loop_computes_what_the_eager_decode_does(exported, name):
+    model, pools, ep = exported[name]
+    program = ep.module()
+    layers = model.config.num_hidden_layers
+    step = LLAMA.decode_module(model)
+    for n, (batch, width) in enumerate([(1, 1), (3, 2), (8, 3)]):
+        inputs = _inputs(batch, width, seed=n)
+        with torch.no_grad():
+            got, want = program(pools, *inputs), step(pools, *inputs)
+        assert [tuple(t.shape) for t in got] == [(batch, 96), (layers, batch, 2, 8), (layers, batch, 2, 8)]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # one more export (~10 s); the compiled int8 program: tests/runner/test_runner_programs.py
+def test_quantized_matrices_stay_unrolled():
+    model, pools = _model(2, weights_dtype="int8")
+    assert "scan" not in _calls(_export(model, pools))
+
+
+@pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
+def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_path):
+    from runner_service.programs.aoti import AotiProgram, compile_aoti
+
+    model, pools, _ep = exported["3-bias"]
+    step = LLAMA.decode_module(model)
+    example = (pools, *_inputs(2, 2, seed=9))
+    Dim = torch.export.Dim
+    batch, width = Dim("batch", min=1, max=8), Dim("blocks", min=1, max=8)
+    dynamic = (({1: Dim("num_blocks", min=2)},) * 2, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: width},
+               {0: batch})
+    program = AotiProgram(compile_aoti(step, example, dynamic, tmp_path / "loop.pt2"), step, torch.device("cpu"))
+    for n, (batch_size, blocks) in enumerate([(1, 1), (3, 2), (8, 3)]):
+        inputs = _inputs(batch_size, blocks, seed=20 + n)
+        with torch.no_grad():
+            got, want = program(pools, *inputs), step(pools, *inputs)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
