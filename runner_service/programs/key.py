@@ -14,6 +14,10 @@ from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
 #: This package's modules: their code decides what is exported and how it is compiled, so their
 #: canonical AST is in every program's fingerprint (with the family's sources).
 PROGRAM_MODULES = ("spec", "key", "export_specs", "aoti", "inductor", "cache", "load")
+#: Modules of this package left out of the key: the build child's process plumbing (stdin/stdout
+#: protocol, CPU share) runs :mod:`aoti`'s compile on the same spec and decides no code; the child
+#: refuses to build when its key differs from the runner's.
+NOT_IN_KEY = ("build_child",)
 
 #: Name prefixes of the environment variables Inductor reads into its config (``TORCHINDUCTOR_MAX_AUTOTUNE``,
 #: ``AOT_INDUCTOR_ENABLE_LTO``, ...), and single names that reach code generation (``CXX``: the compiler).

@@ -65,8 +65,11 @@ def test_slots_cap_streams_and_free_them_when_each_rpc_ends() -> None:
 
 
 def test_server_config_sizes_the_pool_for_streams_plus_control_calls() -> None:
-    assert ServerConfig(service="s").pool_threads == 256 + 16
-    assert ServerConfig(service="s", max_streams=4, control_threads=2).pool_threads == 6
+    from services.stream_slots import OPEN_STREAMS
+
+    assert OPEN_STREAMS == 4  # reflection streams an unauthenticated peer may hold (docs/security.md §5)
+    assert ServerConfig(service="s").pool_threads == 256 + 16 + 4
+    assert ServerConfig(service="s", max_streams=4, control_threads=2).pool_threads == 4 + 2 + 4
     assert ServerConfig(service="s", max_workers=9).pool_threads == 9
     with pytest.raises(InvalidArgument, match="--max-streams"):
         ServerConfig(service="s", max_streams=0)
