@@ -14,6 +14,7 @@ import pytest
 from weights_tiny import write_tiny_checkpoint, write_word_tokenizer
 
 from kernel_cache_service.client import KernelCacheClient
+from kernel_cache_service.s3_entries import ENTRIES, PARTS
 from services.errors import InvalidArgument
 from services.generation_client import GenerationClient
 from services.ports import KERNEL_CACHE, ROUTER, WEIGHTS
@@ -90,7 +91,8 @@ def test_a_second_host_starts_warm_from_the_bucket_alone(tmp_path, s3):
         tokens_a = _greedy(host_a)
     assert len(tokens_a) == 8
     keys = s3.keys()
-    assert sorted(k.split("/")[3] for k in keys if k.startswith("team/kernel-cache/")) == sorted(PROGRAMS)
+    assert sorted(k.split("/")[3] for k in keys if k.startswith(f"team/kernel-cache/{ENTRIES}/")) == sorted(PROGRAMS)
+    assert sorted(k.split("/")[3] for k in keys if k.startswith(f"team/kernel-cache/{PARTS}/")) == sorted(PROGRAMS)
     assert len([k for k in keys if k.startswith("team/sidecars/") and k.endswith("/manifest.json")]) == 1
 
     # Host B: another home (no shared disk), the same bucket. Warm from its first runner on.
