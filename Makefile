@@ -74,7 +74,7 @@ lint: install
 	$(VENV)/bin/pylint --score=n $(PRODUCT_PACKAGES)
 
 # The inner loop (a few minutes): lint and every test not marked slow. `make test` runs everything.
-check: install lint
+check: install lint node tritonclient
 	$(PY) -m pytest -q -m "not slow" tests
 
 test: install lint node tritonclient kubectl
