@@ -64,6 +64,12 @@ def _refuse(path: Path, what: str, problem: str) -> InvalidArgument:
     return InvalidArgument(f"refusing {what} {path}: {problem}")
 
 
+def _check_owner(path: Path, st: os.stat_result, what: str) -> None:
+    """Refuse ``path`` (its ``os.lstat`` is ``st``) when the effective uid does not own it."""
+    if st.st_uid != os.geteuid():
+        raise _refuse(path, what, f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+
+
 def check_private_dir(path: str | Path, what: str = "the directory") -> None:
     """Check that the existing directory ``path``, which holds (or will hold) secrets, is one
     only this process's user can change: a real directory (not a symlink, ``os.lstat``), owned
@@ -75,8 +81,7 @@ def check_private_dir(path: str | Path, what: str = "the directory") -> None:
         raise _refuse(p, what, "it is a symbolic link, not a directory")
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse(p, what, "it is not a directory")
-    if st.st_uid != os.geteuid():
-        raise _refuse(p, what, f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    _check_owner(p, st, what)
     if st.st_mode & 0o022:
         raise _refuse(p, what, f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
                                "chmod go-w it")
@@ -92,8 +97,7 @@ def check_secret_file(path: str | Path, what: str = "the secret file") -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise _refuse(p, what, f"it is {kind}")
-    if st.st_uid != os.geteuid():
-        raise _refuse(p, what, f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    _check_owner(p, st, what)
     if st.st_mode & 0o077:
         raise _refuse(p, what, f"group or others may access it (mode {stat.S_IMODE(st.st_mode):04o}); "
                                "remove it (a new one is made) or chmod 600 it if it is yours")
