@@ -59,6 +59,10 @@ CASES = ((1, 100), (8, 300), (32, 200))
 VARIANTS: dict[str, tuple[bool, dict]] = {
     "unrolled": (False, {}),
     "scan": (True, {}),
+    # G layers per loop iteration (LlamaModel.scan_layers = G): fewer iterations, a longer body
+    "scan-g2": (2, {}),
+    "scan-g3": (3, {}),
+    "scan-g5": (5, {}),
     # the C++ wrapper at -O0 and without line tables: less g++ work on the wrapper's code
     "scan-o0-wrapper": (True, {"aot_inductor.compile_wrapper_opt_level": "O0",
                                "aot_inductor.enable_line_tables": False}),

@@ -13,8 +13,8 @@ each with its own empty ``WARMSERVE_HOME`` and empty ``TORCHINDUCTOR_CACHE_DIR``
 Per launch, in seconds from ``Popen``: health ``SERVING`` (the runner starts its server only
 after the engine is built and warmed up), the first token of a chat request sent at once,
 compiled programs installed (``ModelInfo`` polled every 0.25 s; at SERVING when they were
-loaded at start-up), and the longest gap between two tokens of a stream served while the
-programs were pending. ``--load idle`` sends only that first request while the programs are
+loaded at start-up; the loop programs, where the runner builds them first), the unrolled ones
+installed, and the longest gap between two tokens of a stream served while any build ran. ``--load idle`` sends only that first request while the programs are
 pending; ``--load busy`` streams chat requests back to back until they are installed. Then the
 **first request vs steady**: the first request's seconds per token (call to last token, over
 its tokens) against the median of ``--steady`` later requests (other prompts of the same kind,
@@ -202,9 +202,12 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         end = time.monotonic() + args.timeout
+        installed_at = None  # when the first programs took over (the loop ones, where there are two forms)
         while True:
             info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=30)
-            if info.program_state != "pending":
+            if info.program_state != "pending" and installed_at is None:
+                installed_at = time.perf_counter() - t0
+            if info.program_state != "pending" and not info.programs_building:  # an older checkout: no field, False
                 break
             if time.monotonic() > end or errors:
                 pending.clear()
@@ -218,7 +221,8 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
         raise errors[0]
     # built in the background (installed or failed): pending until then; else loaded at start-up
     background = bool(info.programs_installed_at_s) or info.program_state == "eager"
-    compiled_s = None if info.program_state != "installed" else pending_until if background else serving_s
+    compiled_s = None if info.program_state != "installed" else installed_at if background else serving_s
+    unrolled_s = (pending_until if background else serving_s) if info.program_layers == "unrolled" else None
     first_sent, first = streams[0]
     during = [r for sent, r in streams if background and sent - t0 < pending_until]
     steady = [chat(address, PROMPTS[(i + 1) % len(PROMPTS)], args.max_tokens, args.timeout)
@@ -231,7 +235,7 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
         return _r(statistics.median(values) * 1000, 2) if values else None
 
     return {"first_token_s": _r(first_sent - t0 + (first.first_token_s or first.seconds)),
-            "compiled_s": _r(compiled_s), "streams_while_compiling": len(during),
+            "compiled_s": _r(compiled_s), "unrolled_s": _r(unrolled_s), "streams_while_compiling": len(during),
             "max_gap_while_compiling_s": _r(max((r.max_gap_s for r in during), default=None)),
             "first_request": {"prompt_tokens": first.prompt_tokens, "tokens": first.completion_tokens,
                               "seconds": _r(first.seconds), "first_token_s": _r(first.first_token_s),
@@ -252,6 +256,7 @@ def markdown(launches: list[dict]) -> str:
     lines = ["| from process start | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(launches)]
     rows = [("SERVING (s)", "wall_to_serving_s", ".2f"), ("first token (s)", "first_token_s", ".2f"),
             ("**serving at compiled speed (s)**", "compiled_s", ".2f"),
+            ("unrolled programs installed (s)", "unrolled_s", ".2f"),
             ("streams served while compiling", "streams_while_compiling", "d"),
             ("longest gap between tokens while compiling (s)", "max_gap_while_compiling_s", ".3f"),
             ("first request: first token (s)", ("first_request", "first_token_s"), ".3f"),

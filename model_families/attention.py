@@ -22,22 +22,34 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     visible to a query at position ``p`` iff ``j <= p`` and ``j < seq_len``. GQA: ``nh`` is a
     multiple of ``nkv``; scale ``1/sqrt(hd)``. Returns [B, S, nh, hd] in ``q``'s dtype.
 
-    Decode (``S == 1``) may pass the step's own ``k_new``/``v_new`` [B, 1, nkv, hd]: they stand
-    in for the pool's entry at each row's position, which the caller writes after the step
-    (the decode program thus only reads the pools). Decode runs :func:`decode_attention`;
-    prefill (``S > 1``) gathers the rows' blocks and runs masked SDPA.
+    A step may pass its own ``k_new``/``v_new`` [B, S, nkv, hd]: they stand in for the pools'
+    entries at the step's positions, which the caller writes after the step (the step thus only
+    reads the pools). For prefill, row ``b``'s chunk is ``positions[b, 0]`` .. ``seq_lens[b] - 1``
+    (a row's real tokens first, padding after them): the pools' keys before the chunk are visible,
+    then the chunk's own keys causally. Decode runs :func:`decode_attention`; prefill (``S > 1``)
+    gathers the rows' blocks and runs masked SDPA.
     """
     if q.shape[1] == 1:
         return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
-    if k_new is not None or v_new is not None:
-        raise ValueError("k_new/v_new are for decode steps (one query token per row)")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("give the step's own K and V together (k_new and v_new), or neither")
     B, nb = block_tables.shape
     bs, nkv, hd = k_pool.shape[1:]
-    k = k_pool[block_tables].reshape(B, nb * bs, nkv, hd).transpose(1, 2)
-    v = v_pool[block_tables].reshape(B, nb * bs, nkv, hd).transpose(1, 2)
+    k = k_pool[block_tables].reshape(B, nb * bs, nkv, hd)
+    v = v_pool[block_tables].reshape(B, nb * bs, nkv, hd)
     key_pos = torch.arange(nb * bs, device=q.device)
-    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+    if k_new is None:
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    else:  # the pools' keys before the chunk, then the chunk's own (causal, not past the row's length)
+        S = q.shape[1]
+        start = positions[:, :1]  # [B, 1]: a row's chunk starts at its first token's position
+        new = torch.arange(S, device=q.device)
+        past = (key_pos[None, :] < start)[:, None, :].expand(B, S, nb * bs)
+        own = (new[None, None, :] <= new[None, :, None]) & (new[None, None, :] < (seq_lens[:, None] - start)[:, :, None])
+        mask = torch.cat([past, own], dim=2)
+        k, v = torch.cat([k, k_new], dim=1), torch.cat([v, v_new], dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), enable_gqa=True)
     return out.transpose(1, 2)
 
 

@@ -295,6 +295,17 @@ class FamilyModel(nn.Module, ABC):
                       seq_lens, torch.zeros_like(input_ids))
         return (logits,)
 
+    def can_loop_layers(self) -> bool:
+        """Whether an exported step can run the layers as one loop (:meth:`loop_layers`): a
+        program that compiles in a fraction of the unrolled one's time. Default: no."""
+        return False
+
+    def loop_layers(self, on: bool) -> None:
+        """Export the layers as one loop (``on``) or unrolled from now on; eager steps never
+        loop. Raises ``ValueError`` for ``on`` when :meth:`can_loop_layers` is false."""
+        if on:
+            raise ValueError(f"{type(self).__name__} cannot export its layers as a loop")
+
     def linear_matrices(self) -> list[torch.Tensor]:
         """The float ``[N, K]`` matrices its matmuls pass to :func:`model_families.linear.linear`
         (layer views of stacked tensors included), for the runner to prepack once at load

@@ -137,9 +137,10 @@ class ModelRunner:
 
     # -- the compile contract ----------------------------------------------------------------
 
-    def program_spec(self) -> ProgramSpec:
+    def program_spec(self, layers: str = "unrolled") -> ProgramSpec:
         """What this runner's programs are built for and from (:class:`ProgramSpec`), now: the
-        thread count is :attr:`serving_threads` or the calling thread's, the family config as it is."""
+        thread count is :attr:`serving_threads` or the calling thread's, the family config as it
+        is; ``layers`` the programs' form (:data:`~runner_service.programs.spec.PROGRAM_LAYERS`)."""
         return ProgramSpec(
             family=self.family, config=self.args.to_dict(), mode=self.config.compile, block_size=self.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
@@ -150,7 +151,7 @@ class ModelRunner:
             device=self.device, threads=self.serving_threads or torch.get_num_threads(), decode_module=self.decode_module,
             model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
             decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
-            build_lease_s=self.config.build_lease_s)
+            build_lease_s=self.config.build_lease_s, layers=layers)
 
     def install_program(self, kind: str, program: Program | None) -> None:
         """Run ``kind`` steps (:data:`~runner_service.programs.spec.PROGRAM_KINDS`) through

@@ -69,8 +69,9 @@ class ProgramInstaller:
     ``None``: the child makes random weights in ``weights_dtype``, see
     :mod:`runner_service.programs.build_child`). ``share``: :data:`BUILD_SHARES`.
     ``state`` is one of :data:`PROGRAM_STATES`; ``detail`` what was (or is being) done;
-    ``installed_at_s`` the ``clock()`` when background-built programs took over (``None``
-    otherwise); ``thread`` the background build, if one was started; ``child`` its
+    ``layers`` the installed programs' form (:data:`~runner_service.programs.spec.PROGRAM_LAYERS`,
+    ``""`` for none); ``installed_at_s`` the ``clock()`` when background-built programs took over
+    (``None`` otherwise), ``unrolled_at_s`` when the unrolled ones replaced loop ones; ``thread`` the background build, if one was started; ``child`` its
     :class:`~runner_service.programs.build_child.BuildChild` (``pid`` once it runs).
     """
 
@@ -81,7 +82,9 @@ class ProgramInstaller:
         self.sidecar, self.weights_dtype, self.share = sidecar, weights_dtype, share
         self.state = "off"
         self.detail = ""
+        self.layers = ""
         self.installed_at_s: float | None = None
+        self.unrolled_at_s: float | None = None
         self.thread: threading.Thread | None = None
         self.child: BuildChild | None = None
         self._closed = False
@@ -116,19 +119,39 @@ class ProgramInstaller:
             raise FailedPrecondition(f"compile mode {config.compile!r} needs runner_service.programs, "
                                      f"which is not available: {e}") from e
         spec = self.runner.program_spec()
-        if config.background_compile and config.compile == "aoti" \
-                and not load.programs_cached(spec, "aoti", self.kernel_cache):
+        forms = spec.forms()
+        final = spec  # unrolled: the faster step
+        if not (config.background_compile and config.compile == "aoti") \
+                or load.programs_cached(final, "aoti", self.kernel_cache):
+            report = load.load_programs(final, self.runner.install_program, kernel_cache=self.kernel_cache,
+                                        progress=self._progress)
+            self._set(report, "unrolled")
+            return self.detail
+        todo = [self.runner.program_spec(layers=f) for f in forms]
+        if len(todo) > 1 and load.programs_cached(todo[0], "aoti", self.kernel_cache):
+            report = load.load_programs(todo[0], self.runner.install_program, kernel_cache=self.kernel_cache,
+                                        progress=self._progress)
+            if report.source != "eager":  # the loop programs serve now; the unrolled ones follow
+                self._set(report, "loop")
+                todo = todo[1:]
+        if self.state != "installed":
             self.state = "pending"
             self.detail = "not all in the kernel cache: fetching them, or compiling them in a build child"
-            self.thread = threading.Thread(target=self._build_in_background, args=(load, spec, between_steps, clock),
-                                           name="background-compile", daemon=True)
-            self.thread.start()
-            return f"{config.compile}: serving eager; {self.detail}"
-        report = load.load_programs(spec, self.runner.install_program, kernel_cache=self.kernel_cache,
-                                    progress=self._progress)
-        self.state = "eager" if report.source == "eager" else "installed"
-        self.detail = str(report)
-        return self.detail
+        self.thread = threading.Thread(target=self._build_in_background, args=(load, todo, between_steps, clock),
+                                       name="background-compile", daemon=True)
+        self.thread.start()
+        return f"{config.compile}: " + (f"loop programs installed ({self.detail}); building the unrolled ones"
+                                        if self.state == "installed" else f"serving eager; {self.detail}")
+
+    def _set(self, report: ProgramsReport, layers: str) -> None:
+        """Record ``report`` of the ``layers`` programs: ``installed`` (their form in
+        :attr:`layers`) or ``eager`` when they failed and none are installed."""
+        if report.source == "eager":
+            if self.state != "installed":
+                self.state = "eager"
+                self.detail = str(report)
+            return
+        self.state, self.layers, self.detail = "installed", layers, str(report)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds for the background build (no-op without one)."""
@@ -153,12 +176,15 @@ class ProgramInstaller:
         self.detail = what
         log.info("programs: %s", what, extra={"runner_id": self.runner.config.runner_id})
 
-    def _build_in_background(self, load, spec: ProgramSpec, between_steps, clock) -> None:
-        """Fetch the programs, or build them in a child process (:meth:`_compile_in_child`);
-        each is installed between two steps; then ``state`` becomes ``installed`` (or ``eager``
-        when they failed) and ``installed_at_s`` says when."""
+    def _build_in_background(self, load, specs: list[ProgramSpec], between_steps, clock) -> None:
+        """Fetch the programs of each of ``specs`` in turn (the loop form first, when there is
+        one: it compiles in a fraction of the time), or build them in one child process
+        (:meth:`_compile_in_child`); each is installed between two steps, so the unrolled
+        programs replace loop ones there. ``state`` becomes ``installed`` with the first form
+        that loads (or ``eager`` when all failed); ``installed_at_s`` / ``unrolled_at_s`` say when."""
         from runner_service.programs.build_child import BuildChild, ChildSetup
 
+        spec = specs[0]
         cpus = available_cpus()
         serving, nice, own = build_share(spec.threads, len(cpus), self.share)
         self.child = BuildChild(ChildSetup.of(self.runner, spec, sidecar=self.sidecar, weights_dtype=self.weights_dtype,
@@ -167,11 +193,14 @@ class ProgramInstaller:
             self.child.stop()
         compiler = self._child_compiler(self.child, between_steps, serving)
         try:
-            report = load.load_programs(spec, self.runner.install_program, kernel_cache=self.kernel_cache,
-                                        defer=between_steps, progress=self._progress, compiler=compiler)
+            for form in specs:
+                if self._closed:
+                    break
+                report = load.load_programs(form, self.runner.install_program, kernel_cache=self.kernel_cache,
+                                            defer=between_steps, progress=self._progress, compiler=compiler)
+                between_steps(lambda report=report, form=form: self._record(report, form.layers, clock))
         finally:
             self.child.close()
-        between_steps(lambda: self._record(report, clock))
 
     def _child_compiler(self, child: BuildChild, between_steps, serving: int):
         """The :data:`~runner_service.programs.aoti.Compiler` of the background build: ``child``
@@ -201,13 +230,20 @@ class ProgramInstaller:
         torch.set_num_threads(threads)
         self.runner.serving_threads = key_threads
 
-    def _record(self, report: ProgramsReport, clock: Callable[[], float]) -> None:
-        self.installed_at_s = clock()
-        self.state = "eager" if report.source == "eager" else "installed"
-        self.detail = str(report)
-        if self.state == "eager":
-            log.warning("compiled programs failed %.1f s after start-up began; serving eager: %s",
-                        self.installed_at_s, report, extra={"runner_id": self.runner.config.runner_id})
+    def _record(self, report: ProgramsReport, layers: str, clock: Callable[[], float]) -> None:
+        """In the stepping thread: the ``layers`` programs of ``report`` are installed (or failed)."""
+        first = self.state != "installed"
+        self._set(report, layers)
+        now = clock()
+        rid = {"runner_id": self.runner.config.runner_id}
+        if report.source == "eager":
+            log.warning("%s programs failed %.1f s after start-up began; %s: %s", layers, now,
+                        "serving eager" if self.state == "eager" else f"keeping the {self.layers} ones", report,
+                        extra=rid)
             return
-        log.info("compiled programs installed %.1f s after start-up began, between two steps: %s",
-                 self.installed_at_s, report, extra={"runner_id": self.runner.config.runner_id})
+        if first:
+            self.installed_at_s = now
+        if layers == "unrolled" and not first:
+            self.unrolled_at_s = now
+        log.info("compiled %s programs installed %.1f s after start-up began, between two steps: %s",
+                 layers, now, report, extra=rid)

@@ -86,6 +86,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sidecar_fingerprint=eng.sidecar_fingerprint,
             startup=startup_report_to_proto(eng.startup_report), program_state=eng.programs.state,
             program_detail=eng.programs.detail, programs_installed_at_s=eng.programs.installed_at_s or 0.0,
+            program_layers=eng.programs.layers, programs_unrolled_at_s=eng.programs.unrolled_at_s or 0.0,
+            programs_building=eng.programs.in_flight,
             eos_token_ids=eng.eos_token_ids, default_sampling=sampling_defaults_to_proto(eng.sampling_defaults),
             running=stats["running"], waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"],
             kv_blocks_usable=stats["kv_blocks_total"], layer_types=eng.args.layer_kinds)

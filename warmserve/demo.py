@@ -220,6 +220,13 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                     _say(out, f"  ({result.summary()})")
             first_figures = LaunchFigures(first_token0, compiled_since_start(cold, ready0), gap0)
 
+            if cold.programs_building:  # the unrolled programs: the warm launch (and the next run) loads them
+                print("waiting for runner-0's unrolled programs (it serves its loop programs meanwhile) ...",
+                      file=sys.stderr, flush=True)
+                cold = stack.wait_programs(0, final=True)
+                if cold.programs_unrolled_at_s:
+                    _say(out)
+                    _say(out, f"runner-0: {programs_took_over(cold)}")
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))

@@ -303,9 +303,10 @@ class LocalStack:
         self._wait_serving(children)
         self.wait_registered([c.name for c in children])
 
-    def wait_programs(self, index: int, timeout_s: float | None = None) -> object:
+    def wait_programs(self, index: int, timeout_s: float | None = None, *, final: bool = False) -> object:
         """Wait until runner ``index``'s compiled programs are no longer ``pending`` (installed,
-        failed, or compile off), noting what it is doing every 10 s; returns its
+        failed, or compile off) — with ``final``, until its background build has ended too (the
+        unrolled programs after the loop ones) — noting what it is doing every 10 s; returns its
         ``ModelInfoResponse``. ``Unavailable`` after ``timeout_s`` seconds (default the start-up
         timeout)."""
         start = time.monotonic()
@@ -313,13 +314,14 @@ class LocalStack:
         next_note = start + NOTE_INTERVAL_S
         while True:
             info = self.startup_report(index)
-            if info.program_state != "pending":
+            if info.program_state != "pending" and not (final and info.programs_building):
                 return info
             now = time.monotonic()
             if now > end:
                 raise Unavailable(f"runner-{index}'s compiled programs are still pending: {info.program_detail}")
             if now > next_note:
-                self._progress(f"  ... runner-{index} serves eager; {info.program_detail} "
+                serves = "eager" if info.program_state == "pending" else f"its {info.program_layers} programs"
+                self._progress(f"  ... runner-{index} serves {serves}; {info.program_detail} "
                                f"({now - start:.0f} s waited)")
                 next_note = now + NOTE_INTERVAL_S
             time.sleep(0.5)

@@ -10,10 +10,15 @@ from services.table import format_table
 
 
 def programs_took_over(info) -> str:
-    """How a ``ModelInfoResponse``'s background-built programs ended: ``compiled programs
-    installed at 131.0 s (DETAIL)``, or ``failed (staying eager)`` in place of ``installed``."""
+    """How a ``ModelInfoResponse``'s background-built programs ended: ``compiled programs (loop
+    layers) installed at 31.0 s; unrolled ones at 190.2 s (DETAIL)`` (or ``building the unrolled
+    ones``), or ``failed (staying eager)`` in place of ``installed``."""
     took = "installed" if info.program_state == "installed" else "failed (staying eager)"
-    return f"compiled programs {took} at {info.programs_installed_at_s:.1f} s ({info.program_detail})"
+    form = f" ({info.program_layers} layers)" if info.program_layers else ""
+    unrolled = (f"; unrolled ones at {info.programs_unrolled_at_s:.1f} s" if info.programs_unrolled_at_s
+                else "; building the unrolled ones" if info.programs_building and info.program_layers == "loop" else "")
+    return (f"compiled programs{form} {took} at {info.programs_installed_at_s:.1f} s{unrolled} "
+            f"({info.program_detail})")
 
 
 def layer_kinds_summary(kinds) -> str:

@@ -182,6 +182,17 @@ class LlamaModel(FamilyModel):
         return self._step(caches, input_ids[:, None], positions[:, None], None, block_tables, seq_lens,
                           torch.zeros_like(input_ids))
 
+    def can_loop_layers(self) -> bool:
+        """Float matrices loop (a quantized sidecar's matrices are not stacked tensors a loop can slice)."""
+        return self._float_matrices()
+
+    def loop_layers(self, on: bool) -> None:
+        """:attr:`scan_layers` 1 (``on``) or 0 for the steps exported from now on. Raises
+        ``ValueError`` for ``on`` over quantized matrices."""
+        if on and not self.can_loop_layers():
+            raise ValueError("quantized matrices cannot export as a layer loop")
+        self.scan_layers = 1 if on else 0
+
     def linear_matrices(self) -> list[torch.Tensor]:
         """Each layer's ``qkv_proj`` / ``o_proj`` / ``gate_up_proj`` / ``down_proj`` view and
         ``lm_head``, where they are float tensors (a quantized sidecar's are not)."""
@@ -194,7 +205,8 @@ class LlamaModel(FamilyModel):
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
         (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. With :attr:`scan_layers`,
-        an exported decode over float matrices runs the layers as one loop (:meth:`_scan_decode_layers`)."""
+        an exported step over float matrices runs the layers as one loop (:meth:`_scan_layers`) that
+        only reads the pools; a prefill writes the rows it returns after the loop."""
         k_cache, v_cache = caches
         c = self.config
         B = input_ids.shape[0]
@@ -202,9 +214,12 @@ class LlamaModel(FamilyModel):
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
         h = F.embedding(input_ids, self.embed_tokens)
-        if slots is None and self.scan_layers and self._exporting(h) and self._float_matrices():
-            h, k_rows, v_rows = self._scan_decode_layers(h, k_cache, v_cache, cos, sin, block_tables, positions,
-                                                         seq_lens)
+        if self.scan_layers and self._exporting(h) and self._float_matrices():
+            h, k_rows, v_rows = self._scan_layers(h, k_cache, v_cache, cos, sin, block_tables, positions, seq_lens)
+            if slots is not None:  # prefill: the loop returned the rows [L, B, S, nkv, hd]; write them here
+                for i in range(c.num_hidden_layers):
+                    write_kv(k_cache, i, slots, k_rows[i].flatten(0, 1))
+                    write_kv(v_cache, i, slots, v_rows[i].flatten(0, 1))
         else:
             k_list, v_list = [], []
             for i in range(c.num_hidden_layers):
@@ -230,11 +245,11 @@ class LlamaModel(FamilyModel):
             return logits, k_rows, v_rows
         return (logits,)
 
-    #: Whether an exported decode over float matrices runs its layers as one loop
-    #: (:meth:`_scan_decode_layers`) instead of unrolled. Off: the loop compiles in a third of the
-    #: time at 30 layers but its step measured about 5 % slower (``docs/benchmarks.md``, "Compile
-    #: time of the decode program"); ``bench/compile_spike.py`` and the tests turn it on.
-    scan_layers = False
+    #: Layers per iteration when an exported step over float matrices runs its layers as one
+    #: loop (:meth:`_scan_layers`); 0: unrolled (the default). The runner's ``loop`` programs set
+    #: it (:meth:`loop_layers`): they compile in a fraction of the time, their step is a few
+    #: per cent slower (``docs/benchmarks.md``, "Compile time of the decode program").
+    scan_layers: int = 0
 
     @staticmethod
     def _exporting(h: torch.Tensor) -> bool:
@@ -277,39 +292,66 @@ class LlamaModel(FamilyModel):
                       gate_up_proj: Weight, down_proj: Weight, k_pool: torch.Tensor, v_pool: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
                       seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decode layer (``h`` [B, 1, H], one layer's pools [num_blocks, block_size, nkv, hd],
-        read only): returns ``(h, k_row, v_row)``, the rows [B, nkv, hd] this step's token has."""
+        """One layer that only reads its pools [num_blocks, block_size, nkv, hd] (``h`` [B, S, H]):
+        returns ``(h, k_rows, v_rows)``, the rows this step's tokens have, [B, nkv, hd] when ``S``
+        is 1 (decode), else [B, S, nkv, hd] (attention sees them in place of their slots,
+        :func:`~model_families.attention.paged_attention`)."""
         def attend(q, k, v):
             return paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k, v)
 
         h, k, v = self._layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm, gate_up_proj, down_proj,
                               cos, sin, attend)
+        if h.shape[1] != 1:
+            return h, k, v
         return h, k.reshape(k.shape[0], *k.shape[2:]), v.reshape(v.shape[0], *v.shape[2:])
 
-    def _scan_decode_layers(self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+    def _scan_layers(self, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
                             seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decode layers as one ``scan`` over the stacked weights and pools: the traced
-        program holds the layer body once (Inductor lowers it to a ``while_loop``), so its C++ and
-        compile time do not grow with the layer count. Returns ``(h [B, 1, H], k_rows, v_rows
-        [L, B, nkv, hd])``.
+        """The layers (:meth:`_decode_layer`, the pools read only) as one ``scan`` over the stacked
+        weights and pools, :attr:`scan_layers` layers per iteration (the ``L % G`` last ones
+        unrolled after it): the traced program holds the body once (Inductor lowers it to a
+        ``while_loop``), so its C++ and compile time grow with ``G``, not with the layer count.
+        Returns ``(h [B, S, H], k_rows, v_rows)``, the rows [L, B, nkv, hd] (decode, ``S`` = 1) or
+        [L, B, S, nkv, hd] (prefill).
 
         ``scan_op`` is called directly, not ``torch.scan``: that wrapper traces the body with
         Dynamo, which cannot close over the export's symbolic batch size; and Inductor's
         scan -> while_loop lowering allocates the stacked rows from the SymInts among the operands,
-        so the batch size is passed as one (the body reads its sizes from ``h``)."""
+        so the dynamic batch size and token count are passed as such (the body reads its sizes
+        from ``h``)."""
         from torch._higher_order_ops.scan import scan_op
 
+        L, G = self.config.num_hidden_layers, max(1, int(self.scan_layers))
+        n = L // G * G
         bias = (self.qkv_bias,) if self._has_bias else ()
 
-        def body(h, input_norm, qkv_proj, *rest):
-            qkv_bias, rest = (rest[0], rest[1:]) if bias else (None, rest)
-            o_proj, post_attn_norm, gate_up_proj, down_proj, k_pool, v_pool, cos, sin, tables, pos, lens, _b = rest
-            h, k, v = self._decode_layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm, gate_up_proj,
-                                         down_proj, k_pool, v_pool, cos, sin, tables, pos, lens)
-            return [h, k.clone(), v.clone()]  # a scan body's outputs may not alias each other (v views qkv)
+        def group(h, *stacked_and_rest):
+            stacked, (cos, sin, tables, pos, lens) = stacked_and_rest[:n_stacked], stacked_and_rest[n_stacked:][:5]
+            ks, vs = [], []
+            for j in range(G):
+                w = [x[j] for x in stacked]
+                qkv_bias, w = (w[2], w[:2] + w[3:]) if bias else (None, w)
+                input_norm, qkv_proj, o_proj, post_attn_norm, gate_up_proj, down_proj, k_pool, v_pool = w
+                h, k, v = self._decode_layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm,
+                                             gate_up_proj, down_proj, k_pool, v_pool, cos, sin, tables, pos, lens)
+                ks.append(k)
+                vs.append(v)
+            return [h, torch.stack(ks), torch.stack(vs)]  # stacked: the outputs may not alias (v views qkv)
 
-        xs = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
-              self.down_proj, k_cache, v_cache]
-        h, k_rows, v_rows = scan_op(body, [h], xs, (cos, sin, block_tables, positions, seq_lens, h.shape[0]))
-        return h, k_rows, v_rows
+        stacked = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
+                   self.down_proj, k_cache, v_cache]
+        xs = [x[:n].unflatten(0, (n // G, G)) for x in stacked]
+        n_stacked = len(xs)
+        sizes = tuple(d for d in h.shape[:2] if isinstance(d, torch.SymInt))  # the dynamic batch / token dims
+        h, k_rows, v_rows = scan_op(group, [h], xs, (cos, sin, block_tables, positions, seq_lens, *sizes))
+        k_rows, v_rows = k_rows.flatten(0, 1), v_rows.flatten(0, 1)
+        if n == L:
+            return h, k_rows, v_rows
+        k_list, v_list = [k_rows], [v_rows]
+        for i in range(n, L):
+            h, k, v = self._decode_layer(h, *self._layer_weights(i), k_cache[i], v_cache[i], cos, sin, block_tables,
+                                         positions, seq_lens)
+            k_list.append(k[None])
+            v_list.append(v[None])
+        return h, torch.cat(k_list), torch.cat(v_list)

@@ -139,13 +139,17 @@ Compiler = Callable[[ProgramSpec, str, Path], Path]
 
 def compile_program(spec: ProgramSpec, kind: str, package: Path) -> Path:
     """Export the ``kind`` module of ``spec`` at its example inputs with its dynamic shapes
-    (:mod:`runner_service.programs.export_specs`) and AOTI-compile it to ``package``
-    (:func:`compile_aoti`)."""
+    (:mod:`runner_service.programs.export_specs`), its layers in ``spec.layers``' form, and
+    AOTI-compile it to ``package`` (:func:`compile_aoti`)."""
     if kind == "decode":
         example, dynamic = export_specs.example_inputs(spec), export_specs.dynamic_shapes(spec)
     else:
         example, dynamic = export_specs.prefill_example_inputs(spec), export_specs.prefill_dynamic_shapes(spec)
-    return compile_aoti(spec.module(kind), example, dynamic, package, spec.forward_lock)
+    spec.model.loop_layers(spec.layers == "loop")  # read by the export only: eager steps never loop
+    try:
+        return compile_aoti(spec.module(kind), example, dynamic, package, spec.forward_lock)
+    finally:
+        spec.model.loop_layers(False)
 
 
 def load_aoti(spec: ProgramSpec, kind: str, name: str, fp: str, cache: KernelCacheClient | None, work: Path,

@@ -13,8 +13,8 @@ values never reach the program, whose constants are bound at load), builds the s
 differs from the runner's (thread count, environment, code).
 
 Protocol, JSON lines over pipes (nothing on argv): the parent writes one :class:`ChildSetup` on
-the child's stdin, then one request per program, ``{"kind": "decode", "package": PATH,
-"fingerprint": FP}``; the child answers each on its stdout, ``{"ok": true, "seconds": S}`` or
+the child's stdin, then one request per program, ``{"kind": "decode", "layers": "loop",
+"package": PATH, "fingerprint": FP}`` (``layers``: :data:`~runner_service.programs.spec.PROGRAM_LAYERS`); the child answers each on its stdout, ``{"ok": true, "seconds": S}`` or
 ``{"ok": false, "error": "Type: why"}``, and exits at the end of its stdin. Its stderr is the
 parent's (JSON log lines of service ``build-child``, warnings and errors only); it dies with the thread that started it
 (``PR_SET_PDEATHSIG`` on Linux).
@@ -22,6 +22,7 @@ parent's (JSON log lines of service ``build-child``, warnings and errors only); 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -111,7 +112,8 @@ class BuildChild:
         name, want = program_key(spec, spec.mode, kind=kind)  # the runner's key: the child checks its own against it
         proc = self._start()
         try:
-            proc.stdin.write(json.dumps({"kind": kind, "package": str(package), "fingerprint": want}) + "\n")
+            proc.stdin.write(json.dumps({"kind": kind, "layers": spec.layers, "package": str(package),
+                                         "fingerprint": want}) + "\n")
             proc.stdin.flush()
             line = proc.stdout.readline()
         except (OSError, ValueError):  # a closed pipe: the child is gone
@@ -254,12 +256,13 @@ def main() -> int:
             _answer(out, ok=False, error=failed)
             continue
         try:
-            name, got = program_key(spec, spec.mode, kind=kind)
+            form = dataclasses.replace(spec, layers=request.get("layers", "unrolled"))
+            name, got = program_key(form, form.mode, kind=kind)
             if got != request["fingerprint"]:
                 raise ValueError(f"the child's key of {name} ({got[:12]}) differs from the runner's "
                                  f"({request['fingerprint'][:12]}): not compiled")
             t = time.perf_counter()
-            compile_program(spec, kind, Path(request["package"]))
+            compile_program(form, kind, Path(request["package"]))
             _answer(out, ok=True, seconds=time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - answered: the runner stays eager and says why
             log.exception("compiling %s failed", kind)

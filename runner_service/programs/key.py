@@ -70,7 +70,7 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
     max model length, max batch, max blocks per sequence, dynamic dims, KV pools, the block-table
-    layout, the weights' buffer names and dtypes; for prefill the most tokens per row), the
+    layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per row), the
     family, its pack version and config, the dtype, the device type, the torch thread count, the
     compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is unknown. It is
     the digest of the parts record of those (:func:`kernel_cache_service.fingerprint.program_parts`),
@@ -93,6 +93,7 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
         "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in spec.pool_specs],
         "block_layout": spec.block_layout,
         "weights": {n: str(t.dtype).removeprefix("torch.") for n, t in sorted(weights.items())},
+        "layers": spec.layers,
     }
     if kind == "prefill":
         layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=spec.max_prefill_tokens)

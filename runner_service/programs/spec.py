@@ -18,6 +18,14 @@ from runner_service.options import COMPILE_MODES
 MODES = tuple(m for m in COMPILE_MODES if m != "off")
 #: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
 PROGRAM_KINDS = ("decode", "prefill")
+#: How a program holds the model's layers: ``loop`` (the layer body once, looped over the stacked
+#: weights: compiles in a fraction of the time, for a family that can,
+#: :meth:`~model_families.family.FamilyModel.can_loop_layers`) or ``unrolled`` (the faster step).
+#: A cold runner installs the loop programs first, then the unrolled ones (``docs/architecture.md`` §9).
+PROGRAM_LAYERS = ("loop", "unrolled")
+#: The fewest layers for which a runner builds the loop form first: the unrolled compile grows
+#: with the layer count, the loop's does not, and below this the loop saves less than it costs.
+LOOP_MIN_LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class ProgramSpec:
     the KV ``pools`` (tensors ``[layers, NB, *block_shape]``, program inputs), ``forward_lock``
     (held while tracing), ``decode_views(batch, width)`` (the runner's persistent decode inputs)
     and the batch ``buckets``. Who builds: ``runner_id``, holding a ``build_lease_s``-second lease.
+    ``layers``: the form of the programs (:data:`PROGRAM_LAYERS`, in the key); ``ValueError`` for
+    another, or for ``loop`` where the model cannot loop.
     """
 
     family: ModelFamily
@@ -57,6 +67,21 @@ class ProgramSpec:
     buckets: tuple[int, ...]
     runner_id: str = "runner-0"
     build_lease_s: float = 30.0
+    layers: str = "unrolled"
+
+    def __post_init__(self) -> None:
+        if self.layers not in PROGRAM_LAYERS:
+            raise ValueError(f"program layers must be one of {PROGRAM_LAYERS}, got {self.layers!r}")
+        if self.layers == "loop" and not self.model.can_loop_layers():
+            raise ValueError(f"the {self.family.name} model cannot export its layers as a loop")
+
+    def forms(self) -> tuple[str, ...]:
+        """The :data:`PROGRAM_LAYERS` forms a runner of this spec installs, in order: ``loop``
+        then ``unrolled`` in ``aoti`` mode where the model can loop and has at least
+        :data:`LOOP_MIN_LAYERS` layers, else ``unrolled`` only."""
+        layers = max((s.layers for s in self.pool_specs), default=0)
+        tiered = self.mode == "aoti" and layers >= LOOP_MIN_LAYERS and self.model.can_loop_layers()
+        return PROGRAM_LAYERS if tiered else ("unrolled",)
 
     def module(self, kind: str) -> nn.Module:
         """The module compiled for ``kind`` (:data:`PROGRAM_KINDS`): the decode module, or the

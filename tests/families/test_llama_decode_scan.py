@@ -15,11 +15,12 @@ from model_families.llama.model import LlamaModel
 BLOCKS, BLOCK_SIZE = 12, 4
 
 
-def _model(layers: int, bias: bool = False, weights_dtype: str = "f32") -> tuple[LlamaModel, tuple]:
+def _model(layers: int, bias: bool = False, weights_dtype: str = "f32", group: int = 1
+           ) -> tuple[LlamaModel, tuple]:
     args = tiny_args(vocab=96, hidden=32, inter=64, layers=layers, heads=4, kv_heads=2, head_dim=8, max_pos=64,
                      bias=bias)
     model = LLAMA.build_model(args, LLAMA.random_weights(args, seed=layers, weights_dtype=weights_dtype), 64)
-    model.scan_layers = True  # off by default (its step is slower); what is tested is the loop
+    model.scan_layers = group  # off by default (its step is slower); what is tested is the loop
     g = torch.Generator().manual_seed(7)
     pools = tuple(torch.randn((layers, BLOCKS, BLOCK_SIZE, 2, 8), generator=g) for _ in range(2))
     return model, pools
@@ -52,26 +53,27 @@ def _inputs(batch: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 @pytest.fixture(scope="module")
 def exported() -> dict:
-    """(model, pools, exported program) of a 2-layer model and a 3-layer one with a q/k/v bias
-    (Qwen2)."""
+    """(model, pools, exported program) of a 2-layer model, a 3-layer one with a q/k/v bias
+    (Qwen2), and a 5-layer one looping 2 layers per iteration (its last layer after the loop)."""
     out = {}
-    for name, layers, bias in (("2", 2, False), ("3-bias", 3, True)):
-        model, pools = _model(layers, bias=bias)
+    for name, layers, bias, group in (("2", 2, False, 1), ("3-bias", 3, True, 1), ("5-g2", 5, False, 2)):
+        model, pools = _model(layers, bias=bias, group=group)
         out[name] = model, pools, _export(model, pools)
     return out
 
 
-@pytest.mark.parametrize("name", ["2", "3-bias"])
-def test_the_graph_holds_the_layer_body_once(exported, name):
+@pytest.mark.parametrize("name, group, after", [("2", 1, 0), ("3-bias", 1, 0), ("5-g2", 2, 1)])
+def test_the_graph_holds_the_layer_body_once(exported, name, group, after):
     ep = exported[name][2]
     linear = str(torch.ops.warmserve.linear.default)
     assert _calls(ep).count("scan") == 1
-    assert _calls(ep).count(linear) == 1  # the head; no layer's matrices outside the loop
+    # the head, and the layers after the loop (5 = 2 x 2 + 1); no other layer's matrices outside it
+    assert _calls(ep).count(linear) == 1 + 4 * after
     body = [str(n.target) for n in ep.graph_module.scan_combine_graph_0.graph.nodes if n.op == "call_function"]
-    assert body.count(linear) == 4  # qkv, o, gate_up, down: the prepacked-matrix op, once each
+    assert body.count(linear) == 4 * group  # qkv, o, gate_up, down: the prepacked-matrix op, once a layer
 
 
-@pytest.mark.parametrize("name", ["2", "3-bias"])
+@pytest.mark.parametrize("name", ["2", "3-bias", "5-g2"])
 def test_the_loop_computes_what_the_eager_decode_does(exported, name):
     model, pools, ep = exported[name]
     program = ep.module()
@@ -110,3 +112,45 @@ def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_pat
             got, want = program(pools, *inputs), step(pools, *inputs)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _prefill_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    """Three rows over distinct blocks: a 4-token chunk after 5 cached tokens, a 6-token prompt,
+    and a 2-token chunk after 7 cached ones, padded to 6 tokens (padding writes the scratch
+    block 0); ``last`` each row's last real token."""
+    g = torch.Generator().manual_seed(seed)
+    starts, counts, S = [5, 0, 7], [4, 6, 2], 6
+    tables = (torch.randperm(BLOCKS - 1, generator=g)[:9] + 1).view(3, 3)  # no block in two rows
+    ids = torch.randint(0, 96, (3, S), generator=g)
+    pos, slots = torch.zeros(3, S, dtype=torch.int64), torch.zeros(3, S, dtype=torch.int64)
+    for b, (st, n) in enumerate(zip(starts, counts, strict=True)):
+        p = torch.arange(st, st + n)
+        pos[b, :n], slots[b, :n] = p, tables[b, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+    lens = torch.tensor([st + n for st, n in zip(starts, counts, strict=True)])
+    return ids, pos, slots, tables, lens, torch.tensor(counts) - 1
+
+
+@pytest.mark.parametrize("layers, group", [(3, 1), (5, 2)])
+def test_the_looped_prefill_writes_and_computes_what_the_eager_prefill_does(layers, group):
+    """The exported prefill's loop only reads the pools and returns the rows, which the program
+    writes after it: same logits and same pools (every block, scratch block 0 aside) as the
+    eager prefill, which writes each layer's rows before its attention."""
+    model, pools = _model(layers, group=group)
+    Dim = torch.export.Dim
+    batch, tokens, width = Dim("batch", min=1, max=8), Dim("tokens", min=2, max=16), Dim("blocks", min=1, max=8)
+    grid, row = {0: batch, 1: tokens}, {0: batch}
+    example = (pools, *(torch.zeros((2, 2), dtype=torch.int64) for _ in range(3)),
+               torch.zeros((2, 2), dtype=torch.int64), torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    dynamic = (({1: Dim("num_blocks", min=2)},) * 2, grid, grid, grid, {0: batch, 1: width}, row, row)
+    with torch.no_grad():
+        ep = torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
+    assert _calls(ep).count("scan") == 1
+    inputs = _prefill_inputs(seed=layers)
+    got_pools, want_pools = tuple(p.clone() for p in pools), tuple(p.clone() for p in pools)
+    with torch.no_grad():
+        got = ep.module()(got_pools, *inputs)
+        want = model(want_pools, *inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for a, b, before in zip(got_pools, want_pools, pools, strict=True):
+        assert not torch.equal(b[:, 1:], before[:, 1:])  # the prefill wrote rows
+        torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-5, rtol=0)

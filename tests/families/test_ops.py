@@ -73,12 +73,34 @@ def test_decode_attention_without_own_kv_reads_the_pool_and_ignores_keys_past_se
     assert torch.equal(got, again)
 
 
-def test_prefill_attention_rejects_own_kv():
-    k_pool, v_pool = _pools()
-    q = torch.zeros(1, 2, NH, HD)
-    with pytest.raises(ValueError, match="decode"):
-        paged_attention(q, k_pool, v_pool, torch.tensor([[1]]), torch.tensor([[0, 1]]), torch.tensor([2]),
-                        k_new=torch.zeros(1, 2, NKV, HD))
+def test_prefill_attention_with_own_kv_matches_dense_causal_attention_over_past_and_chunk():
+    """Rows: a chunk of 3 after 6 cached tokens, a 5-token prompt, a 2-token chunk after 9
+    cached ones padded to 5, and a padding row (positions 0, length 1); each real query sees the
+    pool's keys before its chunk, then the chunk's own keys up to itself (never the pool's
+    entries at the chunk's slots, which hold stale values here)."""
+    k_pool, v_pool = _pools(seed=4)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [2, 9, 4, 11], [0, 0, 0, 0]])
+    starts, counts, S = [6, 0, 9, 0], [3, 5, 2, 1], 5
+    positions = torch.zeros(4, S, dtype=torch.int64)
+    for b, (st, n) in enumerate(zip(starts, counts, strict=True)):
+        positions[b, :n] = torch.arange(st, st + n)
+    seq_lens = torch.tensor([st + n for st, n in zip(starts, counts, strict=True)])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, S, NH, HD, generator=g)
+    k_new, v_new = torch.randn(4, S, NKV, HD, generator=g), torch.randn(4, S, NKV, HD, generator=g)
+
+    got = paged_attention(q, k_pool, v_pool, tables, positions, seq_lens, k_new, v_new)
+    assert got.shape == (4, S, NH, HD) and bool(torch.isfinite(got).all())
+    for b, (st, n) in enumerate(zip(starts, counts, strict=True)):
+        past = [(int(tables[b, t // BS]), t % BS) for t in range(st)]
+        for s in range(n):
+            keys = torch.cat([torch.stack([k_pool[blk, off] for blk, off in past]).reshape(-1, NKV, HD)
+                              if past else torch.empty(0, NKV, HD), k_new[b, :s + 1]])
+            values = torch.cat([torch.stack([v_pool[blk, off] for blk, off in past]).reshape(-1, NKV, HD)
+                                if past else torch.empty(0, NKV, HD), v_new[b, :s + 1]])
+            torch.testing.assert_close(got[b, s].double(), _reference(q[b, s], keys, values), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="together"):
+        paged_attention(q, k_pool, v_pool, tables, positions, seq_lens, k_new=k_new)
 
 
 def test_write_kv_rows_puts_each_layers_row_at_its_slot_and_nothing_else():

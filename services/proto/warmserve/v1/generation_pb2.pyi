@@ -164,7 +164,7 @@ class StartupReport(_message.Message):
     def __init__(self, phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup", "weights_dtype", "program_state", "program_detail", "programs_installed_at_s", "eos_token_ids", "default_sampling", "running", "waiting", "kv_blocks_used", "kv_blocks_usable", "layer_types")
+    __slots__ = ("runner_id", "model", "family", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "compile_mode", "sidecar_fingerprint", "startup", "weights_dtype", "program_state", "program_detail", "programs_installed_at_s", "eos_token_ids", "default_sampling", "running", "waiting", "kv_blocks_used", "kv_blocks_usable", "layer_types", "program_layers", "programs_unrolled_at_s", "programs_building")
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,9 @@ class ModelInfoResponse(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USABLE_FIELD_NUMBER: _ClassVar[int]
     LAYER_TYPES_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_UNROLLED_AT_S_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_BUILDING_FIELD_NUMBER: _ClassVar[int]
     runner_id: str
     model: str
     family: str
@@ -213,4 +216,7 @@ class ModelInfoResponse(_message.Message):
     kv_blocks_used: int
     kv_blocks_usable: int
     layer_types: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ..., weights_dtype: _Optional[str] = ..., program_state: _Optional[str] = ..., program_detail: _Optional[str] = ..., programs_installed_at_s: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_usable: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ...) -> None: ...
+    program_layers: str
+    programs_unrolled_at_s: float
+    programs_building: bool
+    def __init__(self, runner_id: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., compile_mode: _Optional[str] = ..., sidecar_fingerprint: _Optional[str] = ..., startup: _Optional[_Union[StartupReport, _Mapping]] = ..., weights_dtype: _Optional[str] = ..., program_state: _Optional[str] = ..., program_detail: _Optional[str] = ..., programs_installed_at_s: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_usable: _Optional[int] = ..., layer_types: _Optional[_Iterable[str]] = ..., program_layers: _Optional[str] = ..., programs_unrolled_at_s: _Optional[float] = ..., programs_building: _Optional[bool] = ...) -> None: ...
