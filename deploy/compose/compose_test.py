@@ -405,8 +405,9 @@ class Stack:
 
     def model_info(self, runner: str, *, programs_timeout_s: float = 0):
         """The runner's ``ModelInfoResponse``, asked inside its container (runners publish no port);
-        with ``programs_timeout_s``, once its programs are no longer pending (asked every second
-        by one process in the container, up to that long)."""
+        with ``programs_timeout_s``, once its programs are no longer pending and its background build
+        has ended (the unrolled programs after the loop ones; asked every second by one process in
+        the container, up to that long)."""
         from services.proto import generation_pb2
 
         code = ("import base64, os, sys, time; from services.generation_client import GenerationClient\n"
@@ -416,7 +417,7 @@ class Stack:
                 f"end = time.monotonic() + {programs_timeout_s}\n"
                 "with GenerationClient('127.0.0.1:50061', security=security) as c:\n"
                 "    info = c.model_info(timeout_s=20)\n"
-                "    while info.program_state == 'pending' and time.monotonic() < end:\n"
+                "    while (info.program_state == 'pending' or info.programs_building) and time.monotonic() < end:\n"
                 "        time.sleep(1)\n"
                 "        info = c.model_info(timeout_s=20)\n"
                 "print(base64.b64encode(info.SerializeToString()).decode())")

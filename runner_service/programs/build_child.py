@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 CHILD_MODULE = "runner_service.programs.build_child"
 #: Seconds :meth:`BuildChild.close` waits for an idle child to exit before killing it.
 CLOSE_WAIT_S = 5.0
+#: Seconds one program's compile may take in the child before it is killed (a hung compiler
+#: would otherwise hold the build lease, which the parent renews, and every waiting runner).
+COMPILE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,8 @@ class BuildChild:
     for the next program. ``pid`` is the child's (``None`` before it starts); :meth:`stop` kills
     it from any thread (the :meth:`compile` in progress then raises)."""
 
-    def __init__(self, setup: ChildSetup) -> None:
-        self.setup = setup
+    def __init__(self, setup: ChildSetup, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.setup, self.timeout_s = setup, timeout_s
         self._proc: subprocess.Popen | None = None
         self._stopped = False
         self._lock = threading.Lock()
@@ -106,11 +109,20 @@ class BuildChild:
         """Have the child write the ``kind`` program of ``spec`` to ``package`` (an
         :data:`~runner_service.programs.aoti.Compiler`); blocks until it answers. Raises
         ``services.errors.Internal`` when the child refuses or fails (its reason), dies (how: a
-        signal or an exit status) or was stopped."""
+        signal or an exit status), takes longer than :attr:`timeout_s` (it is killed) or was stopped."""
         from runner_service.programs.key import program_key
 
         name, want = program_key(spec, spec.mode, kind=kind)  # the runner's key: the child checks its own against it
         proc = self._start()
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        watchdog = threading.Timer(self.timeout_s, kill)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             proc.stdin.write(json.dumps({"kind": kind, "layers": spec.layers, "package": str(package),
                                          "fingerprint": want}) + "\n")
@@ -118,6 +130,12 @@ class BuildChild:
             line = proc.stdout.readline()
         except (OSError, ValueError):  # a closed pipe: the child is gone
             line = ""
+        finally:
+            watchdog.cancel()
+        if timed_out.is_set():
+            proc.wait()
+            raise Internal(f"the build child (pid {proc.pid}) took longer than {self.timeout_s:.0f} s to compile "
+                           f"{name}: killed")
         if not line:
             raise Internal(self._gone(name))
         reply = json.loads(line)

@@ -116,6 +116,22 @@ def test_the_child_refuses_to_compile_for_another_thread_count(tmp_path):
     assert not (tmp_path / "program.pt2").exists()
 
 
+def test_a_compile_past_the_timeout_is_killed_and_says_so(tmp_path):
+    """A child that has not answered within ``timeout_s`` (here 1 s: importing torch alone takes
+    longer) is killed; the compile raises, the lease holder can fail over, nothing is written."""
+    runner = _runner()
+    spec = runner.program_spec()
+    child = BuildChild(ChildSetup.of(runner, spec, sidecar=None, weights_dtype="f32", nice=0), timeout_s=1.0)
+    try:
+        with pytest.raises(Internal, match=r"the build child \(pid \d+\) took longer than 1 s to compile "
+                                           r"llama.decode.aoti: killed"):
+            child.compile(spec, "decode", tmp_path / "program.pt2")
+        assert child._proc.poll() is not None  # dead, not left compiling
+    finally:
+        child.close()
+    assert not (tmp_path / "program.pt2").exists()
+
+
 @pytest.mark.parametrize("weights_dtype", ["f32", "int8"])
 def test_the_child_spec_from_the_sidecar_or_random_weights_has_the_runners_key(tmp_path, weights_dtype):
     from weights_tiny import write_tiny_checkpoint
