@@ -33,9 +33,17 @@ Method (one run, one machine):
    by side (:func:`bench_tls`): wall time per token and time to first token, direct and routed.
    ``--tls-only`` runs just this part.
 
+6. *Stream rates* (issue 25, :func:`bench_rates`): a ``warmserve up --runners 1`` stack (every
+   process of ``up``, auth on, programs installed); at each concurrency (``--streams``, 1 and 16)
+   the runner alone against the OpenAI door: output tok/s, TPOT, TTFT and each process's CPU
+   time per token. ``--rates-only`` runs just this part; ``--ref DIR`` measures an older
+   checkout's code first on the same home (before/after in one run); ``--profile DIR`` samples
+   every process with py-spy during the first round.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
     python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json] [--tls-only]
+    python bench/router.py --rates-only [--streams 1,16] [--ref DIR] [--profile DIR]
 """
 
 from __future__ import annotations
