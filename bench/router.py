@@ -140,7 +140,8 @@ def _arrivals_kserve(stub, request, t0: float, timeout_s: float = 300.0) -> list
     return out
 
 
-def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, timeout_s: float = 300.0) -> list[float]:
+def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, timeout_s: float = 300.0,
+                     key: str | None = None) -> list[float]:
     """Arrival time (seconds since ``t0``) of each streamed ``/v1/completions`` chunk with text,
     read as raw server-sent events over one ``http.client`` connection (``url`` is the door's
     ``http://host:port/v1``)."""
@@ -150,7 +151,8 @@ def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, 
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     out: list[float] = []
     try:
-        conn.request("POST", f"{parts.path}/completions", body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        conn.request("POST", f"{parts.path}/completions", body=body, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/v1/completions: HTTP {resp.status} {resp.read()[:300]!r}")
@@ -207,8 +209,11 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
                 noise += _aligned_gaps(d1, d2)[1]
             single = _arrivals(direct, request)
             oversize = _oversize_beside(routed, request, stack.router_address, rounds=max(2, rounds // 4))
+            from warmserve.stack_auth import OPENAI_KEY_FILE, auth_dir
+
+            key = (auth_dir(home) / OPENAI_KEY_FILE).read_text().strip() if cfg.auth else None
             doors = _bench_doors(routed, request, stack.router_address,
-                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec)
+                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec, key)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
         "doors": doors,
@@ -280,7 +285,7 @@ def _paired(native, door, rounds: int) -> dict:
 
 
 def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: int, rounds: int,
-                 security=None) -> dict:
+                 security=None, key: str | None = None) -> dict:
     """Each front door against the native router stream (see the module docstring, item 3)."""
     from services.model_name import served_model_name
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
@@ -296,7 +301,7 @@ def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: 
         return {
             "kserve_stream_infer": _paired(native, lambda t0: _arrivals_kserve(kstub, kreq, t0), rounds),
             "openai_completions_sse": _paired(
-                native, lambda t0: _arrivals_openai(openai_url, model, request.text, tokens, t0), rounds),
+                native, lambda t0: _arrivals_openai(openai_url, model, request.text, tokens, t0, key=key), rounds),
         }
 
 
