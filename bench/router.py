@@ -33,16 +33,26 @@ Method (one run, one machine):
    by side (:func:`bench_tls`): wall time per token and time to first token, direct and routed.
    ``--tls-only`` runs just this part.
 
+6. *Stream rates* (issue 25, :func:`bench_rates`): a ``warmserve up --runners 1`` stack (every
+   process of ``up``, auth on, programs installed); at each concurrency (``--streams``, 1 and 16)
+   the runner alone against the OpenAI door: output tok/s, TPOT, TTFT and each process's CPU
+   time per token. ``--rates-only`` runs just this part; ``--ref DIR`` measures an older
+   checkout's code first on the same home (before/after in one run); ``--profile DIR`` samples
+   every process with py-spy during the first round.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
     python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json] [--tls-only]
+    python bench/router.py --rates-only [--streams 1,16] [--ref DIR] [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -130,7 +140,8 @@ def _arrivals_kserve(stub, request, t0: float, timeout_s: float = 300.0) -> list
     return out
 
 
-def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, timeout_s: float = 300.0) -> list[float]:
+def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, timeout_s: float = 300.0,
+                     key: str | None = None) -> list[float]:
     """Arrival time (seconds since ``t0``) of each streamed ``/v1/completions`` chunk with text,
     read as raw server-sent events over one ``http.client`` connection (``url`` is the door's
     ``http://host:port/v1``)."""
@@ -140,7 +151,8 @@ def _arrivals_openai(url: str, model: str, prompt: str, tokens: int, t0: float, 
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     out: list[float] = []
     try:
-        conn.request("POST", f"{parts.path}/completions", body=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        conn.request("POST", f"{parts.path}/completions", body=body, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/v1/completions: HTTP {resp.status} {resp.read()[:300]!r}")
@@ -197,8 +209,11 @@ def bench_real(tokens: int, rounds: int, home: Path) -> dict:
                 noise += _aligned_gaps(d1, d2)[1]
             single = _arrivals(direct, request)
             oversize = _oversize_beside(routed, request, stack.router_address, rounds=max(2, rounds // 4))
+            from warmserve.stack_auth import OPENAI_KEY_FILE, auth_dir
+
+            key = (auth_dir(home) / OPENAI_KEY_FILE).read_text().strip() if cfg.auth else None
             doors = _bench_doors(routed, request, stack.router_address,
-                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec)
+                                 f"http://{cfg.host}:{stack.port('openai')}/v1", tokens, rounds, sec, key)
     itl = [(b - a) * 1e3 for a, b in zip(single, single[1:], strict=False)]
     return {
         "doors": doors,
@@ -270,7 +285,7 @@ def _paired(native, door, rounds: int) -> dict:
 
 
 def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: int, rounds: int,
-                 security=None) -> dict:
+                 security=None, key: str | None = None) -> dict:
     """Each front door against the native router stream (see the module docstring, item 3)."""
     from services.model_name import served_model_name
     from services.proto.triton import grpc_service_pb2_grpc as kgrpc
@@ -286,7 +301,7 @@ def _bench_doors(routed, request, router_address: str, openai_url: str, tokens: 
         return {
             "kserve_stream_infer": _paired(native, lambda t0: _arrivals_kserve(kstub, kreq, t0), rounds),
             "openai_completions_sse": _paired(
-                native, lambda t0: _arrivals_openai(openai_url, model, request.text, tokens, t0), rounds),
+                native, lambda t0: _arrivals_openai(openai_url, model, request.text, tokens, t0, key=key), rounds),
         }
 
 
@@ -440,6 +455,241 @@ def print_tls_table(tls: dict) -> None:
               f"{tls[f'ttft_ms_{path}_tls_off_p50']:.2f} ms | {tls[f'ttft_ms_{path}_tls_on_p50']:.2f} ms |")
 
 
+# --- 6. Stream rates through the OpenAI door vs the runner alone (issue 25) -------------------
+
+def _rate_prompt(i: int) -> str:
+    """A distinct prompt per stream (no prefix-cache sharing between streams), about 100 tokens."""
+    return f"Request {i}. " + " ".join([PROMPT] * 12)
+
+
+def _direct_stream(stub, prompt: str, tokens: int, t0: float) -> dict:
+    """One greedy ``ignore_eos`` stream straight to the runner: arrival times (s since ``t0``)
+    of its first and last tokens, and its token count."""
+    request = generation_pb2.GenerateRequest(
+        text=prompt, sampling=generation_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    first = last = None
+    count = 0
+    for resp in stub.Generate(request, timeout=600):
+        if resp.token_ids:
+            last = time.perf_counter() - t0
+            first = last if first is None else first
+            count += len(resp.token_ids)
+    return {"first": first, "last": last, "tokens": count}
+
+
+def _door_stream(url: str, key: str | None, model: str, prompt: str, tokens: int, t0: float) -> dict:
+    """The same stream through the OpenAI door (``POST /v1/completions``, ``stream``, usage
+    included), read raw with ``http.client`` (only the usage chunk is parsed, so the client's
+    own cost stays small): first/last text-chunk arrival (s since ``t0``), tokens from the usage."""
+    parts = urllib.parse.urlsplit(url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    first = last = None
+    count = 0
+    try:
+        conn.request("POST", f"{parts.path}/completions", body=body, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/v1/completions: HTTP {resp.status} {resp.read()[:300]!r}")
+        while line := resp.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"choices":[]' in line:
+                count = json.loads(line[6:])["usage"]["completion_tokens"]
+                continue
+            last = time.perf_counter() - t0
+            first = last if first is None else first
+    finally:
+        conn.close()
+    return {"first": first, "last": last, "tokens": count}
+
+
+def _concurrent(stream, n: int) -> dict:
+    """``n`` streams started together (``stream(i, t0)``): output tok/s over the wall time, and
+    the medians of time to first token (ms) and time per output token after it (ms)."""
+    barrier = threading.Barrier(n)
+    t0 = [0.0]
+    results: list[dict] = [{}] * n
+
+    def run(i: int) -> None:
+        if barrier.wait() == 0:
+            t0[0] = time.perf_counter()
+        barrier_t0 = t0[0] or time.perf_counter()
+        results[i] = stream(i, barrier_t0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = sum(r["tokens"] for r in results)
+    wall = max(r["last"] for r in results)
+    tpot = [(r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3 for r in results if r["tokens"] > 1]
+    return {"tok_s": total / wall, "ttft_ms_p50": statistics.median(r["first"] * 1e3 for r in results),
+            "tpot_ms_p50": statistics.median(tpot) if tpot else float("nan"), "tokens": total,
+            "short_streams": sum(r["tokens"] <= 1 for r in results)}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measured(stream, n: int, pids: dict[str, int]) -> dict:
+    """:func:`_concurrent` with each process's CPU time per output token (ms) over the run."""
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    out = _concurrent(stream, n)
+    out["cpu_ms_per_token"] = {name: (_cpu_s(pid) - before[name]) * 1e3 / out["tokens"] for name, pid in pids.items()}
+    return out
+
+
+@contextlib.contextmanager
+def _profiled(directory: Path | None, label: str, pids: dict[str, int]):
+    """With ``directory``, sample every process in ``pids`` but the client with py-spy
+    (``--nonblocking``, 200 Hz, native frames off, threads on) while the block runs, into
+    ``directory/LABEL-NAME.txt`` (collapsed stacks; ``py-spy`` must be on ``PATH`` or beside
+    this Python)."""
+    import shutil
+    import signal
+    import subprocess
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    procs = []
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, pid in pids.items():
+            if name != "client":
+                procs.append(subprocess.Popen(
+                    [spy, "record", "--nonblocking", "--threads", "-r", "200", "-f", "raw", "-p", str(pid),
+                     "-o", str(directory / f"{label}-{name}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.5)  # py-spy attaches
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait(30)
+
+
+def bench_rates(home: Path, streams: list[int], tokens: int, rounds: int, compile_mode: str,
+                profile: Path | None = None) -> dict:
+    """Item 6 of the module docstring: one ``warmserve up --runners 1`` stack (every process of
+    ``up``: kernel cache, weights, router with its KServe door, OpenAI door, one runner; auth
+    on, TLS off), its programs installed; per concurrency, rounds alternate between the runner
+    alone (``warmserve.v1`` straight to it) and the OpenAI door (through the router)."""
+    from warmserve.stack import LocalStack
+    from warmserve.stack_auth import OPENAI_KEY_FILE, auth_dir
+    from warmserve.stack_config import StackConfig
+
+    cfg = StackConfig(runners=1, base_port=0, home=home, compile=compile_mode, openai=True, record_state=False)
+    with LocalStack(cfg, progress=lambda m: print(m, file=sys.stderr)) as stack:
+        info = stack.wait_programs(0)
+        key = (auth_dir(home) / OPENAI_KEY_FILE).read_text().strip() if cfg.auth else None
+        url = f"http://{cfg.host}:{stack.port('openai')}/v1"
+        with open_channel(stack.runners[0].address, security=stack.credentials()) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            from services.model_name import served_model_name
+
+            model = served_model_name(stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).model)
+            paths = {
+                "runner": lambda i, t0: _direct_stream(stub, _rate_prompt(i), tokens, t0),
+                "door": lambda i, t0: _door_stream(url, key, model, _rate_prompt(i), tokens, t0),
+            }
+            pids = {name: c.proc.pid for name, c in stack.services.items()}
+            pids |= {"runner": stack.runners[0].proc.pid, "client": os.getpid()}
+            for n in streams:  # warm both paths at each concurrency
+                for path in paths.values():
+                    _concurrent(path, n)
+            out: dict = {"tokens_per_stream": tokens, "rounds": rounds, "program_state": info.program_state,
+                         "weights_dtype": info.weights_dtype, "dtype": info.dtype}
+            for n in streams:
+                runs: dict[str, list[dict]] = {k: [] for k in paths}
+                for k in range(rounds):
+                    order = list(paths) if k % 2 == 0 else list(paths)[::-1]
+                    for name in order:
+                        with _profiled(profile, f"{name}-{n}", pids if k == 0 else {}):
+                            runs[name].append(_measured(paths[name], n, pids))
+                cell: dict = {}
+                for name, rs in runs.items():
+                    for fig in ("tok_s", "ttft_ms_p50", "tpot_ms_p50"):
+                        cell[f"{name}_{fig}"] = statistics.median(r[fig] for r in rs)
+                    cell[f"{name}_cpu_ms_per_token"] = {p: statistics.median(r["cpu_ms_per_token"][p] for r in rs)
+                                                        for p in pids}
+                cell["door_over_runner"] = cell["door_tok_s"] / cell["runner_tok_s"]
+                out[f"streams_{n}"] = cell
+    return out
+
+
+def bench_rates_ref(ref: Path, home: Path, argv: list[str]) -> dict:
+    """:func:`bench_rates` with the code of the checkout ``ref`` (an older commit): this file is
+    run from a temporary copy with ``ref`` first on the path, so every process of its stack runs
+    ``ref``'s code, on the same ``home`` (weights and programs reused)."""
+    import shutil
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="warmserve-bench-ref-") as tmp:
+        script = Path(tmp) / "router_bench.py"
+        shutil.copy(__file__, script)
+        out = Path(tmp) / "out.json"
+        env = dict(os.environ, PYTHONPATH=str(ref))
+        subprocess.run([sys.executable, str(script), "--rates-only", "--home", str(home), "--json", str(out), *argv],
+                       cwd=ref, env=env, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rates"]
+
+
+def print_rates_table(rates: dict[str, dict], streams: list[int]) -> None:
+    """The Markdown rows of :func:`bench_rates`, one row per code version and concurrency."""
+    any_rates = next(iter(rates.values()))
+    print(f"\nOutput tok/s, the runner alone vs through the OpenAI door ({any_rates['tokens_per_stream']} tokens "
+          f"per stream, medians of {any_rates['rounds']} rounds; {any_rates['weights_dtype']} weights, "
+          f"{any_rates['dtype']}, programs {any_rates['program_state']}):\n")
+    print("| code | streams | runner tok/s | door tok/s | door / runner | runner TPOT | door TPOT | "
+          "runner TTFT | door TTFT |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in rates.items():
+        for n in streams:
+            c = r[f"streams_{n}"]
+            print(f"| {label} | {n} | {c['runner_tok_s']:.1f} | {c['door_tok_s']:.1f} | {c['door_over_runner']:.2f} | "
+                  f"{c['runner_tpot_ms_p50']:.1f} ms | {c['door_tpot_ms_p50']:.1f} ms | "
+                  f"{c['runner_ttft_ms_p50']:.0f} ms | {c['door_ttft_ms_p50']:.0f} ms |")
+    print("\nCPU time per output token (ms) of each process of the stack, through the OpenAI door "
+          "(in brackets: the runner alone):\n")
+    procs = list(next(iter(any_rates[f"streams_{n}"] for n in streams))["door_cpu_ms_per_token"])
+    print("| code | streams | " + " | ".join(procs) + " |")
+    print("|---|---:|" + "---:|" * len(procs))
+    for label, r in rates.items():
+        for n in streams:
+            c = r[f"streams_{n}"]
+            print(f"| {label} | {n} | " + " | ".join(
+                f"{c['door_cpu_ms_per_token'][p]:.2f} ({c['runner_cpu_ms_per_token'][p]:.2f})" for p in procs) + " |")
+
+
+def _rates_main(args: argparse.Namespace) -> int:
+    streams = [int(n) for n in args.streams.split(",")]
+    rate_args = ["--streams", args.streams, "--rate-tokens", str(args.rate_tokens),
+                 "--rate-rounds", str(args.rate_rounds), "--compile", args.compile]
+    with tempfile.TemporaryDirectory(prefix="warmserve-bench-rates-") as tmp:
+        home = Path(args.home) if args.home else Path(tmp) / "home"
+        rates: dict[str, dict] = {}
+        if args.ref:
+            rates["ref"] = bench_rates_ref(Path(args.ref).resolve(), home, rate_args)
+        rates["this"] = bench_rates(home, streams, args.rate_tokens, args.rate_rounds, args.compile,
+                                    Path(args.profile) if args.profile else None)
+    result = {"benchmark": "router", "rates": rates["this"], "rates_ref": rates.get("ref")}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print_rates_table(rates, streams)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
@@ -448,7 +698,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the JSON here")
     parser.add_argument("--tls-only", action="store_true",
                         help="only the TLS on vs off comparison (instant runners: seconds, no model)")
+    parser.add_argument("--rates-only", action="store_true",
+                        help="only the stream rates, runner alone vs the OpenAI door (item 6)")
+    parser.add_argument("--streams", default="1,16", help="concurrencies of the rates part (default 1,16)")
+    parser.add_argument("--rate-tokens", type=int, default=128, help="tokens per stream in the rates part (128)")
+    parser.add_argument("--rate-rounds", type=int, default=3, help="rounds per path and concurrency (default 3)")
+    parser.add_argument("--compile", default="aoti", help="the runner's --compile in the rates part (aoti)")
+    parser.add_argument("--profile", default=None,
+                        help="rates part: py-spy each process during the first round of each path, into this folder")
+    parser.add_argument("--ref", default=None,
+                        help="also measure the rates with this checkout's code (an older commit), same home")
     args = parser.parse_args(argv)
+    if args.rates_only:
+        return _rates_main(args)
     tls = bench_tls(256, max(args.rounds, 20))
     if args.tls_only:
         result = {"benchmark": "router", "tls": tls}

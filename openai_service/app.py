@@ -35,10 +35,13 @@ before any route runs; ``/docs``, ``/redoc`` and ``/openapi.json`` exist only wi
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -82,6 +85,7 @@ from openai_service.protocol import (
 from openai_service.router_client import RouterClient
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
+from services.deltas import merge_responses
 from services.healthcheck import PID_METADATA_KEY
 from services.proto import generation_pb2
 from services.refusals import Refusals
@@ -124,6 +128,43 @@ class _Call:
             raise from_rpc_error(e, self.fields) from e
         return None if msg is grpc.aio.EOF else msg
 
+    async def batches(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The messages from here to the end, each merged with those that arrived while the
+        consumer was busy with the one before (:func:`~services.deltas.merge_responses`): a
+        task reads the call as fast as the router sends, the consumer takes everything read so
+        far whenever it asks, waiting only when nothing is. An error is raised after the
+        messages read before it."""
+        buffer: deque[generation_pb2.GenerateResponse] = deque()
+        arrived = asyncio.Event()
+        ended: list[BaseException | None] = []  # [None] at the end of the stream, [error]
+
+        async def read() -> None:
+            try:
+                while (msg := await self.next()) is not None:
+                    buffer.append(msg)
+                    arrived.set()
+                ended.append(None)
+            except (Exception, asyncio.CancelledError) as e:
+                ended.append(e)
+            arrived.set()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                if buffer:
+                    msgs = list(buffer)
+                    buffer.clear()
+                    yield merge_responses(msgs)
+                elif ended:
+                    if ended[0] is not None:
+                        raise ended[0]
+                    return
+                else:
+                    arrived.clear()
+                    await arrived.wait()
+        finally:
+            reader.cancel()
+
     async def all(self) -> list[generation_pb2.GenerateResponse]:
         """Every message to the end of the stream."""
         out = []
@@ -145,29 +186,59 @@ def _final(messages: list[generation_pb2.GenerateResponse]) -> generation_pb2.Ge
     return messages[-1]
 
 
+#: Stands for a chunk's text in :func:`_text_event`'s template (ASCII: JSON leaves it as it is).
+_TEXT_MARK = "@@warmserve-chunk-text@@"
+
+
+def _text_event(render: Callable[[str], str]) -> Callable[[str], str] | None:
+    """The server-sent event of a chunk with text only, without building it each time:
+    ``render(text)`` is the chunk's JSON (pydantic's), rendered once with a mark for the text;
+    the returned function puts a text's JSON string in its place, the same bytes as ``render``'s
+    (UTF-8 left as it is, the same escapes). ``None`` when the mark is not there exactly once."""
+    head, *tail = render(_TEXT_MARK).split(json.dumps(_TEXT_MARK))
+    if len(tail) != 1:
+        return None
+    prefix, suffix = "data: " + head, tail[0] + "\n\n"
+    return lambda text: prefix + json.dumps(text, ensure_ascii=False) + suffix
+
+
 async def _events(call: _Call, first: generation_pb2.GenerateResponse, *, chunk: Callable[..., BaseModel],
                   choice: Callable[[generation_pb2.GenerateResponse, str | None], BaseModel], include_usage: bool,
-                  opening: list | None = None) -> AsyncIterator[str]:
+                  opening: list | None = None, plain: bool = True) -> AsyncIterator[str]:
     """A stream's server-sent events, from its ``first`` message on: the ``opening`` choices'
     chunk when given, one chunk per message with text, logprobs or a finish reason
-    (``chunk([choice(msg, reason)])``), the usage chunk when ``include_usage``, an error event
-    for an :class:`OpenAIError` raised meanwhile, then ``[DONE]``."""
+    (``chunk([choice(msg, reason)])``; the messages that arrived while the last chunk was being
+    sent as one, see :meth:`_Call.batches`), the usage chunk when ``include_usage``, an error
+    event for an :class:`OpenAIError` raised meanwhile, then ``[DONE]``. ``plain``: the request
+    asked for no logprobs, so a chunk with text only is the same but for its text
+    (:func:`_text_event`)."""
     skip = None if include_usage else {"usage"}
-    msg, final = first, None
+    text_event = _text_event(lambda text: chunk([choice(generation_pb2.GenerateResponse(text=text), None)])
+                             .model_dump_json(exclude=skip)) if plain else None
+    final = None
+    # The first message is sent alone, at once; the rest as they come.
+    messages = None if first.finish_reason else call.batches()
+    msg: generation_pb2.GenerateResponse | None = first
     try:
         if opening is not None:
             yield event(chunk(opening).model_dump_json(exclude=skip))
         while msg is not None:
             reason = finish_reason(msg)
-            if msg.text or msg.logprobs or reason:
+            if text_event is not None and not reason and not msg.logprobs:
+                if msg.text:
+                    yield text_event(msg.text)
+            elif msg.text or msg.logprobs or reason:
                 yield event(chunk([choice(msg, reason)]).model_dump_json(exclude=skip))
             if reason:
                 final = msg
-            msg = await call.next()
+            msg = None if messages is None else await anext(messages, None)
         if include_usage and final is not None:
             yield event(chunk([], usage=usage(final)).model_dump_json())
     except OpenAIError as e:
         yield event(e.body())
+    finally:
+        if messages is not None:
+            await messages.aclose()  # stops its reader task
     yield DONE
 
 
@@ -300,7 +371,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             logprobs = builder.add(msg.logprobs) if builder is not None else None
             return CompletionChoice(text=msg.text, logprobs=logprobs, finish_reason=reason)
 
-        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage)
+        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage,
+                         plain=builder is None)
         return EventStream(events, on_close=call.cancel)
 
     @app.post("/v1/chat/completions", responses={**ok_response(ChatCompletion, chunk=ChatCompletionChunk), **v1_errors})
@@ -340,7 +412,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
                                    finish_reason=reason)
 
         events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage,
-                         opening=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+                         opening=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
+                         plain=top_n is None)
         return EventStream(events, on_close=call.cancel)
 
     return app

@@ -38,6 +38,18 @@ class RequestOutput:
     completion_tokens: int = 0
 
 
+def merge_outputs(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: token ids, text and logprobs concatenated in
+    order; the finish reason and the usage counts of the last (only the last delta of a stream
+    has a finish reason). ``outs`` is not empty; one delta is returned as it is."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return RequestOutput(last.request_id, [t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+                         [lp for o in outs for lp in o.logprobs], last.finish_reason, last.prompt_tokens,
+                         last.completion_tokens)
+
+
 class RequestStream:
     """The consumer side of one request: iterate its deltas, or :meth:`cancel` it (``abort``:
     the engine's :meth:`~runner_service.engine.LLMEngine.abort`)."""
@@ -49,9 +61,10 @@ class RequestStream:
         self.queue: queue.Queue[RequestOutput] = queue.Queue()
         self.finished = False
 
-    def get(self, timeout: float | None = None) -> RequestOutput:
-        """Next delta; raises ``queue.Empty`` after ``timeout`` seconds."""
-        out = self.queue.get(timeout=timeout)
+    def get(self, timeout: float | None = None, *, block: bool = True) -> RequestOutput:
+        """Next delta; raises ``queue.Empty`` after ``timeout`` seconds (at once, when
+        ``block`` is false and none is queued)."""
+        out = self.queue.get(block, timeout)
         if out.finish_reason is not None:
             self.finished = True
         return out
@@ -59,6 +72,20 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         while not self.finished:
             yield self.get()
+
+    def coalesced(self) -> Iterator[RequestOutput]:
+        """Like iterating, but each delta comes merged with every delta queued behind it by the
+        time it is taken (:func:`merge_outputs`): the first wait blocks, the rest never does, so
+        no delta waits for a later one, and a consumer slower than the engine gets one delta
+        for all the tokens it fell behind by instead of one per token."""
+        while not self.finished:
+            outs = [self.get()]
+            while not self.finished:
+                try:
+                    outs.append(self.get(block=False))
+                except queue.Empty:
+                    break
+            yield merge_outputs(outs)
 
     def cancel(self) -> None:
         """Abort the request; its blocks are freed and a final CANCELLED delta is sent."""

@@ -70,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not context.add_callback(stream.cancel):
             stream.cancel()
             return
-        for out in stream:
+        for out in stream.coalesced():  # a slow reader gets the tokens it fell behind by in one message
             yield output_to_proto(out, self.runner_id, self._token_text)
 
     def ModelInfo(self, request, context):

@@ -246,13 +246,15 @@ def test_stream_infer_deltas_concatenate_to_the_generate_text(stub, reference) -
     assert all(r.error_message == "" for r in responses)
     infer = [r.infer_response for r in responses]
     assert all(r.id == "s-1" and r.model_name == MODEL_DIR for r in infer)
-    # One response per token here (each word is one token and one delta), the last one flagged.
-    assert len(infer) == 8
-    assert [r.parameters["triton_final_response"].bool_param for r in infer] == [False] * 7 + [True]
+    # One response per runner message (each word is one token and one delta; a message carries
+    # several tokens when a hop fell behind), the last one flagged.
+    n = len(infer)
+    assert 1 <= n <= 8
+    assert [r.parameters["triton_final_response"].bool_param for r in infer] == [False] * (n - 1) + [True]
     decoded = [outputs(r) for r in infer]
     assert "".join(d["text_output"][0][0] for d in decoded) == text
-    assert [d["finish_reason"][0][0] for d in decoded] == ["None"] * 7 + ["length"]
-    assert [d["num_output_tokens"] for d in decoded] == [([1], [1])] * 8
+    assert [d["finish_reason"][0][0] for d in decoded] == ["None"] * (n - 1) + ["length"]
+    assert sum(d["num_output_tokens"][0][0] for d in decoded) == 8
     # The prompt's token count is known from the runner's last message only.
     assert [d.get("num_input_tokens") for d in decoded] == [None] * 7 + [([prompt_tokens], [])]
 

@@ -5,6 +5,7 @@ freeing the sequence's KV blocks."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -14,6 +15,9 @@ from runner_tiny import kv_bytes, tiny_args, tiny_config
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
+from runner_service.output_processor import RequestOutput, RequestStream
+from runner_service.sampler import TokenLogprobs
+from runner_service.sequence import FinishReason
 from runner_service.servicer import GenerationServicer, RunnerCollector
 from runner_service.tokenizer import Tokenizer
 from services.bootstrap import ServerConfig, ServiceServer
@@ -62,21 +66,23 @@ def _wait_for(cond, timeout=10.0):
 def test_generate_streams_token_deltas_then_finish_and_usage(served):
     stub, engine, _, _ = served
     msgs = list(stub.Generate(pb.GenerateRequest(text="Hello there", sampling=_greedy(8, logprobs=2))))
-    assert len(msgs) == 8
-    assert all(len(m.token_ids) == 1 and m.runner_id == "r-test" for m in msgs)
+    # A message carries the tokens produced since the last was sent: one each when the reader
+    # keeps up, several when it fell behind.
+    assert sum(len(m.token_ids) for m in msgs) == 8
+    assert all(m.token_ids and m.runner_id == "r-test" for m in msgs)
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
     last = msgs[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     prompt_ids = engine.tokenizer.encode("Hello there")
     assert last.usage.prompt_tokens == len(prompt_ids) and last.usage.completion_tokens == 8
-    ids = [m.token_ids[0] for m in msgs]
+    ids = [t for m in msgs for t in m.token_ids]
     assert "".join(m.text for m in msgs) == engine.tokenizer.decode(ids)
-    assert all(len(m.logprobs) == 1 and m.logprobs[0].token_id == m.token_ids[0] and len(m.logprobs[0].top) == 2
+    assert all([lp.token_id for lp in m.logprobs] == list(m.token_ids) and all(len(lp.top) == 2 for lp in m.logprobs)
                for m in msgs)
     # The same prompt as token ids, chat prompts, and a request id given by the client.
     again = list(stub.Generate(pb.GenerateRequest(request_id="mine", token_ids=pb.TokenIds(ids=prompt_ids),
                                                   sampling=_greedy(8))))
-    assert [m.token_ids[0] for m in again] == ids and again[0].request_id == "mine"
+    assert [t for m in again for t in m.token_ids] == ids and again[0].request_id == "mine"
     chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="Hi")])
     out = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=_greedy(3))))
     assert out[-1].usage.prompt_tokens == len(engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
@@ -247,3 +253,77 @@ def test_model_info_health_and_metrics(served):
     rate = reg.get_sample_value("warmserve_runner_prefix_cache_hit_rate")
     assert rate == pytest.approx(engine.stats()["prefix_cache_hit_rate"]) and 0 < rate < 1
     assert reg.get_sample_value("warmserve_runner_prefix_cache_blocks") >= (n - 1) // 4
+
+
+class _FedEngine:
+    """Stands in for the engine: ``add_request`` hands out a stream the test feeds by hand."""
+
+    def __init__(self) -> None:
+        self.stream: RequestStream | None = None
+
+    def add_request(self, params, *, request_id=None, **prompt):
+        self.stream = RequestStream(request_id or "fed-0", 3, lambda _rid: None)
+        return self.stream
+
+
+class _Context:
+    def add_callback(self, _fn) -> bool:
+        return True
+
+
+def _fed_deltas() -> list[RequestOutput]:
+    """Four deltas of one request: three tokens, then the last with the finish reason and usage."""
+    lp = [TokenLogprobs(10 + i, -0.25 * (i + 1), [(10 + i, -0.25 * (i + 1)), (99, -3.0)]) for i in range(4)]
+    return [RequestOutput("fed-0", [10], "a", [lp[0]], None, 3, 1),
+            RequestOutput("fed-0", [11], "", [lp[1]], None, 3, 2),   # text held back by the detokenizer
+            RequestOutput("fed-0", [12], "bc", [lp[2]], None, 3, 3),
+            RequestOutput("fed-0", [13], "d", [lp[3]], FinishReason.LENGTH, 3, 4)]
+
+
+def _read(fast: bool) -> list[pb.GenerateResponse]:
+    """The servicer's messages for :func:`_fed_deltas`: the first taken as soon as it is queued;
+    then ``fast``, each delta read before the next is queued, else the reader falls behind while
+    the other three are produced."""
+    engine = _FedEngine()
+    servicer = GenerationServicer(engine, "r-fed")  # type: ignore[arg-type]
+    request = pb.GenerateRequest(text="x", sampling=_greedy(4, logprobs=1))
+    deltas = _fed_deltas()
+    # The generator calls add_request on its first next(); a thread queues the first delta then.
+    def feed_first() -> None:
+        while engine.stream is None:
+            time.sleep(0.001)
+        engine.stream.queue.put(deltas[0])
+
+    feeder = threading.Thread(target=feed_first)
+    feeder.start()
+    messages = servicer.Generate(request, _Context())
+    out = [next(messages)]
+    feeder.join()
+    assert engine.stream.queue.empty()  # the first token went out before the second existed
+    if fast:
+        for d in deltas[1:]:
+            engine.stream.queue.put(d)
+            out.append(next(messages))
+    else:
+        for d in deltas[1:]:
+            engine.stream.queue.put(d)
+        out.append(next(messages))
+    assert next(messages, None) is None
+    return out
+
+
+def test_a_reader_that_falls_behind_gets_the_tokens_in_one_message_with_the_same_content():
+    fast, slow = _read(fast=True), _read(fast=False)
+    assert [list(m.token_ids) for m in fast] == [[10], [11], [12], [13]]
+    assert [list(m.token_ids) for m in slow] == [[10], [11, 12, 13]]
+    assert slow[0] == fast[0]  # the first token alone, unchanged
+    for msgs in (fast, slow):
+        assert "".join(m.text for m in msgs) == "abcd"
+        assert [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                for m in msgs for lp in m.logprobs] == [
+            (10 + i, -0.25 * (i + 1), [(10 + i, -0.25 * (i + 1)), (99, -3.0)]) for i in range(4)]
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+        assert (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (3, 4)
+        assert all(not m.HasField("usage") for m in msgs[:-1])
+        assert {m.runner_id for m in msgs} == {"r-fed"} and {m.request_id for m in msgs} == {"fed-0"}

@@ -50,7 +50,9 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Server stream of token deltas; the last message has finish_reason and usage set.
+        """Server stream of token deltas; the last message has finish_reason and usage set. A message
+        carries one token or several (those produced since the previous message was sent, when the
+        reader fell behind); a client concatenates token_ids, text and logprobs in order.
         INVALID_ARGUMENT (with a sentence) for bad input, RESOURCE_EXHAUSTED when the request can
         never fit the KV cache, UNAVAILABLE when no runner is ready (router).
         """
