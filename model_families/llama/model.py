@@ -183,14 +183,11 @@ class LlamaModel(FamilyModel):
                           torch.zeros_like(input_ids))
 
     def can_loop_layers(self) -> bool:
-        """Float matrices loop (a quantized sidecar's matrices are not stacked tensors a loop can slice)."""
-        return self._float_matrices()
+        """Every weight is stacked per layer (float or quantized parts): always."""
+        return True
 
     def loop_layers(self, on: bool) -> None:
-        """:attr:`scan_layers` 1 (``on``) or 0 for the steps exported from now on. Raises
-        ``ValueError`` for ``on`` over quantized matrices."""
-        if on and not self.can_loop_layers():
-            raise ValueError("quantized matrices cannot export as a layer loop")
+        """:attr:`scan_layers` 1 (``on``) or 0 for the steps exported from now on."""
         self.scan_layers = 1 if on else 0
 
     def linear_matrices(self) -> list[torch.Tensor]:
@@ -205,7 +202,7 @@ class LlamaModel(FamilyModel):
               last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
         (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. With :attr:`scan_layers`,
-        an exported step over float matrices runs the layers as one loop (:meth:`_scan_layers`) that
+        an exported step runs the layers as one loop (:meth:`_scan_layers`) that
         only reads the pools; a prefill writes the rows it returns after the loop."""
         k_cache, v_cache = caches
         c = self.config
@@ -214,7 +211,7 @@ class LlamaModel(FamilyModel):
         cos = self.cos_table[positions].to(dtype)
         sin = self.sin_table[positions].to(dtype)
         h = F.embedding(input_ids, self.embed_tokens)
-        if self.scan_layers and self._exporting(h) and self._float_matrices():
+        if self.scan_layers and self._exporting(h):
             h, k_rows, v_rows = self._scan_layers(h, k_cache, v_cache, cos, sin, block_tables, positions, seq_lens)
             if slots is not None:  # prefill: the loop returned the rows [L, B, S, nkv, hd]; write them here
                 for i in range(c.num_hidden_layers):
@@ -245,7 +242,7 @@ class LlamaModel(FamilyModel):
             return logits, k_rows, v_rows
         return (logits,)
 
-    #: Layers per iteration when an exported step over float matrices runs its layers as one
+    #: Layers per iteration when an exported step runs its layers as one
     #: loop (:meth:`_scan_layers`); 0: unrolled (the default). The runner's ``loop`` programs set
     #: it (:meth:`loop_layers`): they compile in a fraction of the time, their step is a few
     #: per cent slower (``docs/benchmarks.md``, "Compile time of the decode program").
@@ -256,10 +253,6 @@ class LlamaModel(FamilyModel):
         """Whether ``h`` flows through ``torch.export`` (the AOTI programs), not Dynamo
         (``--compile inductor`` traces the unrolled layers) nor eager execution."""
         return tracing(h) and not torch.compiler.is_dynamo_compiling()
-
-    def _float_matrices(self) -> bool:
-        return all(isinstance(getattr(self, n), torch.Tensor)
-                   for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
 
     def _layer_weights(self, i: int) -> tuple:
         """Layer ``i``'s ``(input_norm, qkv_proj, qkv_bias or None, o_proj, post_attn_norm,
@@ -326,11 +319,22 @@ class LlamaModel(FamilyModel):
         n = L // G * G
         bias = (self.qkv_bias,) if self._has_bias else ()
 
+        # each weight as its stacked tensors: a float matrix is one, a quantized one its parts
+        # (rebuilt per layer as the NamedTuple its ``w[i]`` gives, which ``linear`` runs)
+        weights = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
+                   self.down_proj]
+        parts = [list(w.tensors().values()) if isinstance(w, QuantizedWeight) else [w] for w in weights]
+        kinds = [type(w[0]) if isinstance(w, QuantizedWeight) else None for w in weights]
+
         def group(h, *stacked_and_rest):
             stacked, (cos, sin, tables, pos, lens) = stacked_and_rest[:n_stacked], stacked_and_rest[n_stacked:][:5]
             ks, vs = [], []
             for j in range(G):
-                w = [x[j] for x in stacked]
+                flat, w, at = [x[j] for x in stacked], [], 0
+                for kind, ts in zip(kinds, parts, strict=True):
+                    w.append(flat[at] if kind is None else kind(*flat[at:at + len(ts)]))
+                    at += len(ts)
+                w += flat[at:]  # the two pools
                 qkv_bias, w = (w[2], w[:2] + w[3:]) if bias else (None, w)
                 input_norm, qkv_proj, o_proj, post_attn_norm, gate_up_proj, down_proj, k_pool, v_pool = w
                 h, k, v = self._decode_layer(h, input_norm, qkv_proj, qkv_bias, o_proj, post_attn_norm,
@@ -339,8 +343,7 @@ class LlamaModel(FamilyModel):
                 vs.append(v)
             return [h, torch.stack(ks), torch.stack(vs)]  # stacked: the outputs may not alias (v views qkv)
 
-        stacked = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
-                   self.down_proj, k_cache, v_cache]
+        stacked = [t for ts in parts for t in ts] + [k_cache, v_cache]
         xs = [x[:n].unflatten(0, (n // G, G)) for x in stacked]
         n_stacked = len(xs)
         sizes = tuple(d for d in h.shape[:2] if isinstance(d, torch.SymInt))  # the dynamic batch / token dims

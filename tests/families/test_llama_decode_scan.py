@@ -88,10 +88,18 @@ def test_the_loop_computes_what_the_eager_decode_does(exported, name):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow  # one more export (~10 s); the compiled int8 program: tests/runner/test_runner_programs.py
-def test_quantized_matrices_stay_unrolled():
-    model, pools = _model(2, weights_dtype="int8")
-    assert "scan" not in _calls(_export(model, pools))
+@pytest.mark.parametrize("weights_dtype", ["int8", "int4"])
+def test_quantized_matrices_loop_too_and_compute_what_the_eager_decode_does(weights_dtype):
+    """A quantized weight's stacked parts go through the loop and are rebuilt per layer as the
+    matrix ``linear`` runs (int4 in float32: the sidecar's groups, dequantized per matmul)."""
+    model, pools = _model(2, weights_dtype=weights_dtype)
+    ep = _export(model, pools)
+    assert "scan" in _calls(ep)
+    inputs = _inputs(3, 2, seed=4)
+    with torch.no_grad():
+        got, want = ep.module()(pools, *inputs), LLAMA.decode_module(model)(pools, *inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
