@@ -22,7 +22,8 @@ class EngineConfig:
     """Serving limits of one engine; validated at construction. The defaults and choices of the
     fields a ``runner serve`` flag sets are that flag's (:mod:`runner_service.options`).
 
-    - ``max_num_seqs``: sequences resident at once (decode batch size at most).
+    - ``max_num_seqs``: sequences resident at once (decode batch size at most); with ``compile``
+      on, at most :data:`~runner_service.options.MAX_PROGRAM_BATCH`.
     - ``max_num_batched_tokens``: tokens one scheduler step may compute (prefill chunk budget);
       ``None`` = ``max(2048, max_model_len)``.
     - ``max_model_len``: context length in tokens (prompt + generated); ``None`` = the model's
@@ -90,6 +91,7 @@ class EngineConfig:
             raise InvalidArgument(f"dtype must be one of {opt.DTYPES}, got {self.dtype!r}")
         if self.compile not in opt.COMPILE_MODES:
             raise InvalidArgument(f"compile must be one of {opt.COMPILE_MODES}, got {self.compile!r}")
+        opt.check_program_batch(self.compile, self.max_num_seqs)
         if self.max_prompt_bytes < 1:
             raise InvalidArgument(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -23,6 +23,10 @@ COMPILE_MODES = ("off", "inductor", "aoti")
 DTYPES = ("auto", *COMPUTE_DTYPES)
 #: ``--weights-dtype`` choices (``auto``: the checkpoint's own, see :mod:`weight_service.prepare`).
 WEIGHTS_DTYPES = ("auto", *SIDECAR_DTYPES)
+#: The most rows (sequences) of a step a compiled program takes: programs are exported for batches
+#: 1 .. this bound whatever ``--max-num-seqs`` is (it bounds only the programs' shape check), so
+#: runners that differ in ``--max-num-seqs`` share them (``docs/architecture.md`` §9).
+MAX_PROGRAM_BATCH = 256
 
 _positive_int = int_at_least(1)
 _SAME = object()
@@ -98,6 +102,15 @@ class Option:
                 self.type(str(value))
             except (argparse.ArgumentTypeError, ValueError) as e:
                 raise InvalidArgument(f"{self.flag}: {e}") from None
+
+
+def check_program_batch(compile: str, max_num_seqs: int) -> None:
+    """``InvalidArgument`` when ``compile`` (a :data:`COMPILE_MODES` entry) compiles programs and
+    ``max_num_seqs`` exceeds :data:`MAX_PROGRAM_BATCH`, the most rows they take."""
+    if compile != "off" and max_num_seqs > MAX_PROGRAM_BATCH:
+        raise InvalidArgument(f"--max-num-seqs {max_num_seqs} exceeds {MAX_PROGRAM_BATCH}, the most sequences a "
+                              f"compiled program takes (--compile {compile}); use at most {MAX_PROGRAM_BATCH}, "
+                              "or --compile off")
 
 
 def _with_default(text: str, value: object) -> str:

@@ -22,7 +22,6 @@ Progress goes to stderr, results to stdout.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from services.errors import InvalidArgument
 from services.generation_client import GenerationClient, GenerationResult, chat_request, sampling_params
 from services.proto import generation_pb2
 from warmserve.stack import LocalStack
-from warmserve.stack_config import StackConfig
+from warmserve.stack_config import StackConfig, split_threads
 from warmserve.stack_report import format_startup_report, print_status, programs_took_over
 
 DEMO_PROMPTS = (
@@ -168,6 +167,17 @@ def launch_kind(info, *, kept: bool = True) -> str:
     return "cold: " + (" and ".join(cold) or "nothing was cached") + f" ({where})"
 
 
+def demo_config(config: StackConfig) -> StackConfig:
+    """The stack the demo launches for ``config`` (its ``demo`` flags): no ``stack.json`` (its
+    stack is gone when it ends, and must not replace that of an `up` in the same home), at least
+    one runner, and the cores split between those and the warm launch's runner
+    (:func:`~warmserve.stack_config.split_threads` of one more), or two runners' OpenMP threads
+    oversubscribe the CPU and stall decode."""
+    runners = max(1, config.runners)
+    return replace(config, record_state=False, runners=runners,
+                   runner_threads=config.runner_threads or split_threads(runners + 1))
+
+
 def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int = 64, fresh: bool = False) -> int:
     """Run the demo (see the module docstring); returns the exit code. ``fresh``: in a new
     temporary home (removed at the end) instead of ``config.home`` / ``$WARMSERVE_HOME``.
@@ -178,13 +188,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
     if fresh:
         tmp_home = Path(tempfile.mkdtemp(prefix="warmserve-demo-"))
         config = replace(config, home=tmp_home)
-    # its stack is gone when it ends, and must not replace the stack.json of an `up` in that home
-    config = replace(config, record_state=False)
-    config = replace(config, runners=max(1, config.runners))
-    # the demo ends with one runner more than it starts with (the warm launch): split the cores
-    # between all of them, or two runners' OpenMP threads oversubscribe the CPU and stall decode
-    config = replace(config, runner_threads=config.runner_threads
-                     or max(1, (os.cpu_count() or 1) // (config.runners + 1)))
+    config = demo_config(config)
     sampling = sampling_params(max_tokens=max_tokens, temperature=0.0)
     try:
         with LocalStack(config) as stack:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router_service.config import DEFAULT_POLICY
-from runner_service.options import FORWARDED_OPTIONS, runner_argv
+from runner_service.options import COMPILE, FORWARDED_OPTIONS, MAX_NUM_SEQS, check_program_batch, runner_argv
 from services import ports
 from services.address import format_address
 from services.errors import InvalidArgument
@@ -21,6 +21,13 @@ from warmserve import stack_auth
 from warmserve.stack_tls import stack_pki
 from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
+
+
+def split_threads(runners: int) -> int:
+    """Torch threads per runner when ``runners`` runners share the host's cores:
+    ``max(1, cpu_count // runners)`` (``up`` with ``runner_threads`` unset, and the demo for its
+    runners plus the warm one; the same count for the same share keeps their programs' keys equal)."""
+    return max(1, (os.cpu_count() or 1) // max(1, runners))
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class StackConfig:
             raise InvalidArgument(f"--base-port must be 0 (free ports) or leave room for the stack, got {self.base_port}")
         for option in FORWARDED_OPTIONS:
             option.validate(getattr(self, option.dest))
+        check_program_batch(self.compile or COMPILE.serve_default, self.max_num_seqs or MAX_NUM_SEQS.serve_default)
         if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
             raise InvalidArgument(f"--openai-port must be in [0, 65535] (0: a free port), got {self.openai_port}")
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -206,7 +214,7 @@ class StackCommands:
         :func:`runner_service.options.runner_argv`, the forwarded options included; torch
         threads split the host's cores when ``runner_threads`` is ``None``."""
         cfg, name = self.config, f"runner-{index}"
-        threads = cfg.runner_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.runners))
+        threads = cfg.runner_threads or split_threads(cfg.runners)
         values = {"model": cfg.model, "runner_id": name, "weights": self.plan.address(WEIGHTS),
                   "kernel_cache": self.plan.address(KERNEL_CACHE), "router": self.plan.address(ROUTER),
                   "sidecar_dir": str(self.home / "sidecars"), "threads": threads,

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
     from kernel_cache_service.entry import EntryInfo
 
-#: Inductor options the AOTI package is built with (part of the fingerprint).
+#: Inductor options the AOTI package is built with (part of the fingerprint). Not
+#: ``cpp.dynamic_threads`` (code that reads the thread count at run time): measured slower on one
+#: thread (``docs/benchmarks.md``), so the code keeps the building process's thread count.
 AOTI_INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
 #: Where in a package :func:`compile_aoti` stores the constants Inductor created itself.
 OWN_CONSTANTS_ENTRY = "warmserve/inductor_constants.json"

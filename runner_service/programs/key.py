@@ -8,6 +8,7 @@ import os
 from types import ModuleType
 from typing import Any
 
+from runner_service.options import MAX_PROGRAM_BATCH
 from runner_service.programs.aoti import AOTI_INDUCTOR_CONFIGS
 from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
 
@@ -69,10 +70,14 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     compiled in ``mode``; ``name`` is ``<family>.<kind>.<mode>``.
 
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
-    max model length, max batch, max blocks per sequence, dynamic dims, KV pools, the block-table
-    layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per row), the
-    family, its pack version and config, the dtype, the device type, the torch thread count, the
-    compile options and :func:`codegen_environment`; ``UNKNOWN`` when any part is unknown. It is
+    max model length, the batch the program takes, max blocks per sequence, dynamic dims, KV pools,
+    the block-table layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per
+    row), the family, its pack version and config, the dtype, the device type, the compile options
+    and :func:`codegen_environment`, the torch thread count among them (Inductor writes it into
+    the code); ``UNKNOWN`` when any part is unknown. The runner's ``max_num_seqs`` is no part: an
+    ``aoti`` program takes any batch up to :data:`~runner_service.options.MAX_PROGRAM_BATCH`, so
+    ``make run``'s runners and ``warmserve up``'s share their programs; ``inductor`` keys the batch
+    sizes Dynamo specialises (1, and 2 for any larger bucket). It is
     the digest of the parts record of those (:func:`kernel_cache_service.fingerprint.program_parts`),
     remembered in this process (``fingerprint.known_parts``), so a publish of the key carries it and
     ``warmserve cache explain`` can name the parts two keys differ in. Nothing of where the runner
@@ -87,7 +92,10 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     layout = {
         "block_size": spec.block_size,
         "max_model_len": spec.max_model_len,
-        "max_num_seqs": spec.max_num_seqs,
+        # aoti: the export's batch bound; inductor: the batch sizes its graphs are traced at
+        # (the runner's buckets, which Dynamo specialises to a batch of 1 vs >= 2)
+        **({"max_batch": MAX_PROGRAM_BATCH} if mode == "aoti" else
+           {"traced_batches": sorted({min(b, 2) for b in spec.buckets})}),
         "max_blocks_per_seq": spec.max_blocks_per_seq,
         "dynamic": ["num_blocks", "batch", "blocks"],
         "kv_pools": [[s.name, s.layers, list(s.block_shape)] for s in spec.pool_specs],

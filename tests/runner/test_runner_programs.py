@@ -324,9 +324,14 @@ def test_a_warm_launchs_first_compiled_steps_import_no_compiler_stack(built, tmp
 def test_fingerprint_changes_with_layout_dtype_arch_and_compile_options(built):
     base = program_key(make_runner().program_spec(), "aoti")
     assert base == program_key(make_runner(seed=9).program_spec(), "aoti")  # weights are not in the key
+    # nor the runner's max_num_seqs: the program takes any batch up to MAX_PROGRAM_BATCH
+    assert base == program_key(make_runner(max_num_seqs=1).program_spec(), "aoti") \
+        == program_key(make_runner(max_num_seqs=8).program_spec(), "aoti")
+    inductor = program_key(make_runner().program_spec(), "inductor")  # traced at batch 1 and 2 (buckets 1, 2, 4)
+    assert inductor == program_key(make_runner(max_num_seqs=8).program_spec(), "inductor") \
+        != program_key(make_runner(max_num_seqs=1).program_spec(), "inductor")  # batch 1 only
     variants = {
         "block_size": program_key(make_runner(block_size=8).program_spec(), "aoti"),
-        "max_num_seqs": program_key(make_runner(max_num_seqs=8).program_spec(), "aoti"),
         "max_model_len": program_key(make_runner(max_model_len=96).program_spec(), "aoti"),
         "dtype": program_key(make_runner(dtype=torch.bfloat16).program_spec(), "aoti"),
         "arch": program_key(make_runner(layers=3).program_spec(), "aoti"),
