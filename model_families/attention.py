@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_families import invariant
+
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
@@ -25,8 +27,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     Decode (``S == 1``) may pass the step's own ``k_new``/``v_new`` [B, 1, nkv, hd]: they stand
     in for the pool's entry at each row's position, which the caller writes after the step
     (the decode program thus only reads the pools). Decode runs :func:`decode_attention`;
-    prefill (``S > 1``) gathers the rows' blocks and runs masked SDPA.
+    prefill (``S > 1``) gathers the rows' blocks and runs masked SDPA. In a batch-invariant step
+    both run :func:`model_families.invariant.paged_attention` instead.
     """
+    if invariant.active_policy() is not None:
+        return invariant.paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if q.shape[1] == 1:
         return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if k_new is not None or v_new is not None:
