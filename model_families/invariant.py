@@ -108,7 +108,7 @@ def probe_rows(matmuls: Iterable[tuple[str, Callable[[torch.Tensor], torch.Tenso
     gen = torch.Generator().manual_seed(seed)
     probes = list(matmuls)
     policy = RowPolicy()
-    for name, fn, k, max_rows, dtype in probes:
+    for _name, fn, k, max_rows, dtype in probes:
         counts = [m for m in PROBE_ROWS if m <= max(max_rows, MIN_ROWS)]
         x = torch.randn(counts[-1], k, generator=gen).to(dtype)
         ref = fn(x[:2])
