@@ -455,9 +455,9 @@ def _engine(sidecar: Path, compile_mode: str, kernel_cache: str | None, dtype: s
 
 def batch_invariant_check(sidecar: Path, dtype: str, tokens: int = 16, alone: int = 8) -> dict:
     """The real-model check of ``--batch-invariant``: greedy and seeded (every third) token ids of
-    the first ``alone`` of 32 prompts, each run alone on an empty prefix cache, against the same
-    prompts run together with all 32 (prefill chunked at 64 tokens a step; prompts sharing text
-    hit each other's prefix blocks once a first wave of 4 has run)."""
+    the first ``alone`` of 32 prompts (one shared opening, then :func:`_prompts`), each run alone
+    on an empty prefix cache, against the same prompts run together with all 32 (prefill chunked
+    at 64 tokens a step; the opening's blocks hit once a first wave of 4 has run)."""
     eng = _engine(sidecar, "off", None, dtype, batch_invariant=True, max_num_batched_tokens=64)
 
     def params(i: int) -> SamplingParams:
@@ -465,7 +465,8 @@ def batch_invariant_check(sidecar: Path, dtype: str, tokens: int = 16, alone: in
             return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         return SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
 
-    prompts = _prompts(32)
+    shared = "You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
+    prompts = [shared * 2 + p for p in _prompts(32)]  # a shared prefix of full blocks: cache hits
     single = []
     for i in range(alone):
         eng.block_manager.reset_prefix_cache()
