@@ -52,8 +52,13 @@
 All contenders run in this one process with the same torch thread count (``--threads``; on a
 shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process takes a core).
 
+7. ``--batch-invariant``: figure 1 for the eager engine in batch-invariant mode
+   (``warmserve_eager_batch_invariant``), and the mode's real-model check
+   (:func:`batch_invariant_check`: token ids alone vs batched, chunked and cached; JSON
+   ``batch_invariant_check.identical``).
+
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
-[--no-compiled] [--no-hf] [--no-prefix-caching | --prefix-caching-only]``;
+[--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
 ``python bench/decode.py --model deepseek-v4 [--tokens 32] [--runs 3] [--threads 1] [--dsv4-prompt-tokens 120]
 [--no-compiled] [--no-hf]``.
 """
@@ -442,10 +447,43 @@ def deepseek_v4_report(args, tmp: Path) -> dict:
 # -- main -------------------------------------------------------------------------------------
 
 
-def _engine(sidecar: Path, compile_mode: str, kernel_cache: str | None, dtype: str) -> LLMEngine:
+def _engine(sidecar: Path, compile_mode: str, kernel_cache: str | None, dtype: str, **extra) -> LLMEngine:
     # KV cache sized by the engine: all 32 sequences at full length (512 tokens) fit.
-    cfg = EngineConfig(max_num_seqs=32, max_model_len=512, dtype=dtype, compile=compile_mode)
+    cfg = EngineConfig(max_num_seqs=32, max_model_len=512, dtype=dtype, compile=compile_mode, **extra)
     return LLMEngine.from_sidecar(sidecar, cfg, model="smollm2-135m-instruct", kernel_cache=kernel_cache)
+
+
+def batch_invariant_check(sidecar: Path, dtype: str, tokens: int = 16, alone: int = 8) -> dict:
+    """The real-model check of ``--batch-invariant``: greedy and seeded (every third) token ids of
+    the first ``alone`` of 32 prompts (one shared opening, then :func:`_prompts`), each run alone
+    on an empty prefix cache, against the same prompts run together with all 32 (prefill chunked
+    at 64 tokens a step; the opening's blocks hit once a first wave of 4 has run)."""
+    eng = _engine(sidecar, "off", None, dtype, batch_invariant=True, max_num_batched_tokens=64)
+
+    def params(i: int) -> SamplingParams:
+        if i % 3:
+            return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+
+    shared = "You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
+    prompts = [shared * 2 + p for p in _prompts(32)]  # a shared prefix of full blocks: cache hits
+    single = []
+    for i in range(alone):
+        eng.block_manager.reset_prefix_cache()
+        stream = eng.add_request(params(i), text=prompts[i])
+        eng.run_until_done()
+        single.append(stream.result(timeout=0).token_ids)
+    eng.block_manager.reset_prefix_cache()
+    first = list(range(alone, alone + 4))
+    streams = {i: eng.add_request(params(i), text=prompts[i]) for i in first}
+    eng.run_until_done()
+    streams |= {i: eng.add_request(params(i), text=p) for i, p in enumerate(prompts) if i not in first}
+    eng.run_until_done()
+    together = [streams[i].result(timeout=0).token_ids for i in range(alone)]
+    saved = eng.stats()["prefix_cache_tokens_saved"]
+    eng.close()
+    return {"prompts_compared": alone, "tokens_each": tokens, "identical": single == together,
+            "prefix_cache_tokens_saved": saved}
 
 
 def _median_tps(fn, runs: int) -> float:
@@ -482,6 +520,8 @@ def main() -> int:
     parser.add_argument("--compile-mode", choices=("aoti", "inductor"), default="aoti")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled comparison")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also measure the eager engine in batch-invariant mode and check its tokens alone vs batched")
     parser.add_argument("--no-prefix-caching", action="store_true", help="skip the prefix-caching figure")
     parser.add_argument("--prefix-caching-only", action="store_true", help="run only the prefix-caching figure")
     parser.add_argument("--threads", type=int, default=None,
@@ -526,6 +566,15 @@ def main() -> int:
             report["decode_tps"].setdefault("warmserve_eager_program", {})[b] = round(
                 program_tps(eager, b, PROMPT_TOKENS + args.tokens // 2), 1)
         eager.close()
+
+        if args.batch_invariant:
+            inv = _engine(sidecar, "off", None, args.dtype, batch_invariant=True)
+            for b in BATCHES:
+                warmserve_decode_tps(inv, b, 4)
+                report["decode_tps"].setdefault("warmserve_eager_batch_invariant", {})[b] = _median_tps(
+                    lambda b=b: warmserve_decode_tps(inv, b, args.tokens), args.runs)
+            inv.close()
+            report["batch_invariant_check"] = batch_invariant_check(sidecar, args.dtype)
 
         report["host_prepare"] = [host_prepare_us(b) for b in (8, 32)]
 

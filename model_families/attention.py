@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_families import invariant
+
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
@@ -27,8 +29,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     reads the pools). For prefill, row ``b``'s chunk is ``positions[b, 0]`` .. ``seq_lens[b] - 1``
     (a row's real tokens first, padding after them): the pools' keys before the chunk are visible,
     then the chunk's own keys causally. Decode runs :func:`decode_attention`; prefill (``S > 1``)
-    gathers the rows' blocks and runs masked SDPA.
+    gathers the rows' blocks and runs masked SDPA. In a batch-invariant step
+    both run :func:`model_families.invariant.paged_attention` instead.
     """
+    if invariant.active_policy() is not None:
+        return invariant.paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if q.shape[1] == 1:
         return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if (k_new is None) != (v_new is None):

@@ -357,6 +357,11 @@ class ModelFamily(ABC):
     config_class: ClassVar[type[FamilyConfig]]
     weights_dtypes: ClassVar[tuple[str, ...]] = ("f32", "bf16")
     supports_prefix_caching: ClassVar[bool] = True
+    #: Whether the runner's batch-invariant mode (:mod:`model_families.invariant`) covers every
+    #: kernel of this family's steps (its matmuls through :func:`~model_families.linear.linear`,
+    #: attention through :func:`~model_families.attention.paged_attention`, activations through
+    #: the invariant ones); the engine refuses the mode for a family that does not declare it.
+    supports_batch_invariance: ClassVar[bool] = False
     #: Whether ``aoti`` mode also compiles the prefill step (the model's ``forward`` over a
     #: dynamic token count); ``False`` keeps prefill eager and compiles decode only.
     compiled_prefill: ClassVar[bool] = True

@@ -1,7 +1,8 @@
 """The families' linear layer: :func:`float_linear` (oneDNN on the CPU, on the prepacked copy
 when there is one, :mod:`model_families.prepack`; the ``warmserve::linear`` custom op when
 exported) and :func:`linear`, which also runs weight-only quantized matrices
-(:mod:`model_families.quantized_weights`). Plain PyTorch with no control flow on tensor values.
+(:mod:`model_families.quantized_weights`), at fixed row counts in batch-invariant mode
+(:mod:`model_families.invariant`). Plain PyTorch with no control flow on tensor values.
 See ``docs/architecture.md`` §7.
 """
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model_families import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.warmserve.linear)
-from model_families import quant
+from model_families import invariant, quant
 from model_families.custom_ops import tracing
 from model_families.prepack import onednn_linear, onednn_linear_eligible
 from model_families.quantized_weights import Int4Groups, Int4Matrix, Int8Matrix, QuantizedWeight, dequantized
@@ -40,7 +41,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int
     quantized matrix (a layer of a stacked :class:`QuantizedWeight`: ``w[i]``) or an unstacked
     :class:`QuantizedWeight`. Output in ``x``'s dtype. Float matrices run :func:`float_linear`;
     bf16/f16 activations over quantized ones PyTorch's weight-only kernels; float32 ones a
-    float32 matmul of the matrix dequantized just before."""
+    float32 matmul of the matrix dequantized just before. In a batch-invariant step
+    (:func:`model_families.invariant.active_policy`) the same kernels run at the policy's row
+    counts (:meth:`~model_families.invariant.RowPolicy.rows`)."""
+    policy = invariant.active_policy()
+    if policy is not None:
+        return policy.rows(x, lambda x2: _linear(x2, weight, bias))
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int8Matrix | QuantizedWeight,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return float_linear(x, weight, bias)
     if isinstance(weight, QuantizedWeight):

@@ -11,13 +11,22 @@ Prefix caching (``enable_prefix_caching``; the engine turns it on only for a mod
 declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`):
 
 - **Key.** Full block ``i`` of a token history is keyed by a hash chain,
-  ``key_i = hash_block(key_{i-1}, token_ids[i*bs:(i+1)*bs])`` with ``key_{-1} = b""`` and
-  :func:`hash_block` = SHA-256 over the parent key and the block's token ids (little-endian
-  int64). A block's K/V depend only on the tokens up to its end and their positions, so equal
-  histories may share it. Only full blocks are keyed.
-- **Identity (collisions never share).** A cache entry keeps its block's token ids and its parent
-  entry (the entry of block ``i - 1``; ``None`` for block 0). A lookup accepts an entry only when
-  the key, the token ids and the parent entry (object identity) all match, so by induction an
+  ``key_i = hash_block(key_{i-1}, token_ids[i*bs:(i+1)*bs])`` with ``key_{-1}`` the UTF-8 bytes of
+  :attr:`BlockManager.computed_by` (``b""`` for the default ``""``) and :func:`hash_block` =
+  SHA-256 over the parent key and the block's token ids (little-endian int64). A block's K/V
+  depend only on the tokens up to its end and their positions, and on the code that computed
+  them, so equal histories computed by the same programs may share it. Only full blocks are keyed.
+- **Programs.** :attr:`BlockManager.computed_by` names the code that computes K/V now (the
+  engine sets it before each step: eager or which compiled program, batch-invariant or not,
+  :meth:`runner_service.model_runner.ModelRunner.computed_by`). Entries remember it and a lookup
+  accepts only entries of the current one, so blocks an eager start computed are never reused
+  by the compiled programs installed later (their bits differ). A sequence registers blocks only
+  while the code it started under (its first chunk's) still runs: a block partly computed by
+  each is never cached.
+- **Identity (collisions never share).** A cache entry keeps its block's token ids, its parent
+  entry (the entry of block ``i - 1``; ``None`` for block 0) and its ``computed_by``. A lookup
+  accepts an entry only when the key, the token ids, the parent entry (object identity) and
+  ``computed_by`` all match, so by induction an
   entry stands for exactly one whole token history: a hash collision costs a miss, never a
   wrong block.
 - **Registration.** After a step, the blocks a sequence has completely filled and computed are
@@ -73,21 +82,23 @@ class _CachedBlock:
     """A prefix-cache entry: ``block`` holds the K/V of ``token_ids`` after the history of
     ``parent`` (``None``: the first block). ``block`` is ``None`` once the entry is dropped."""
 
-    __slots__ = ("key", "token_ids", "parent", "block")
+    __slots__ = ("key", "token_ids", "parent", "block", "computed_by")
 
-    def __init__(self, key: bytes, token_ids: tuple[int, ...], parent: _CachedBlock | None, block: int) -> None:
+    def __init__(self, key: bytes, token_ids: tuple[int, ...], parent: _CachedBlock | None, block: int,
+                 computed_by: str = "") -> None:
         self.key = key
         self.token_ids = token_ids
         self.parent = parent
         self.block: int | None = block
+        self.computed_by = computed_by
 
     @property
     def alive(self) -> bool:
         return self.block is not None
 
-    def matches(self, token_ids: tuple[int, ...], parent: _CachedBlock | None) -> bool:
-        """Same block tokens after the same (identical) history."""
-        return self.parent is parent and self.token_ids == token_ids
+    def matches(self, token_ids: tuple[int, ...], parent: _CachedBlock | None, computed_by: str) -> bool:
+        """Same block tokens after the same (identical) history, computed by the same code."""
+        return self.parent is parent and self.token_ids == token_ids and self.computed_by == computed_by
 
 
 class BlockManager:
@@ -107,6 +118,8 @@ class BlockManager:
         if self.layout.block_size != block_size:
             raise InvalidArgument(f"block layout is for blocks of {self.layout.block_size} tokens, not {block_size}")
         self.enable_prefix_caching = enable_prefix_caching
+        #: The code computing K/V now (module docstring, "Programs"); set by the engine between steps.
+        self.computed_by = ""
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(b for b in range(num_blocks) if b != SCRATCH_BLOCK)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; LRU first
@@ -214,6 +227,9 @@ class BlockManager:
         left to :meth:`record_lookup`, once the sequence is actually scheduled."""
         if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
             return 0
+        if seq.cache_computed_by != self.computed_by:  # its memoised keys are another program's
+            seq.cache_computed_by = self.computed_by
+            seq.block_hashes = []
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs
         keys = self._block_keys(seq, limit)
@@ -221,7 +237,8 @@ class BlockManager:
         hits: list[_CachedBlock] = []
         for i in range(limit):
             entry = self._cache.get(keys[i])
-            if entry is None or not entry.matches(tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent):
+            if entry is None or not entry.matches(tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent,
+                                                  self.computed_by):
                 break
             hits.append(entry)
             parent = entry
@@ -249,6 +266,9 @@ class BlockManager:
         ``num_computed_tokens``) in the prefix cache. Idempotent; no-op when caching is off."""
         if not self.enable_prefix_caching or seq.cache_broken:
             return
+        if seq.cache_computed_by != self.computed_by:  # other code computed part of it: never cache
+            seq.cache_broken = True
+            return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if seq.cache_resolved_blocks >= full:
@@ -261,7 +281,7 @@ class BlockManager:
                 break
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             entry = self._cache.get(keys[i])
-            if entry is not None and not entry.matches(tokens, parent):
+            if entry is not None and not entry.matches(tokens, parent, self.computed_by):
                 if entry.parent is not None and not entry.parent.alive:
                     self._drop(entry)  # unreachable (its history was evicted): replace it
                     entry = None
@@ -270,7 +290,7 @@ class BlockManager:
                     break
             if entry is None:
                 block = seq.block_table[i]
-                entry = _CachedBlock(keys[i], tokens, parent, block)
+                entry = _CachedBlock(keys[i], tokens, parent, block, self.computed_by)
                 self._cache[entry.key] = entry
                 self._entry_of[block] = entry
             # else: the same history is cached in another block; ours stays uncached
@@ -294,7 +314,8 @@ class BlockManager:
         keys, bs = seq.block_hashes, self.block_size
         while len(keys) < n:
             i = len(keys)
-            keys.append(hash_block(keys[-1] if keys else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            keys.append(hash_block(keys[-1] if keys else seq.cache_computed_by.encode(),
+                                   seq.token_ids[i * bs:(i + 1) * bs]))
         return keys
 
     def _fresh_block(self) -> int:

@@ -45,6 +45,11 @@ class EngineConfig:
     - ``enable_prefix_caching``: reuse full KV blocks across requests that share a token prefix
       (:mod:`runner_service.block_manager`); on by default, and effective only for a model family
       that declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`.
+    - ``batch_invariant``: every request's tokens are bitwise the same whatever else is in its
+      steps, however its prompt is chunked and whether its prefix comes from the prefix cache
+      (:mod:`model_families.invariant`); greedy and seeded sampling alike. The steps run eager
+      (``compile`` is then treated as ``"off"``: the engine's config says so), for a family that
+      declares :attr:`~model_families.family.ModelFamily.supports_batch_invariance`.
     - ``background_compile``: with ``compile="aoti"``, when the programs are not all in the
       kernel cache, serve eager at once and fetch/compile them in a background thread at lower
       CPU priority; each is installed between two engine steps (:meth:`LLMEngine.call_between_steps`).
@@ -69,6 +74,7 @@ class EngineConfig:
     warmup: bool = True
     num_threads: int | None = opt.THREADS.default
     enable_prefix_caching: bool = opt.PREFIX_CACHING.default
+    batch_invariant: bool = opt.BATCH_INVARIANT.default
     background_compile: bool = opt.COMPILE_IN_BACKGROUND.default
     build_lease_s: float = opt.BUILD_LEASE_TTL.default
     max_prompt_bytes: int = opt.MAX_PROMPT_BYTES.default

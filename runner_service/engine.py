@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -115,6 +115,8 @@ class LLMEngine:
         self.args = args
         self.model_family = family or family_for_config(args)
         self.family = self.model_family.name
+        if config.batch_invariant:
+            config = self._batch_invariant_config(config, weights)
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -215,6 +217,22 @@ class LLMEngine:
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
                    family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,
                    generation_config=generation_config, sidecar_path=path)
+
+    def _batch_invariant_config(self, config: EngineConfig, weights: FamilyWeights) -> EngineConfig:
+        """The config batch-invariant mode runs: ``compile`` ``"off"`` (the mode's kernels run
+        eager; compiled code would need its own proof). ``InvalidArgument`` for a family that does
+        not declare :attr:`~model_families.family.ModelFamily.supports_batch_invariance` or for
+        quantized weights (their kernels are not probed)."""
+        if not self.model_family.supports_batch_invariance:
+            raise InvalidArgument(f"batch-invariant mode does not cover the {self.family} family's kernels")
+        if weights.quantization:
+            raise InvalidArgument(f"batch-invariant mode needs float weights (an f32 or bf16 sidecar), not "
+                                  f"{weights.quantization}")
+        if config.compile != "off":
+            log.info("batch-invariant mode runs eager: --compile %s is not used", config.compile,
+                     extra={"runner_id": config.runner_id})
+            config = replace(config, compile="off")
+        return config
 
     def _phase(self, name: str, t0: float, detail: str) -> None:
         self.startup_report.phases.append(StartupPhase(name, time.perf_counter() - t0, detail))
@@ -335,6 +353,7 @@ class LLMEngine:
     def step(self) -> int:
         """Apply queued adds/aborts and run one scheduler step. Returns the sequences stepped."""
         self._drain_inbox()
+        self.block_manager.computed_by = self.runner.computed_by()  # programs change between steps only
         batch = self.scheduler.schedule()
         if not batch:
             return 0

@@ -29,15 +29,18 @@ Prefill steps build their ``[B, S]`` tensors per step (their cost is amortised o
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from model_families import family_for_config
+from model_families import family_for_config, invariant
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
 from model_families.kv_write import write_kv_rows
+from model_families.linear import linear
 from model_families.prepack import PackedMatrices
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
@@ -59,6 +62,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         b *= 2
     return [*out, max_num_seqs]
 
+
+#: Multiply-adds one row count of the batch-invariant probe may cost per matrix shape (so the
+#: vocabulary's matrix is probed at few rows, a layer's at many).
+PROBE_MACS = 1 << 27
 
 #: Tokens of the prefill step the warm-up runs through a compiled prefill: a chat prompt's length
 #: (SmolLM2's chat template makes 30-60-token prompts of short questions).
@@ -97,7 +104,9 @@ class ModelRunner:
     :meth:`~model_families.family.ModelFamily.cache_specs`; ``max_model_len``: context length in
     tokens (sizes the block tables and derived tables such as RoPE); ``prepack``: make the
     oneDNN-blocked copies of the matrices (:class:`PackedMatrices`; a build child, which only
-    compiles, does without).
+    compiles, does without). With ``config.batch_invariant`` its eager steps run the
+    batch-invariant kernels (:attr:`invariance`, probed here: ``FailedPrecondition`` when this
+    host's matmuls cannot give row-count-independent bits).
     """
 
     def __init__(self, args: FamilyConfig, weights: FamilyWeights, kv: KVCache, config: EngineConfig,
@@ -118,6 +127,8 @@ class ModelRunner:
         self.decode_module = self.family.decode_module(self.model).eval()
         self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)
+        #: The batch-invariant row policy (:func:`model_families.invariant.probe_rows`), or ``None``.
+        self.invariance = self._probe_invariance() if config.batch_invariant else None
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
                                      kv.num_blocks, device, self.layout)
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
@@ -133,6 +144,8 @@ class ModelRunner:
         self.decode_program: Program | None = None
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
         self.prefill_program: Program | None = None
+        self._installs = itertools.count(1)
+        self._computed_by = {"decode": "eager", "prefill": "eager"}
         self._rows: list[Sequence] = []
 
     # -- the compile contract ----------------------------------------------------------------
@@ -164,11 +177,40 @@ class ModelRunner:
             self.decode_program = program
         else:
             self.prefill_program = program
+        self._computed_by[kind] = "eager" if program is None else f"{self.config.compile}#{next(self._installs)}"
+
+    def computed_by(self) -> str:
+        """Names the code the steps run now, for the prefix cache
+        (:attr:`runner_service.block_manager.BlockManager.computed_by`): which decode and which
+        prefill (eager, or the ``n``-th program installed), and batch-invariant or not; ``""`` for
+        eager stock kernels. Changes with every :meth:`install_program`."""
+        if self._computed_by == {"decode": "eager", "prefill": "eager"} and self.invariance is None:
+            return ""
+        return (f"decode={self._computed_by['decode']};prefill={self._computed_by['prefill']}"
+                + (";batch-invariant" if self.invariance is not None else ""))
+
+    def _probe_invariance(self) -> invariant.RowPolicy:
+        """Probe the model's float matrices, one per distinct shape (:func:`invariant.probe_rows`),
+        each up to the rows a step gives it and at most :data:`PROBE_MACS` multiply-adds a call."""
+        max_rows = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len)
+        seen: dict[tuple, tuple] = {}
+        for w in self.model.linear_matrices():
+            key = (tuple(w.shape), w.dtype)
+            if key not in seen:
+                n, k = w.shape
+                rows = max(invariant.MIN_ROWS, min(max_rows, PROBE_MACS // (n * k)))
+                seen[key] = (f"a [{n}, {k}] matrix", lambda x, w=w: linear(x, w), k, rows, w.dtype)
+        return invariant.probe_rows(seen.values())
+
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """The batch-invariant kernels for an eager step (:attr:`invariance`), else nothing."""
+        return contextlib.nullcontext() if self.invariance is None else invariant.batch_invariant(self.invariance)
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Eager decode over ``B`` rows (see the module docstring); returns logits [B, V] f32."""
-        out = self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
+        with self._kernels():
+            out = self.decode_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
         return self._write_rows(out, slot_mapping)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -340,7 +382,8 @@ class ModelRunner:
         inputs = tuple(t.to(dev) for t in inputs)
         if self.prefill_program is not None:
             return self.prefill_program(self.kv.tensors, *inputs)[0]
-        return self.model(self.kv.tensors, *inputs)
+        with self._kernels():
+            return self.model(self.kv.tensors, *inputs)
 
     def close(self) -> None:
         """Drop the decode buffers, their block-table cache, the installed programs and the

@@ -152,6 +152,9 @@ DEVICE = Option("--device", "auto | cpu | cuda[:N] | npu[:N]", default="auto", f
 PREFIX_CACHING = Option("--no-prefix-caching", "do not reuse KV blocks across requests sharing a prompt prefix",
                         kind="off", dest="prefix_caching", default=True, field="enable_prefix_caching",
                         forwarded=True)
+BATCH_INVARIANT = Option("--batch-invariant", kind="switch", default=False, field="batch_invariant", forwarded=True,
+                         help="a request's tokens, bit for bit, independent of its batch-mates, of the prefill "
+                              "chunking and of prefix-cache hits; runs eager, slower (docs/benchmarks.md)")
 SIGNING_KEY = Option("--signing-key", "this runner's own Ed25519 key (PEM, `warmserve keys new`): programs it publishes "
                      "and sidecars it packs are signed with it (default $WARMSERVE_SIGNING_KEY)", metavar="F")
 TRUSTED_KEYS = Option("--trusted-keys", "a .pub key or a directory of them: fetched programs and sidecars must be "
@@ -166,7 +169,7 @@ THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choic
 RUNNER_OPTIONS: tuple[Option, ...] = (
     MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, COMPILE,
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
-    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,
+    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, BATCH_INVARIANT, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,
     TRUSTED_KEYS)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)

@@ -50,8 +50,10 @@ class Sequence:
         self.num_preemptions = 0
         # Prefix-cache progress, owned by the block manager: the hash-chain keys of the full
         # blocks of token_ids (memoised), how many leading blocks of block_table are resolved
-        # against the cache, the cache entry of the last of them, and whether the chain broke.
+        # against the cache, the cache entry of the last of them, whether the chain broke, and
+        # the code (BlockManager.computed_by) its keys and blocks are of.
         self.block_hashes: list[bytes] = []
+        self.cache_computed_by = ""
         self.cache_resolved_blocks = 0
         self.cache_parent: object | None = None
         self.cache_broken = False

@@ -34,7 +34,7 @@ def split_threads(runners: int) -> int:
 class StackConfig:
     """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
 
-    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs``/``prefix_caching`` are the
+    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs``/``prefix_caching``/``batch_invariant`` are the
     forwarded runner options (:data:`runner_service.options.FORWARDED_OPTIONS`, one field each);
     ``None`` leaves the runner's default, ``prefix_caching=False`` passes ``--no-prefix-caching``. ``home`` of
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
@@ -68,6 +68,7 @@ class StackConfig:
     weights_dtype: str | None = None
     max_num_seqs: int | None = None
     prefix_caching: bool = True
+    batch_invariant: bool | None = None
     policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     lease_seconds: float = 3.0

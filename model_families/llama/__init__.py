@@ -40,6 +40,8 @@ class LlamaFamily(ModelFamily):
     weights_dtypes = _pack.WEIGHTS_DTYPES
     #: A token's K/V depend only on the tokens up to it and their positions.
     supports_prefix_caching = True
+    #: Its steps are linear, paged_attention, RMSNorm, RoPE and SiLU only (:mod:`model_families.invariant`).
+    supports_batch_invariance = True
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
                        ) -> LlamaConfig:

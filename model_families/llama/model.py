@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from model_families.attention import paged_attention
 from model_families.custom_ops import tracing
 from model_families.family import FamilyModel, FamilyWeights
+from model_families.invariant import silu
 from model_families.kv_write import write_kv
 from model_families.linear import linear
 from model_families.llama.config import LlamaConfig
@@ -278,7 +279,7 @@ class LlamaModel(FamilyModel):
         h = h + linear(attn.reshape(B, S, nh * hd), o_proj)
         x = rms_norm(h, post_attn_norm, eps)
         gate, up = linear(x, gate_up_proj).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, down_proj), k, v
+        return h + linear(silu(gate) * up, down_proj), k, v
 
     def _decode_layer(self, h: torch.Tensor, input_norm: torch.Tensor, qkv_proj: Weight,
                       qkv_bias: torch.Tensor | None, o_proj: Weight, post_attn_norm: torch.Tensor,
