@@ -14,6 +14,7 @@ from model_families import (
     attention,
     block_layout,
     custom_ops,
+    invariant,
     kv_write,
     linear,
     norm_rope,
@@ -73,7 +74,7 @@ class LlamaFamily(ModelFamily):
 
     def program_sources(self) -> list[ModuleType]:
         return [_model, _config, _pack, norm_rope, block_layout, attention, kv_write, linear, quantized_weights,
-                prepack, custom_ops, quant, _family]
+                prepack, custom_ops, quant, invariant, _family]
 
 
 FAMILY = LlamaFamily()
