@@ -10,14 +10,14 @@ from services.table import format_table
 
 
 def programs_took_over(info) -> str:
-    """How a ``ModelInfoResponse``'s background-built programs ended: ``compiled programs (loop
-    layers) installed at 31.0 s; unrolled ones at 190.2 s (DETAIL)`` (or ``building the unrolled
-    ones``), or ``failed (staying eager)`` in place of ``installed``."""
+    """How a ``ModelInfoResponse``'s background-built programs ended: ``compiled programs
+    installed at 31.0 s, loop layers; unrolled ones at 190.2 s (DETAIL)`` (or ``building the
+    unrolled ones``), or ``failed (staying eager)`` in place of ``installed``."""
     took = "installed" if info.program_state == "installed" else "failed (staying eager)"
-    form = f" ({info.program_layers} layers)" if info.program_layers else ""
+    form = f", {info.program_layers} layers" if info.program_layers else ""
     unrolled = (f"; unrolled ones at {info.programs_unrolled_at_s:.1f} s" if info.programs_unrolled_at_s
                 else "; building the unrolled ones" if info.programs_building and info.program_layers == "loop" else "")
-    return (f"compiled programs{form} {took} at {info.programs_installed_at_s:.1f} s{unrolled} "
+    return (f"compiled programs {took} at {info.programs_installed_at_s:.1f} s{form}{unrolled} "
             f"({info.program_detail})")
 
 
