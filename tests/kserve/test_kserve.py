@@ -256,7 +256,7 @@ def test_stream_infer_deltas_concatenate_to_the_generate_text(stub, reference) -
     assert [d["finish_reason"][0][0] for d in decoded] == ["None"] * (n - 1) + ["length"]
     assert sum(d["num_output_tokens"][0][0] for d in decoded) == 8
     # The prompt's token count is known from the runner's last message only.
-    assert [d.get("num_input_tokens") for d in decoded] == [None] * 7 + [([prompt_tokens], [])]
+    assert [d.get("num_input_tokens") for d in decoded] == [None] * (n - 1) + [([prompt_tokens], [])]
 
 
 def test_stream_infer_without_stream_answers_once_with_the_prompt(stub, reference) -> None:
