@@ -24,6 +24,9 @@ it (the streaming rate). Then the runner's own phase breakdown through
 ``ModelInfo``, and SIGTERM. Prints one JSON document, then Markdown tables. ``--against DIR``
 runs the same launches from another checkout too (e.g. the parent commit's worktree),
 interleaved: cold here, cold there, warm here, warm there, each pair on its own caches.
+``--off-beside`` (the default) adds a ``--compile off`` launch after the cold ones, under the
+same load for as long as the cold launch here compiled: its longest gap between tokens is the
+baseline of the cold launch's (target: at most ``TARGET_GAP_OVER_OFF`` times it).
 ``--warm-only DIR`` runs only a warm launch on caches an earlier run filled.
 
 **Fleet** (``--fleet N``, e.g. 4): N runners on an empty kernel cache (the sidecar is prepared
@@ -87,6 +90,9 @@ PROMPTS = (
 )
 #: The warm launch's first request may take this many times the steady seconds per token.
 TARGET_FIRST_OVER_STEADY = 1.2
+#: The cold launch's longest gap between tokens while compiling may be this many times that of
+#: a ``--compile off`` runner under the same load for as long (``--off-beside``).
+TARGET_GAP_OVER_OFF = 1.5
 
 
 def warmserve_command(repo: Path = REPO) -> list[str]:
@@ -137,9 +143,11 @@ def _r(x: float | None, digits: int = 3) -> float | None:
 
 
 def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, repo: Path = REPO,
-           measure: bool = True) -> dict:
+           measure: bool = True, eager_window_s: float | None = None) -> dict:
     """One runner launch from checkout ``repo``; returns its timings (see the module docstring)
-    and its start-up phases. ``measure=False``: only the wall time to SERVING and the phases."""
+    and its start-up phases. ``measure=False``: only the wall time to SERVING and the phases.
+    ``eager_window_s``: a ``--compile off`` launch, whose load runs that many seconds after
+    SERVING as if programs were pending (the baseline of the longest gap)."""
     home, inductor = scratch / f"home-{name}", scratch / f"inductor-{name}"
     home.mkdir()
     inductor.mkdir()
@@ -162,7 +170,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
             wait_serving(address, proc, args.timeout)
             wall = time.perf_counter() - t0
             if measure:
-                timings = measure_launch(address, args, t0, wall)
+                timings = measure_launch(address, args, t0, wall, eager_window_s)
             with grpc.insecure_channel(address) as channel:
                 info = generation_pb2_grpc.GenerationStub(channel).ModelInfo(
                     generation_pb2.ModelInfoRequest(), timeout=10)
@@ -178,10 +186,10 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
             "compile_mode": info.compile_mode, "num_kv_blocks": info.num_kv_blocks, "phases": phases}
 
 
-def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
+def measure_launch(address: str, args, t0: float, serving_s: float, eager_window_s: float | None = None) -> dict:
     """The figures of a runner that just answered SERVING (``t0``: its ``Popen``, perf_counter
-    clock): the first request at once, the load while its programs are pending, then the steady
-    requests (see the module docstring)."""
+    clock): the first request at once, the load while its programs are pending (for an eager
+    baseline, ``eager_window_s`` seconds), then the steady requests (see the module docstring)."""
     streams: list[tuple[float, GenerationResult]] = []  # (sent, result) of the streams while pending
     pending = threading.Event()
     pending.set()
@@ -203,9 +211,15 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
         stub = generation_pb2_grpc.GenerationStub(channel)
         end = time.monotonic() + args.timeout
         installed_at = None  # when the first programs took over (the loop ones, where there are two forms)
+        window_end = None if eager_window_s is None else time.perf_counter() + eager_window_s
         while True:
             info = stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=30)
-            if info.program_state != "pending" and installed_at is None:
+            if window_end is not None:  # an eager baseline: idle, its first request; busy, the window
+                if time.perf_counter() >= window_end or (args.load == "idle" and not loader.is_alive()):
+                    break
+                time.sleep(0.25)
+                continue
+            if info.program_state == "installed" and installed_at is None:
                 installed_at = time.perf_counter() - t0
             if info.program_state != "pending" and not info.programs_building:  # an older checkout: no field, False
                 break
@@ -220,7 +234,7 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
     if errors:
         raise errors[0]
     # built in the background (installed or failed): pending until then; else loaded at start-up
-    background = bool(info.programs_installed_at_s) or info.program_state == "eager"
+    background = bool(info.programs_installed_at_s) or info.program_state == "eager" or window_end is not None
     compiled_s = None if info.program_state != "installed" else installed_at if background else serving_s
     unrolled_s = (pending_until if background else serving_s) if info.program_layers == "unrolled" else None
     first_sent, first = streams[0]
@@ -235,7 +249,9 @@ def measure_launch(address: str, args, t0: float, serving_s: float) -> dict:
         return _r(statistics.median(values) * 1000, 2) if values else None
 
     return {"first_token_s": _r(first_sent - t0 + (first.first_token_s or first.seconds)),
-            "compiled_s": _r(compiled_s), "unrolled_s": _r(unrolled_s), "streams_while_compiling": len(during),
+            "compiled_s": _r(compiled_s), "unrolled_s": _r(unrolled_s),
+            "compile_window_s": _r(pending_until - serving_s) if background else None,
+            "streams_while_compiling": len(during),
             "max_gap_while_compiling_s": _r(max((r.max_gap_s for r in during), default=None)),
             "first_request": {"prompt_tokens": first.prompt_tokens, "tokens": first.completion_tokens,
                               "seconds": _r(first.seconds), "first_token_s": _r(first.first_token_s),
@@ -257,6 +273,7 @@ def markdown(launches: list[dict]) -> str:
     rows = [("SERVING (s)", "wall_to_serving_s", ".2f"), ("first token (s)", "first_token_s", ".2f"),
             ("**serving at compiled speed (s)**", "compiled_s", ".2f"),
             ("unrolled programs installed (s)", "unrolled_s", ".2f"),
+            ("seconds under load while compiling (s)", "compile_window_s", ".1f"),
             ("streams served while compiling", "streams_while_compiling", "d"),
             ("longest gap between tokens while compiling (s)", "max_gap_while_compiling_s", ".3f"),
             ("first request: first token (s)", ("first_request", "first_token_s"), ".3f"),
@@ -408,14 +425,15 @@ def run_fleet_way(way: str, args, scratch: Path, sidecars: Path, shared_cache: P
 
 
 def run_fleet(args, scratch: Path) -> dict:
-    """Every fleet way, one after the other, on one prepared sidecar; then the compile CPU."""
+    """The ``--fleet-ways`` (default: all), one after the other, on one prepared sidecar; then the
+    compile CPU (against the ``warm`` way, where it ran)."""
     sidecars, shared = scratch / "sidecars", scratch / "kernel-cache-shared"
     prep = launch("prepare-sidecar", argparse.Namespace(**{**vars(args), "compile": "off"}), scratch / "prep-kc",
                   sidecars, scratch, measure=False)
-    ways = {w: run_fleet_way(w, args, scratch, sidecars, shared) for w in FLEET_WAYS}
-    warm_cpu = ways["warm"]["cpu_s"]
+    ways = {w: run_fleet_way(w, args, scratch, sidecars, shared) for w in FLEET_WAYS if w in args.fleet_ways}
+    warm_cpu = ways["warm"]["cpu_s"] if "warm" in ways else None
     for w in ways.values():
-        w["compile_cpu_s"] = round(max(0.0, w["cpu_s"] - warm_cpu), 1)
+        w["compile_cpu_s"] = None if warm_cpu is None else round(max(0.0, w["cpu_s"] - warm_cpu), 1)
     return {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "fleet": args.fleet, "threads_per_runner": 1,
             "sidecar_prepared_s": prep["wall_to_serving_s"], "ways": ways}
 
@@ -426,7 +444,8 @@ def fleet_markdown(result: dict) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for w in result["ways"].values():
         lines.append(f"| {w['way']} | {w['first_token_s']:.1f} | {w['all_first_token_s']:.1f} | "
-                     f"{w['all_compiled_s']:.1f} | {w['cpu_s']:.0f} | {w['compile_cpu_s']:.0f} |")
+                     f"{w['all_compiled_s']:.1f} | {w['cpu_s']:.0f} | "
+                     + ("—" if w["compile_cpu_s"] is None else f"{w['compile_cpu_s']:.0f}") + " |")
     return "\n".join(lines)
 
 
@@ -437,19 +456,29 @@ def run_launches(args, scratch: Path) -> dict:
     if args.warm_only:
         base = Path(args.warm_only)
         launches["warm"] = launch("warm", args, base / "kernel-cache", base / "sidecars", scratch)
-    for kind in () if args.warm_only else ("cold", "warm"):
-        for tag, repo in repos:
+    for kind in () if args.warm_only else ("cold", "off", "warm"):
+        for tag, repo in repos if kind != "off" else [("", REPO)] if args.off_beside and args.compile != "off" else []:
             base = scratch / f"{tag}caches"
             base.mkdir(exist_ok=True)
+            if kind == "off":  # the eager baseline, loaded as long as the cold launch compiled
+                off_args = argparse.Namespace(**{**vars(args), "compile": "off"})
+                launches["off"] = launch("off", off_args, base / "kernel-cache", base / "sidecars", scratch,
+                                         repo, eager_window_s=launches["cold"]["compile_window_s"] or 0.0)
+                continue
             launches[f"{tag}{kind}"] = launch(f"{tag}{kind}", args, base / "kernel-cache", base / "sidecars",
                                               scratch, repo)
     cold, warm = launches.get("cold", {}), launches["warm"]
+    off_gap, cold_gap = launches.get("off", {}).get("max_gap_while_compiling_s"), cold.get("max_gap_while_compiling_s")
     ratio = cold["compiled_s"] / warm["compiled_s"] if cold.get("compiled_s") and warm["compiled_s"] else None
     first = warm["first_over_steady"]
     return {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
             "kv_cache_bytes": args.kv_cache_bytes, "threads": args.threads, "load": args.load,
             "max_tokens": args.max_tokens, "launches": launches,
             "compiled_cold_over_warm": _r(ratio, 2),
+            "cold_gap_over_off_gap": _r(cold_gap / off_gap, 2) if cold_gap and off_gap else None,
+            "target_gap_over_off_gap": TARGET_GAP_OVER_OFF,
+            "compiled_parent_over_here": _r(launches["against-cold"]["compiled_s"] / cold["compiled_s"], 2)
+            if args.against and cold.get("compiled_s") and launches["against-cold"].get("compiled_s") else None,
             "warm_first_over_steady": first, "target_first_over_steady": TARGET_FIRST_OVER_STEADY,
             "meets_first_request_target": first is not None and first <= TARGET_FIRST_OVER_STEADY}
 
@@ -467,6 +496,9 @@ def main() -> int:
     parser.add_argument("--steady", type=int, default=3, help="compiled requests after the first, for the steady rate")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="also launch from this checkout (e.g. the parent commit's worktree), interleaved")
+    parser.add_argument("--off-beside", action=argparse.BooleanOptionalAction, default=True,
+                        help="also launch a --compile off runner after the cold one(s), under the same load for as "
+                             "long as the cold launch compiled (the baseline of the longest gap)")
     parser.add_argument("--warm-only", default=None, metavar="DIR",
                         help="only a warm launch, on DIR/kernel-cache and DIR/sidecars (a warmserve home, or the "
                              "caches/ of an earlier --keep DIR)")
@@ -474,6 +506,8 @@ def main() -> int:
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep caches and logs under DIR")
     parser.add_argument("--fleet", type=int, default=0, metavar="N",
                         help="measure N runners started on an empty kernel cache four ways instead")
+    parser.add_argument("--fleet-ways", nargs="+", choices=FLEET_WAYS, default=list(FLEET_WAYS),
+                        help="which of the fleet ways to run (single-flight must run before warm)")
     args = parser.parse_args()
 
     scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="warmserve-startup-"))

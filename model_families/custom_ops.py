@@ -1,6 +1,7 @@
 """The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
-on the oneDNN prepacked copy, :mod:`model_families.prepack`) and ``warmserve::grouped_experts``
-(the routed experts of an MoE layer), and :func:`tracing`, which picks the traced path. The KV
+on the oneDNN prepacked copy, :mod:`model_families.prepack`), ``warmserve::int4_linear``
+(PyTorch's int4 weight-only kernel, opaque to Inductor) and ``warmserve::grouped_experts`` (the
+routed experts of an MoE layer), and :func:`tracing`, which picks the traced path. The KV
 write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
 needs them registered: import this module first. See ``docs/architecture.md`` §7, §9.
 """
@@ -49,6 +50,28 @@ _LIB.impl("linear", _linear_kernel, "CPU")
 @torch.library.register_fake("warmserve::linear", lib=_LIB)
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_LIB.define("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor")
+
+
+def _int4_linear_kernel(x: torch.Tensor, packed: torch.Tensor, group_size: int,
+                        scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (bf16 / f16) times an int4 matrix (``packed`` uint8 [N, K/2], CPU int4pack
+    layout; ``scales_and_zeros`` [K/group_size, N, 2]) -> [M, N] in ``x``'s dtype: PyTorch's
+    ``_weight_int4pack_mm_for_cpu``. The call a loop program makes inside its loop body, where
+    Inductor's own lowering of that kernel adds the group size as a tensor constant that AOTI's
+    C++ wrapper of a ``while_loop`` body does not declare (the C++ does not compile, torch 2.13)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+_LIB.impl("int4_linear", _int4_linear_kernel, "CPU")
+
+
+@torch.library.register_fake("warmserve::int4_linear", lib=_LIB)
+def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int,
+                      scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
 
 
 _LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"

@@ -8,6 +8,10 @@ See ``docs/architecture.md`` §7.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +37,23 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.warmserve.linear(x2, weight, bias) if tracing(x2) else onednn_linear(x2, weight, bias)
     return y.reshape(*lead, y.shape[-1])
+
+
+#: Set while a loop program's layer body is traced (:func:`opaque_quantized_kernels`).
+_OPAQUE_QUANTIZED = contextvars.ContextVar("warmserve_opaque_quantized", default=False)
+
+
+@contextlib.contextmanager
+def opaque_quantized_kernels() -> Iterator[None]:
+    """While tracing a loop body (``scan``, lowered to ``while_loop``): int4 matrices run as the
+    custom op ``warmserve::int4_linear``, which Inductor calls as is, instead of the aten kernel,
+    whose Inductor lowering the C++ wrapper of a loop body cannot hold
+    (:func:`model_families.custom_ops._int4_linear_kernel`). Same kernel, same numbers."""
+    token = _OPAQUE_QUANTIZED.set(True)
+    try:
+        yield
+    finally:
+        _OPAQUE_QUANTIZED.reset(token)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int8Matrix | QuantizedWeight,
@@ -62,7 +83,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | In
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if isinstance(weight, Int4Matrix):
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
+        int4_mm = (torch.ops.warmserve.int4_linear if _OPAQUE_QUANTIZED.get() and tracing(x2)
+                   else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        y = int4_mm(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, weight.weight, weight.scales)
     y = y.reshape(*lead, y.shape[-1])

@@ -68,11 +68,13 @@ class LaunchFigures:
     ``first_token_s`` to the first token of the first answer it streamed; ``compiled_s`` to
     serving at compiled speed (:func:`compiled_since_start`; ``None`` when it never did: compile
     off, or the programs failed); ``max_gap_compiling_s`` the longest gap between two tokens of a
-    stream served while its programs were pending (``None`` when none was)."""
+    stream served while its programs were pending (``None`` when none was); ``unrolled_s`` to
+    the unrolled programs installed (:func:`unrolled_since_start`; ``None`` when they never were)."""
 
     first_token_s: float | None
     compiled_s: float | None
     max_gap_compiling_s: float | None
+    unrolled_s: float | None = None
 
 
 def compiled_since_start(info, ready_s: float | None) -> float | None:
@@ -90,6 +92,18 @@ def compiled_since_start(info, ready_s: float | None) -> float | None:
     return ready_s - info.startup.total_seconds + info.programs_installed_at_s
 
 
+def unrolled_since_start(info, ready_s: float | None) -> float | None:
+    """Seconds from a runner process's start to its unrolled programs installed (the form it
+    keeps; see :func:`compiled_since_start` for the clocks): loaded at start-up, ``ready_s``;
+    installed after loop programs, ``programs_unrolled_at_s`` on the report's clock; built first,
+    when the programs took over. ``None`` when the running programs are not the unrolled ones."""
+    if info.program_layers != "unrolled" or (compiled := compiled_since_start(info, ready_s)) is None:
+        return None
+    if not info.programs_unrolled_at_s:
+        return compiled
+    return ready_s - info.startup.total_seconds + info.programs_unrolled_at_s
+
+
 def _fmt_s(value: float | None, missing: str) -> str:
     return missing if value is None else f"{value:.2f} s"
 
@@ -105,6 +119,8 @@ def launch_comparison(first_kind: str, first: LaunchFigures, warm: LaunchFigures
             f"{_fmt_s(warm.first_token_s, 'none')}",
             f"  serving at compiled speed       {_fmt_s(first.compiled_s, 'never'):>10} -> "
             f"{_fmt_s(warm.compiled_s, 'never')}{ratio}",
+            f"  unrolled programs installed     {_fmt_s(first.unrolled_s, 'never'):>10} -> "
+            f"{_fmt_s(warm.unrolled_s, 'never')}",
             f"  longest gap while compiling     {_fmt_s(first.max_gap_compiling_s, 'no compile'):>10} -> "
             f"{_fmt_s(warm.max_gap_compiling_s, 'no compile')}"]
 
@@ -222,7 +238,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                         gap0 = result.max_gap_s
                     _say(out)
                     _say(out, f"  ({result.summary()})")
-            first_figures = LaunchFigures(first_token0, compiled_since_start(cold, ready0), gap0)
+            compiled0 = compiled_since_start(cold, ready0)
 
             if cold.programs_building:  # the unrolled programs: the warm launch (and the next run) loads them
                 print("waiting for runner-0's unrolled programs (it serves its loop programs meanwhile) ...",
@@ -231,6 +247,7 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
                 if cold.programs_unrolled_at_s:
                     _say(out)
                     _say(out, f"runner-0: {programs_took_over(cold)}")
+            first_figures = LaunchFigures(first_token0, compiled0, gap0, unrolled_since_start(cold, ready0))
             print(f"launching runner-{first + 1}: the warm launch ...", file=sys.stderr, flush=True)
             warm_child = stack.add_runner()
             warm_index = int(warm_child.name.removeprefix("runner-"))
@@ -246,7 +263,8 @@ def run_demo(config: StackConfig, *, out: TextIO = sys.stdout, max_tokens: int =
             _say(out)
             warm_first = warm_results[0].first_token_s
             warm_figures = LaunchFigures(None if warm_first is None else sent + warm_first - warm_child.started_at,
-                                         compiled_since_start(warm, warm_child.ready_s), None)
+                                         compiled_since_start(warm, warm_child.ready_s), None,
+                                         unrolled_since_start(warm, warm_child.ready_s))
             kind = first_kind.split(":")[0]
             for line in launch_comparison(kind, first_figures, warm_figures):
                 _say(out, line)

@@ -38,7 +38,7 @@ from model_families.custom_ops import tracing
 from model_families.family import FamilyModel, FamilyWeights
 from model_families.invariant import silu
 from model_families.kv_write import write_kv
-from model_families.linear import linear
+from model_families.linear import linear, opaque_quantized_kernels
 from model_families.llama.config import LlamaConfig
 from model_families.llama.pack import tensor_shapes, tensor_specs
 from model_families.norm_rope import apply_rope, rms_norm
@@ -348,7 +348,8 @@ class LlamaModel(FamilyModel):
         xs = [x[:n].unflatten(0, (n // G, G)) for x in stacked]
         n_stacked = len(xs)
         sizes = tuple(d for d in h.shape[:2] if isinstance(d, torch.SymInt))  # the dynamic batch / token dims
-        h, k_rows, v_rows = scan_op(group, [h], xs, (cos, sin, block_tables, positions, seq_lens, *sizes))
+        with opaque_quantized_kernels():  # the body is traced here
+            h, k_rows, v_rows = scan_op(group, [h], xs, (cos, sin, block_tables, positions, seq_lens, *sizes))
         k_rows, v_rows = k_rows.flatten(0, 1), v_rows.flatten(0, 1)
         if n == L:
             return h, k_rows, v_rows

@@ -122,6 +122,38 @@ def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_pat
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
+def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does(tmp_path):
+    """bf16 over int4 runs PyTorch's int4 weight-only kernel; inside the loop body it is the
+    custom op ``warmserve::int4_linear`` (Inductor's own lowering of the kernel makes C++ that
+    does not compile there), once a layer, and the compiled loop gives the eager step's logits."""
+    from runner_service.programs.aoti import AotiProgram, compile_aoti
+
+    args = tiny_args(vocab=96, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=64)
+    model = LLAMA.build_model(args, LLAMA.random_weights(args, torch.bfloat16, seed=3, weights_dtype="int4"), 64)
+    model.scan_layers = 1
+    g = torch.Generator().manual_seed(7)
+    pools = tuple(torch.randn((2, BLOCKS, BLOCK_SIZE, 2, 16), generator=g).to(torch.bfloat16) for _ in range(2))
+    step = LLAMA.decode_module(model)
+    Dim = torch.export.Dim
+    batch, width = Dim("batch", min=1, max=8), Dim("blocks", min=1, max=8)
+    dynamic = (({1: Dim("num_blocks", min=2)},) * 2, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: width},
+               {0: batch})
+    example = (pools, *_inputs(2, 2, seed=9))
+    with torch.no_grad():
+        ep = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
+    body = [str(n.target) for n in ep.graph_module.scan_combine_graph_0.graph.nodes if n.op == "call_function"]
+    assert body.count(str(torch.ops.warmserve.int4_linear.default)) == 4  # qkv, o, gate_up, down
+    assert str(torch.ops.aten._weight_int4pack_mm_for_cpu.default) not in body
+    program = AotiProgram(compile_aoti(step, example, dynamic, tmp_path / "loop-int4.pt2"), step, torch.device("cpu"))
+    for n, (batch_size, blocks) in enumerate([(1, 1), (3, 2), (8, 3)]):
+        inputs = _inputs(batch_size, blocks, seed=30 + n)
+        with torch.no_grad():
+            got, want = program(pools, *inputs), step(pools, *inputs)
+        for a, b in zip(got, want, strict=True):  # bf16: Inductor fuses the norms and the rope its own way
+            torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=0)
+
+
 def _prefill_inputs(seed: int) -> tuple[torch.Tensor, ...]:
     """Three rows over distinct blocks: a 4-token chunk after 5 cached tokens, a 6-token prompt,
     and a 2-token chunk after 7 cached ones, padded to 6 tokens (padding writes the scratch

@@ -51,9 +51,11 @@ def test_the_second_demo_on_a_home_is_warm_and_compiles_nothing(tmp_path: Path) 
     # the summary: time to compiled speed on both launches (and their ratio), the cold answer's
     # longest gap while compiling, the warm runner's first request against its steady ones
     summary = first.split("cold launch -> warm launch, seconds from the runner process's start:\n")[1]
-    token, compiled, gap, first_request = summary.splitlines()[:4]
+    token, compiled, unrolled, gap, first_request = summary.splitlines()[:5]
     assert token.split()[:2] == ["first", "token"] and compiled.split()[:4] == ["serving", "at", "compiled", "speed"]
     assert compiled.endswith("x)") and "never" not in compiled, compiled
+    # a tiny model (under LOOP_MIN_LAYERS layers) builds the unrolled programs only: they are the compiled ones
+    assert unrolled.split()[:3] == ["unrolled", "programs", "installed"] and unrolled.split()[3] == compiled.split()[4]
     assert gap.split()[:4] == ["longest", "gap", "while", "compiling"] and gap.split()[5:] == ["s", "->", "no", "compile"]
     assert first_request.startswith("first request after the warm launch "), first_request
 
