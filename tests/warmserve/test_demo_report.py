@@ -8,8 +8,13 @@ import pytest
 
 from services.generation_client import GenerationResult
 from services.proto import generation_pb2
-from warmserve.demo import (LaunchFigures, compiled_since_start, first_vs_steady, launch_comparison,
-                            unrolled_since_start)
+from warmserve.demo import (
+    LaunchFigures,
+    compiled_since_start,
+    first_vs_steady,
+    launch_comparison,
+    unrolled_since_start,
+)
 
 
 def _info(state: str, total_s: float, installed_at_s: float = 0.0, layers: str = "", unrolled_at_s: float = 0.0):
