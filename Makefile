@@ -78,7 +78,7 @@ check: install lint node tritonclient
 	$(PY) -m pytest -q -m "not slow" tests
 
 test: install lint node tritonclient kubectl
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # Pass flags with DEMO_ARGS, e.g. make run DEMO_ARGS=--fresh (a deliberately cold run).
 run: install

@@ -64,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
     cmd = [*warmserve_command(repo), "runner", "serve", "--model", MODEL, "--compile", args.compile,
            "--kernel-cache-dir", str(kernel_cache), "--sidecar-dir", str(sidecars), "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-bytes", str(args.kv_cache_bytes),
-           "--dtype", args.dtype, "--log-level", "WARNING"]
+           "--dtype", args.dtype, "--log-level", args.log_level]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor),
@@ -164,7 +165,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
     address = f"127.0.0.1:{port}"
     timings: dict = {}
     with open(log_path, "wb") as log:
-        t0 = time.perf_counter()
+        t0, t0_epoch = time.perf_counter(), time.time()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo)
         try:
             wait_serving(address, proc, args.timeout)
@@ -180,7 +181,7 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
         finally:
             stop_process(proc, grace_s=60)
     phases = [{"name": p.name, "seconds": round(p.seconds, 3), "detail": p.detail} for p in info.startup.phases]
-    return {"launch": name, "repo": str(repo), "wall_to_serving_s": round(wall, 3),
+    return {"launch": name, "repo": str(repo), "popen_epoch_s": round(t0_epoch, 3), "wall_to_serving_s": round(wall, 3),
             "engine_total_s": round(info.startup.total_seconds, 3), **timings,
             "program_state": info.program_state, "program_detail": info.program_detail,
             "compile_mode": info.compile_mode, "num_kv_blocks": info.num_kv_blocks, "phases": phases}
@@ -238,7 +239,10 @@ def measure_launch(address: str, args, t0: float, serving_s: float, eager_window
     compiled_s = None if info.program_state != "installed" else installed_at if background else serving_s
     unrolled_s = (pending_until if background else serving_s) if info.program_layers == "unrolled" else None
     first_sent, first = streams[0]
-    during = [r for sent, r in streams if background and sent - t0 < pending_until]
+    during = [(sent, r) for sent, r in streams if background and sent - t0 < pending_until]
+    gaps = sorted(((b - a, sent - t0 + b) for sent, r in during for a, b in pairwise(r.token_times_s)),
+                  reverse=True)  # (gap, when it ended, s from Popen)
+    during = [r for _, r in during]
     steady = [chat(address, PROMPTS[(i + 1) % len(PROMPTS)], args.max_tokens, args.timeout)
               for i in range(args.steady)]
     steady_s = statistics.median(per_token_s(r) for r in steady) if steady else None
@@ -253,6 +257,7 @@ def measure_launch(address: str, args, t0: float, serving_s: float, eager_window
             "compile_window_s": _r(pending_until - serving_s) if background else None,
             "streams_while_compiling": len(during),
             "max_gap_while_compiling_s": _r(max((r.max_gap_s for r in during), default=None)),
+            "longest_gaps_while_compiling": [{"gap_s": _r(g), "ended_at_s": _r(at, 2)} for g, at in gaps[:5]],
             "first_request": {"prompt_tokens": first.prompt_tokens, "tokens": first.completion_tokens,
                               "seconds": _r(first.seconds), "first_token_s": _r(first.first_token_s),
                               "max_gap_s": _r(first.max_gap_s), "per_token_ms": _r(first_s * 1000, 2),
@@ -502,6 +507,7 @@ def main() -> int:
     parser.add_argument("--warm-only", default=None, metavar="DIR",
                         help="only a warm launch, on DIR/kernel-cache and DIR/sidecars (a warmserve home, or the "
                              "caches/ of an earlier --keep DIR)")
+    parser.add_argument("--log-level", default="WARNING", help="the runners' --log-level (their logs are under --keep DIR)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a launch may take to serve")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep caches and logs under DIR")
     parser.add_argument("--fleet", type=int, default=0, metavar="N",

@@ -191,7 +191,8 @@ class ProgramInstaller:
                                               nice=nice, cpus=cpus[-own:] if own else None))
         if self._closed:
             self.child.stop()
-        compiler = self._child_compiler(self.child, between_steps, serving)
+        ceded: list[bool] = []  # whether the engine steps on ``serving`` threads now
+        compiler = self._child_compiler(self.child, between_steps, serving, ceded)
         try:
             for form in specs:
                 if self._closed:
@@ -201,26 +202,27 @@ class ProgramInstaller:
                 between_steps(lambda report=report, form=form: self._record(report, form.layers, clock))
         finally:
             self.child.close()
+            if ceded:  # the child is gone: its CPU serves again (not before, or two threads share one CPU)
+                between_steps(lambda: self._step_on(spec.threads, None))
 
-    def _child_compiler(self, child: BuildChild, between_steps, serving: int):
+    def _child_compiler(self, child: BuildChild, between_steps, serving: int, ceded: list[bool]):
         """The :data:`~runner_service.programs.aoti.Compiler` of the background build: ``child``
-        compiles while the stepping thread steps on ``serving`` torch threads (restored to the
-        spec's count after, between two steps as well)."""
+        compiles while the stepping thread steps on ``serving`` torch threads, from the first
+        compile (between two steps; ``ceded`` gets an entry then) until the caller has ended the
+        child: between two compiles the child still packages and the runner publishes and loads,
+        so restoring the threads there would put two OpenMP threads on one busy CPU."""
 
         def compile_in_child(spec: ProgramSpec, kind: str, package: Path) -> Path:
             name = f"{spec.family.name}.{kind}.{spec.mode}"
-            ceded = serving < spec.threads
-            if ceded:
+            cede = serving < spec.threads
+            if cede and not ceded:
                 between_steps(lambda: self._step_on(serving, spec.threads))
+                ceded.append(True)
             cpus = child.setup.cpus
             self._progress(f"compiling {name} here, in a build child (nice +{child.setup.nice}"
                            + (f", on {len(cpus)} CPU(s) of its own" if cpus else "")
-                           + (f"; serving on {serving} of {spec.threads} threads meanwhile)" if ceded else ")"))
-            try:
-                return child.compile(spec, kind, package)
-            finally:
-                if ceded:
-                    between_steps(lambda: self._step_on(spec.threads, None))
+                           + (f"; serving on {serving} of {spec.threads} threads meanwhile)" if cede else ")"))
+            return child.compile(spec, kind, package)
 
         return compile_in_child
 

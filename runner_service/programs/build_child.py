@@ -285,8 +285,14 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - answered: the runner stays eager and says why
             log.exception("compiling %s failed", kind)
             _answer(out, ok=False, error=f"{type(e).__name__}: {e}")
+    out.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: unwinding torch's and Inductor's modules costs seconds of CPU,
+    # beside a runner that is about to step on that CPU again (nothing is left to flush)
+    os._exit(code)
