@@ -461,15 +461,17 @@ def run_launches(args, scratch: Path) -> dict:
     if args.warm_only:
         base = Path(args.warm_only)
         launches["warm"] = launch("warm", args, base / "kernel-cache", base / "sidecars", scratch)
-    for kind in () if args.warm_only else ("cold", "off", "warm"):
-        for tag, repo in repos if kind != "off" else [("", REPO)] if args.off_beside and args.compile != "off" else []:
+    off = args.off_beside and args.compile != "off"
+    for kind in () if args.warm_only else ("cold", *(("off",) if off else ()), "warm"):
+        if kind == "off":  # the eager baseline on this checkout's caches, loaded as long as its cold launch compiled
+            base = scratch / "caches"
+            launches["off"] = launch("off", argparse.Namespace(**{**vars(args), "compile": "off"}),
+                                     base / "kernel-cache", base / "sidecars", scratch,
+                                     eager_window_s=launches["cold"]["compile_window_s"] or 0.0)
+            continue
+        for tag, repo in repos:
             base = scratch / f"{tag}caches"
             base.mkdir(exist_ok=True)
-            if kind == "off":  # the eager baseline, loaded as long as the cold launch compiled
-                off_args = argparse.Namespace(**{**vars(args), "compile": "off"})
-                launches["off"] = launch("off", off_args, base / "kernel-cache", base / "sidecars", scratch,
-                                         repo, eager_window_s=launches["cold"]["compile_window_s"] or 0.0)
-                continue
             launches[f"{tag}{kind}"] = launch(f"{tag}{kind}", args, base / "kernel-cache", base / "sidecars",
                                               scratch, repo)
     cold, warm = launches.get("cold", {}), launches["warm"]

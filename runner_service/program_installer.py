@@ -85,6 +85,7 @@ class ProgramInstaller:
         self.layers = ""
         self.installed_at_s: float | None = None
         self.unrolled_at_s: float | None = None
+        self._ceded = False  # the background build has the engine step on fewer threads (until its child is gone)
         self.thread: threading.Thread | None = None
         self.child: BuildChild | None = None
         self._closed = False
@@ -191,8 +192,8 @@ class ProgramInstaller:
                                               nice=nice, cpus=cpus[-own:] if own else None))
         if self._closed:
             self.child.stop()
-        ceded: list[bool] = []  # whether the engine steps on ``serving`` threads now
-        compiler = self._child_compiler(self.child, between_steps, serving, ceded)
+        self._ceded = False
+        compiler = self._child_compiler(self.child, between_steps, serving)
         try:
             for form in specs:
                 if self._closed:
@@ -202,22 +203,22 @@ class ProgramInstaller:
                 between_steps(lambda report=report, form=form: self._record(report, form.layers, clock))
         finally:
             self.child.close()
-            if ceded:  # the child is gone: its CPU serves again (not before, or two threads share one CPU)
+            if self._ceded:  # the child is gone: its CPU serves again (not before, or two threads share one CPU)
                 between_steps(lambda: self._step_on(spec.threads, None))
 
-    def _child_compiler(self, child: BuildChild, between_steps, serving: int, ceded: list[bool]):
+    def _child_compiler(self, child: BuildChild, between_steps, serving: int):
         """The :data:`~runner_service.programs.aoti.Compiler` of the background build: ``child``
         compiles while the stepping thread steps on ``serving`` torch threads, from the first
-        compile (between two steps; ``ceded`` gets an entry then) until the caller has ended the
+        compile (between two steps; :attr:`_ceded` says so) until the caller has ended the
         child: between two compiles the child still packages and the runner publishes and loads,
         so restoring the threads there would put two OpenMP threads on one busy CPU."""
 
         def compile_in_child(spec: ProgramSpec, kind: str, package: Path) -> Path:
             name = f"{spec.family.name}.{kind}.{spec.mode}"
             cede = serving < spec.threads
-            if cede and not ceded:
+            if cede and not self._ceded:
                 between_steps(lambda: self._step_on(serving, spec.threads))
-                ceded.append(True)
+                self._ceded = True
             cpus = child.setup.cpus
             self._progress(f"compiling {name} here, in a build child (nice +{child.setup.nice}"
                            + (f", on {len(cpus)} CPU(s) of its own" if cpus else "")
