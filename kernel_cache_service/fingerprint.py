@@ -58,6 +58,11 @@ _KNOWN_MAX = 64
 _KNOWN: OrderedDict[str, str] = OrderedDict()
 _KNOWN_LOCK = threading.Lock()
 _HEX = frozenset("0123456789abcdef")
+#: sha256 of a source file's bytes -> its :func:`source_digest`, for this process: the canonical
+#: form is pure Python (tens of ms a key), and a key computed in a background thread would hold
+#: the GIL that long against the stepping thread. A changed file has other bytes, so another entry.
+_DIGESTS: dict[str, str] = {}
+_DIGESTS_MAX = 4096
 
 Source = str | Path | types.ModuleType
 
@@ -94,8 +99,18 @@ def source_digest(data: bytes) -> str:
     docstrings of the module, its classes and functions left out: two files that differ only in
     whitespace, line breaks, comments, docstrings or quoting style give the same digest (a
     documentation edit does not recompile programs). A file with a syntax error is hashed as raw
-    bytes (tagged so it cannot collide with an AST).
+    bytes (tagged so it cannot collide with an AST). Remembered per content in this process.
     """
+    raw = _sha256_hex(data)
+    digest = _DIGESTS.get(raw)
+    if digest is None:
+        digest = _canonical_digest(data)
+        if len(_DIGESTS) < _DIGESTS_MAX:
+            _DIGESTS[raw] = digest
+    return digest
+
+
+def _canonical_digest(data: bytes) -> str:
     try:
         tree = ast.parse(data)
     except (SyntaxError, ValueError):

@@ -12,6 +12,8 @@ automatically; a new package must be given its place in :data:`warmserve.LAYERS`
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -58,10 +60,66 @@ def imported_names(module: str, path: Path) -> set[str]:
     return names
 
 
-def _import_alone(module: str) -> tuple[str, int, str]:
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    return module, done.returncode, done.stderr
+#: A parent interpreter that imports only the third-party packages the project imports at module
+#: level (each by its top-level name, as a fresh ``import torch`` would), then forks one child per
+#: project module, which imports it and exits: a fresh interpreter as far as the project is
+#: concerned (no project module is loaded before the fork; the parent checks), without paying
+#: torch's import once per module. Prints one JSON line ``[module, exit code, output]`` per module.
+ZYGOTE = r"""
+import importlib, json, os, sys, traceback
+preload, project, modules = (json.loads(a) for a in sys.argv[1:4])
+for name in preload:
+    importlib.import_module(name)
+early = sorted(m for m in sys.modules if m.split(".")[0] in project)
+if early:
+    sys.exit(f"the preload imported project modules: {early}")
+for module in modules:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        try:
+            importlib.import_module(module)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, errors="replace") as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps([module, os.waitstatus_to_exitcode(status), out]), flush=True)
+"""
+
+
+def third_party_preload(modules: dict[str, Path]) -> list[str]:
+    """The top-level names of the installed (non-stdlib, non-project) packages the project's
+    modules import at module level, ``google.protobuf`` for the ``google`` namespace package."""
+    project = set(project_packages()) | NOT_PROJECT
+    names = set()
+    for path in modules.values():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            names.update("google.protobuf" if top == "google" else top for top in tops
+                         if top not in project and top not in sys.stdlib_module_names and top != "__future__")
+    return sorted(n for n in names if importlib.util.find_spec(n.split(".")[0]) is not None)
+
+
+def _import_each_alone(modules: list[str], preload: list[str]) -> list[tuple[str, int, str]]:
+    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(preload), json.dumps(project_packages()),
+                           json.dumps(modules)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [tuple(json.loads(line)) for line in done.stdout.splitlines()]
 
 
 def test_the_tree_is_discovered() -> None:
@@ -74,13 +132,30 @@ def test_the_tree_is_discovered() -> None:
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
-    modules = sorted(project_modules())
+    found = project_modules()
+    modules, preload = sorted(found), third_party_preload(found)
     workers = max(2, min(8, os.cpu_count() or 2))
     with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(_import_alone, modules))
-    failures = [f"{module} (exit {code}):\n{stderr.strip().splitlines()[-1] if stderr.strip() else ''}"
-                for module, code, stderr in results if code != 0]
+        results = [r for part in pool.map(_import_each_alone, [modules[i::workers] for i in range(workers)],
+                                          [preload] * workers) for r in part]
+    assert sorted(m for m, _, _ in results) == modules
+    failures = [f"{module} (exit {code}):\n{out.strip().splitlines()[-1] if out.strip() else ''}"
+                for module, code, out in results if code != 0]
     assert not failures, "modules that do not import alone:\n" + "\n".join(failures)
+
+
+def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path: Path) -> None:
+    """The forking parent really isolates modules: one that works only after another ran fails."""
+    (tmp_path / "needs_first").mkdir()
+    (tmp_path / "needs_first" / "__init__.py").write_text("")
+    (tmp_path / "needs_first" / "a.py").write_text("import sys\nsys.modules['needs_first'].ready = True\n")
+    (tmp_path / "needs_first" / "b.py").write_text("import needs_first\nassert needs_first.ready\n")
+    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(["torch"]), json.dumps(["needs_first"]),
+                           json.dumps(["needs_first.a", "needs_first.b"])], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    results = {m: (code, out) for m, code, out in map(json.loads, done.stdout.splitlines())}
+    assert results["needs_first.a"][0] == 0
+    assert results["needs_first.b"][0] == 1 and "AttributeError" in results["needs_first.b"][1]
 
 
 def test_every_package_has_a_layer() -> None:

@@ -114,6 +114,25 @@ def test_docstrings_do_not_change_the_code_fingerprint_but_other_strings_do(tmp_
         [_write(tmp_path, "f.py", "def f():\n    pass\n")], **VERSIONS)
 
 
+def test_a_source_is_canonicalised_once_per_content_in_a_process(tmp_path, monkeypatch):
+    """A key computed again (the background build computes several) does not parse the same
+    sources again: the canonical form is pure Python and would hold the GIL against the stepping
+    thread; an edited file is parsed anew."""
+    import kernel_cache_service.fingerprint as fingerprint
+
+    parsed = []
+    canonical = fingerprint._canonical_digest
+    monkeypatch.setattr(fingerprint, "_DIGESTS", {})
+    monkeypatch.setattr(fingerprint, "_canonical_digest", lambda data: parsed.append(data) or canonical(data))
+    path = _write(tmp_path, "a.py", SOURCE)
+    first = code_fingerprint([path], **VERSIONS)
+    assert code_fingerprint([path], **VERSIONS) == first and len(parsed) == 1
+    path.write_text(SOURCE_CHANGED)
+    assert code_fingerprint([path], **VERSIONS) != first and len(parsed) == 2
+    path.write_text(SOURCE)
+    assert code_fingerprint([path], **VERSIONS) == first and len(parsed) == 2
+
+
 def test_a_code_change_changes_the_code_fingerprint(tmp_path):
     a = code_fingerprint([_write(tmp_path, "a.py", SOURCE)], **VERSIONS)
     b = code_fingerprint([_write(tmp_path, "b.py", SOURCE_CHANGED)], **VERSIONS)

@@ -127,10 +127,10 @@ def _store_is_clean(root: Path) -> None:
             os.close(fd)
 
 
-def _storm(fleet: Fleet) -> tuple[dict, dict, dict]:
-    """Start four runners at once, have each answer while its programs are pending, wait for the
-    programs, answer again; returns ``({name: outputs before}, {name: outputs after}, {name: info})``."""
-    names = [f"fleet-{i}" for i in range(4)]
+def _storm(fleet: Fleet, runners: int = 4) -> tuple[dict, dict, dict]:
+    """Start ``runners`` runners at once, have each answer while its programs are pending, wait for
+    the programs, answer again; returns ``({name: outputs before}, {name: outputs after}, {name: info})``."""
+    names = [f"fleet-{i}" for i in range(runners)]
     t0 = time.monotonic()
     for n in names:
         fleet.launch(n)
@@ -160,7 +160,7 @@ def _one_compile_per_program(infos: dict) -> None:
     for program in PROGRAMS:
         compiled = [n for n, d in details.items() if f"compiled {program}" in d]
         fetched = [n for n, d in details.items() if f"fetched {program} from " in d]
-        assert len(compiled) == 1 and len(fetched) == 3, details
+        assert len(compiled) == 1 and len(fetched) == len(infos) - 1, details
         assert all(f"from {compiled[0]}'s publish" in details[n] for n in fetched), details
 
 
@@ -183,8 +183,10 @@ def test_launch_storm_on_a_kernel_cache_daemon_compiles_each_program_once(fleet,
 
 
 def test_launch_storm_on_a_shared_directory_compiles_each_program_once(fleet, tmp_path):
+    # two runners: the directory's file-lock leases between processes (the daemon storm above has
+    # four; the leases' own semantics over a directory are tests/kernel_cache/test_kc_leases.py's)
     root = tmp_path / "kc-dir"
-    before, after, infos = _storm(fleet(["--kernel-cache-dir", str(root)]))
+    before, after, infos = _storm(fleet(["--kernel-cache-dir", str(root)]), runners=2)
     _one_compile_per_program(infos)
     _same_greedy_text(before, after)
     _store_is_clean(root)
