@@ -77,8 +77,16 @@ lint: install
 check: install lint node tritonclient
 	$(PY) -m pytest -q -m "not slow" tests
 
+# In-process tests that compile programs or run real models for minutes and race on nothing (no
+# port, clock, timeout or child process they depend on): `make test` runs them on two
+# pytest-xdist workers, a file per worker, then every other test one at a time.
+PARALLEL_TESTS := tests/families $(foreach t,batch_invariant decode_buffers detokenizer engine explain \
+	generation_config kv_cache logprob_tokens output_processor prefix_cache programs real_model sampler \
+	scheduler trust warmup,tests/runner/test_runner_$(t).py)
+
 test: install lint node tritonclient kubectl
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadfile $(PARALLEL_TESTS)
+	$(PY) -m pytest -q --durations=40 $(addprefix --ignore=,$(PARALLEL_TESTS)) tests
 
 # Pass flags with DEMO_ARGS, e.g. make run DEMO_ARGS=--fresh (a deliberately cold run).
 run: install

@@ -118,6 +118,22 @@ def built(tmp_path_factory):
     return root, runner, report
 
 
+def reuse_cold_build(root: Path, compiled: list[str]):
+    """A :data:`~runner_service.programs.aoti.Compiler` that writes the ``built`` fixture's
+    published package of the asked kind (the same key: the default tiny runner) instead of
+    compiling it again, and records each kind in ``compiled``: for the tests of what the cache
+    does around a build (quarantine, eviction, a failed publish), where the compile itself is
+    the fixture's."""
+    blobs = {kind: next((root / "kc" / "entries" / f"llama.{kind}.aoti").glob("*/blob")) for kind in ("decode", "prefill")}
+
+    def compiler(spec, kind: str, package: Path) -> Path:
+        compiled.append(kind)
+        shutil.copyfile(blobs[kind], package)
+        return package
+
+    return compiler
+
+
 def test_aoti_cold_build_is_published_and_matches_eager(built):
     root, runner, report = built
     assert report.mode == "aoti" and report.source == "compiled", report
@@ -227,13 +243,15 @@ def test_environment_variables_inductor_reads_are_in_the_key(monkeypatch):
                                                                              "TORCHINDUCTOR_FREEZING": "1"}
 
 
-def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(tmp_path):
-    runner = make_runner(layers=1)  # a key of its own: compiled here, not fetched
-    report = load(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"),
-                                    work_dir=tmp_path / "work")
+def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(built, tmp_path):
+    compiled: list[str] = []
+    runner = make_runner()
+    report = load(runner, kernel_cache=_FullDiskCache(root=tmp_path / "kc"), work_dir=tmp_path / "work",
+                  compiler=reuse_cold_build(built[0], compiled))
     assert (report.source, report.published, report.prefill_source) == ("compiled", "FAILED", "compiled"), report
+    assert compiled == ["decode", "prefill"]
     assert runner.decode_program is not None and runner.prefill_program is not None
-    assert_compiled_matches_eager(runner, make_runner(layers=1, compile="off"), [(2, 2, 3)], atol=1e-4)
+    assert_compiled_matches_eager(runner, make_runner(compile="off"), [(2, 2, 3)], atol=1e-4)
     assert KernelCacheClient(root=tmp_path / "kc").list("llama") == []
 
 
@@ -404,9 +422,11 @@ def test_corrupt_entry_is_quarantined_then_recompiled_and_republished(built, tmp
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the sha256 no longer matches
     data.write_bytes(bytes(raw))
+    compiled: list[str] = []
     runner = make_runner()
-    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work", compiler=reuse_cold_build(root, compiled))
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
+    assert compiled == ["decode"]  # rebuilt; prefill's entry was intact (a HIT)
     reasons = [r.read_text() for r in (kc / "quarantine").glob("*/reason.txt")]
     assert len(reasons) == 1 and cold.fingerprint in reasons[0]
     assert KernelCacheClient(root=kc).lookup("llama.decode.aoti", cold.fingerprint) is not None
@@ -414,15 +434,17 @@ def test_corrupt_entry_is_quarantined_then_recompiled_and_republished(built, tmp
 
 
 def test_entry_that_does_not_load_is_evicted_and_rebuilt(built, tmp_path):
-    _, _, cold = built
+    root, _, cold = built
     kc = tmp_path / "kc"
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"PK\x03\x04 not a real package" * 100)  # intact bytes, but no program inside
     client = KernelCacheClient(root=kc)
     assert client.publish("llama.decode.aoti", cold.fingerprint, junk) == "PUBLISHED"
+    compiled: list[str] = []
     runner = make_runner()
-    report = load(runner, kernel_cache=client, work_dir=tmp_path / "work")
+    report = load(runner, kernel_cache=client, work_dir=tmp_path / "work", compiler=reuse_cold_build(root, compiled))
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
+    assert compiled == ["decode", "prefill"]  # the fresh cache held only the junk decode entry
     info = client.lookup("llama.decode.aoti", cold.fingerprint)
     assert info is not None and info.size_bytes > junk.stat().st_size
     assert_compiled_matches_eager(runner, make_runner(compile="off"), [(1, 1, 2)], atol=1e-4)
