@@ -43,12 +43,13 @@ def project_modules() -> dict[str, Path]:
     return modules
 
 
-def imported_names(module: str, path: Path) -> set[str]:
+def imported_names(module: str, path: Path, module_level: bool = False) -> set[str]:
     """The absolute names of every module ``module`` imports anywhere in its file (relative
-    imports resolved against its package)."""
+    imports resolved against its package); ``module_level``: only its top-level statements'."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body if module_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -100,24 +101,20 @@ for module in modules:
 def third_party_preload(modules: dict[str, Path]) -> list[str]:
     """The top-level names of the installed (non-stdlib, non-project) packages the project's
     modules import at module level, ``google.protobuf`` for the ``google`` namespace package."""
-    project = set(project_packages()) | NOT_PROJECT
-    names = set()
-    for path in modules.values():
-        for node in ast.parse(path.read_text(), str(path)).body:
-            if isinstance(node, ast.Import):
-                tops = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                tops = [node.module.split(".")[0]]
-            else:
-                continue
-            names.update("google.protobuf" if top == "google" else top for top in tops
-                         if top not in project and top not in sys.stdlib_module_names and top != "__future__")
-    return sorted(n for n in names if importlib.util.find_spec(n.split(".")[0]) is not None)
+    project = set(project_packages()) | NOT_PROJECT | {"__future__"}
+    tops = {name.split(".")[0] for module, path in modules.items() for name in imported_names(module, path, True)}
+    return sorted("google.protobuf" if top == "google" else top for top in tops
+                  if top not in project and top not in sys.stdlib_module_names and importlib.util.find_spec(top))
 
 
-def _import_each_alone(modules: list[str], preload: list[str]) -> list[tuple[str, int, str]]:
-    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(preload), json.dumps(project_packages()),
-                           json.dumps(modules)], cwd=REPO, capture_output=True, text=True, timeout=600)
+def _import_each_alone(modules: list[str], preload: list[str], project: list[str] | None = None,
+                       cwd: Path = REPO) -> list[tuple[str, int, str]]:
+    """``(module, exit code, output)`` of each of ``modules`` imported alone (:data:`ZYGOTE`)
+    after ``preload``; ``project``: the packages none of which the preload may load (default
+    :func:`project_packages`)."""
+    project = project_packages() if project is None else project
+    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(preload), json.dumps(project),
+                           json.dumps(modules)], cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return [tuple(json.loads(line)) for line in done.stdout.splitlines()]
 
@@ -150,10 +147,8 @@ def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path: Path) 
     (tmp_path / "needs_first" / "__init__.py").write_text("")
     (tmp_path / "needs_first" / "a.py").write_text("import sys\nsys.modules['needs_first'].ready = True\n")
     (tmp_path / "needs_first" / "b.py").write_text("import needs_first\nassert needs_first.ready\n")
-    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(["torch"]), json.dumps(["needs_first"]),
-                           json.dumps(["needs_first.a", "needs_first.b"])], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    results = {m: (code, out) for m, code, out in map(json.loads, done.stdout.splitlines())}
+    results = {m: (code, out) for m, code, out in _import_each_alone(["needs_first.a", "needs_first.b"], ["torch"],
+                                                                     ["needs_first"], tmp_path)}
     assert results["needs_first.a"][0] == 0
     assert results["needs_first.b"][0] == 1 and "AttributeError" in results["needs_first.b"][1]
 

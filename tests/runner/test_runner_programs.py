@@ -119,16 +119,15 @@ def built(tmp_path_factory):
 
 
 def reuse_cold_build(root: Path, compiled: list[str]):
-    """A :data:`~runner_service.programs.aoti.Compiler` that writes the ``built`` fixture's
-    published package of the asked kind (the same key: the default tiny runner) instead of
-    compiling it again, and records each kind in ``compiled``: for the tests of what the cache
-    does around a build (quarantine, eviction, a failed publish), where the compile itself is
-    the fixture's."""
-    blobs = {kind: next((root / "kc" / "entries" / f"llama.{kind}.aoti").glob("*/blob")) for kind in ("decode", "prefill")}
+    """A :data:`~runner_service.programs.aoti.Compiler` that fetches the ``built`` fixture's
+    published program of the asked key (the default tiny runner's) instead of compiling it
+    again, and records each kind in ``compiled``: for the tests of what the cache does around a
+    build (quarantine, eviction, a failed publish), where the compile itself is the fixture's."""
+    cold = KernelCacheClient(root=root / "kc")
 
     def compiler(spec, kind: str, package: Path) -> Path:
         compiled.append(kind)
-        shutil.copyfile(blobs[kind], package)
+        assert cold.fetch(*program_key(spec, spec.mode, kind=kind), package) is not None
         return package
 
     return compiler
