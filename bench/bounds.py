@@ -20,11 +20,19 @@ kernel's layout); KV-cache reads are left out (under 2% at these contexts). FLOP
 ``2 P`` (attention's ``4 L nh hd c`` at context ``c`` left out: ~1% at ``c`` = 100). int4
 compute runs on the bf16 units, so its batch-32 bound is bf16's.
 
+``--rows 1,8,32,128,512,2048``: the time of one model step's layer matrices (``L`` layers of
+``qkv``, ``o``, ``gate_up``, ``down``, each layer its own random matrices, so nothing stays in
+cache that would not in a real step; ``lm_head`` left out, a prefill runs it on one row per
+sequence) at each row count ``M`` (the step's tokens: the batch in a decode, every prompt token
+in a prefill), through the serving path's :func:`model_families.linear.linear`: bf16 matrices
+(oneDNN) against the int4 weight-only kernel (:func:`model_families.quantized_weights.quantized_weight`
+of the same matrices quantized), best of 3. Shows where int4 stops paying at larger ``M``.
+
 ``--peers FILE``: a ``bench/peers.py`` stdout (its JSON document) whose warmserve columns are
 reported as fractions of these bounds (1 stream against the bandwidth bound, 32 against the
 matmul bound).
 
-Usage: ``python bench/bounds.py [--threads 2] [--peers peers.out]``.
+Usage: ``python bench/bounds.py [--threads 2] [--rows 1,8,32,128,512,2048] [--peers peers.out]``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from model_families.linear import float_linear  # noqa: E402
+from model_families import quant  # noqa: E402
+from model_families.linear import float_linear, linear  # noqa: E402
+from model_families.quantized_weights import quantized_weight  # noqa: E402
 from weight_service.gguf_reader import GGUFCheckpoint  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
@@ -81,7 +91,32 @@ def model_weights() -> dict:
     h, hd, nh, nkv, inter = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     per_layer = h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * inter
     total = c.num_hidden_layers * per_layer + c.vocab_size * h
-    return {"layers": c.num_hidden_layers, "matrix_weights": total}
+    return {"layers": c.num_hidden_layers, "matrix_weights": total,
+            "layer_shapes": [((nh + 2 * nkv) * hd, h), (h, nh * hd), (2 * inter, h), (h, inter)]}
+
+
+def step_matmul_ms(model: dict, rows: list[int]) -> list[dict]:
+    """Per row count ``M``: ms of one step's layer matrices in bf16 and as int4 (see the module
+    docstring), and their ratio."""
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(model["layers"]):
+        mats = [torch.randn(n, k, generator=g) * 0.02 for n, k in model["layer_shapes"]]
+        layers.append([(m.to(torch.bfloat16), quantized_weight(quant.quantize_parts(m, "int4"), torch.bfloat16,
+                                                               torch.device("cpu"))) for m in mats])
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in model["layer_shapes"]}
+
+        def step(which: int, xs: dict = xs) -> None:
+            for layer in layers:
+                for pair in layer:
+                    linear(xs[pair[0].shape[1]], pair[which])
+
+        bf16, int4 = _best_s(lambda: step(0), 3) * 1e3, _best_s(lambda: step(1), 3) * 1e3
+        out.append({"rows": m, "bf16_ms": round(bf16, 2), "int4_ms": round(int4, 2),
+                    "int4_over_bf16": round(int4 / bf16, 2)})
+    return out
 
 
 def bounds(bandwidth_gbs: float, gflops: dict[str, float], weights: int) -> dict:
@@ -119,10 +154,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2, as bench/peers.py)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor size for the bandwidth probe")
+    p.add_argument("--rows", default="1,8,32,128,512,2048",
+                   help="row counts of the step-matmul table ('' to skip; default 1,8,32,128,512,2048)")
     p.add_argument("--peers", type=Path, default=None, help="a bench/peers.py stdout to rate against the bounds")
     args = p.parse_args()
-    if args.threads < 1 or args.bandwidth_mib < 64:
-        p.error("--threads must be >= 1 and --bandwidth-mib >= 64")
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        rows = [0]
+    if args.threads < 1 or args.bandwidth_mib < 64 or any(r < 1 for r in rows):
+        p.error("--threads must be >= 1, --bandwidth-mib >= 64 and --rows positive integers")
     peers = None
     if args.peers is not None:
         try:
@@ -138,6 +179,8 @@ def main() -> int:
               "matmul_gflops": {k: round(v, 1) for k, v in gflops.items()}, "model": model, "bounds": bound}
     if peers is not None:
         report["fractions"] = peer_fractions(peers, bound)
+    if rows:
+        report["step_matmul_ms"] = step_matmul_ms(model, rows)
     print(json.dumps(report, indent=2))
     print(f"\n| machine ({args.threads} threads) | value |\n|---|---:|")
     print(f"| memory read bandwidth | {bw:.1f} GB/s |")
@@ -147,6 +190,11 @@ def main() -> int:
           "1 stream tok/s (bandwidth) | 32 streams tok/s (matmul) |\n|---|---:|---:|---:|")
     for wd, b in bound.items():
         print(f"| {wd} | {b['bytes_per_token'] / 2**20:.0f} | {b['batch1_tok_s']:.0f} | {b['batch32_tok_s']:.0f} |")
+    if rows:
+        print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | int4 (ms) | int4 / bf16 |\n"
+              "|---:|---:|---:|---:|")
+        for r in report["step_matmul_ms"]:
+            print(f"| {r['rows']} | {r['bf16_ms']:.1f} | {r['int4_ms']:.1f} | {r['int4_over_bf16']:.2f} |")
     if peers is not None:
         print("\n| measured (bench/peers.py) | 1 stream tok/s | of bound | 32 streams tok/s | of bound |\n"
               "|---|---:|---:|---:|---:|")

@@ -150,6 +150,13 @@ def peak_rss(pid: int) -> dict:
     return {"total_mib": round(sum(per.values()), 1), "processes": per}
 
 
+def tree_peak_rss(pids: list[int]) -> dict:
+    """:func:`peak_rss` summed over several process trees (a stack of services)."""
+    trees = [peak_rss(pid) for pid in pids]
+    per = {name: mib for tree in trees for name, mib in tree["processes"].items()}
+    return {"total_mib": round(sum(per.values()), 1), "processes": per}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the process tree so far."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -231,6 +238,10 @@ class Server(ABC):
             time.sleep(0.1)
         raise TimeoutError(f"{self.label} not ready within {timeout_s:.0f} s; log {self.log_path}")
 
+    def pids(self) -> list[int]:
+        """The process-group leaders of this system (paused together, RSS summed over their trees)."""
+        return [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
+
     def log_tail(self, n: int = 3000) -> str:
         """The end of the server's log."""
         try:
@@ -296,15 +307,21 @@ class OpenAIServer(StreamingServer):
         finally:
             conn.close()
 
+    #: The API key the server requires (``Authorization: Bearer``); ``None``: no header.
+    api_key: str | None = None
+
     def stream_one(self, prompt: str, tokens: int) -> Stream:
         """Stream ``/v1/completions`` (SSE); the token count comes from the final usage chunk."""
         body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
         conn = http.client.HTTPConnection(HOST, self.port, timeout=self.args.request_timeout)
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         first, chunks, usage, text = None, 0, None, []
         start = time.perf_counter()
         try:
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", body, headers)
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -411,9 +428,9 @@ class WarmserveServer(StreamingServer):
         return cmd, env, self.checkout
 
     def ready(self) -> bool:
-        """The gRPC health check answers ``SERVING`` and the compiled programs are not pending (a
-        cold runner serves eager while they build; checkouts without ``program_state`` wait for
-        them before serving)."""
+        """The gRPC health check answers ``SERVING``, the compiled programs are not pending and
+        no background build is running (a cold runner serves eager, then its loop programs,
+        while it builds; checkouts without ``program_state`` wait for them before serving)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -430,7 +447,7 @@ class WarmserveServer(StreamingServer):
                                                                                timeout=5.0)
         except grpc.RpcError:
             return False
-        return getattr(info, "program_state", "") != "pending"
+        return getattr(info, "program_state", "") != "pending" and not getattr(info, "programs_building", False)
 
     def stream_one(self, prompt: str, tokens: int) -> Stream:
         """Stream ``Generation.Generate`` (raw text, greedy, EOS ignored)."""
@@ -456,6 +473,209 @@ class WarmserveServer(StreamingServer):
             self._channel.close()
             self._channel, self._stub = None, None
         super().stop()
+
+
+class WarmserveUpServer(OpenAIServer):
+    """``warmserve up --runners 1`` (every process of the stack: kernel cache, weights, router
+    with its KServe door, OpenAI door, one runner; the runner's defaults: the GGUF's own int4
+    weights, ``--dtype auto``), auth on (the door's API key from ``HOME/auth``), TLS off; the
+    client talks to its OpenAI door. Launched with :class:`warmserve.stack.LocalStack`, as
+    ``warmserve up`` does; "ready" is the runner's compiled programs installed and its
+    background build ended."""
+
+    system = "warmserve up"
+
+    def __init__(self, label: str, log_dir: Path, args, *, cache: Path) -> None:
+        super().__init__(label, log_dir, args)
+        self.home = cache / "warmserve-up" / "home"
+        self.stack = None
+
+    def command(self):
+        """Not used: the stack is launched in-process (:meth:`launch`)."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Not used: :meth:`launch` waits for the programs."""
+        return True
+
+    def launch(self, timeout_s: float) -> float:
+        """Start the stack on a home kept across runs, wait for its programs; seconds from the start."""
+        from warmserve.stack import LocalStack
+        from warmserve.stack_auth import OPENAI_KEY_FILE, auth_dir
+        from warmserve.stack_config import StackConfig
+
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        cfg = StackConfig(runners=1, base_port=0, home=self.home, openai=True, openai_port=0, record_state=False,
+                          served_model_name=SERVED_NAME, startup_timeout_s=timeout_s)
+        self.launched_at = time.perf_counter()
+        stack = LocalStack(cfg, progress=lambda m: log(f"{self.label}: {m.strip()}"))
+        stack.__enter__()
+        self.stack = stack
+        stack.wait_programs(0, timeout_s, final=True)
+        self.port = stack.port("openai")
+        self.api_key = (auth_dir(self.home) / OPENAI_KEY_FILE).read_text().strip()
+        return time.perf_counter() - self.launched_at
+
+    def pids(self) -> list[int]:
+        """Every service's and the runner's process (each leads its own session)."""
+        if self.stack is None:
+            return []
+        children = [*self.stack.services.values(), *self.stack.runners]
+        return [c.proc.pid for c in children if c.proc is not None and c.proc.poll() is None]
+
+    def stop(self) -> None:
+        """Stop the whole stack."""
+        if self.stack is not None:
+            self.stack.__exit__(None, None, None)
+            self.stack = None
+
+
+# -- at the door: vLLM's serving benchmark as the client ------------------------------------------
+
+
+def serve_bench(server: OpenAIServer, args, *, vllm_python: Path, tokenizer: Path, concurrency: int,
+                seed: int, out: Path) -> dict:
+    """One run of vLLM's own serving benchmark (``vllm bench serve``, from the vLLM venv)
+    against ``server``'s streamed ``/v1/completions``: random prompts of ``--door-input-len``
+    tokens (``seed`` picks them; a new seed per run, so no prefix cache helps), ``--door-tokens``
+    new tokens each, ``ignore_eos``, ``concurrency`` requests in flight, ``num_prompts =
+    max(4, 2 * concurrency)``. The server's API key goes in ``OPENAI_API_KEY``, which the client
+    sends as ``Authorization: Bearer``. Returns the client's result JSON (``output_throughput``
+    tok/s, ``median_ttft_ms``, ``p99_tpot_ms``, ...)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(vllm_python.with_name("vllm")), "bench", "serve", "--backend", "openai",
+           "--base-url", f"http://{HOST}:{server.port}", "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(args.door_input_len),
+           "--random-output-len", str(args.door_tokens), "--ignore-eos", "--temperature", "0",
+           "--num-prompts", str(max(4, 2 * concurrency)), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
+           "--result-filename", out.name, "--disable-tqdm"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", OPENAI_API_KEY=server.api_key or "EMPTY")
+    env.pop("LD_PRELOAD", None)
+    with open(out.with_suffix(".log"), "wb") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.request_timeout)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve exited {rc}; log {out.with_suffix('.log')}:\n"
+                           f"{out.with_suffix('.log').read_text(errors='replace')[-2000:]}")
+    return json.loads(out.read_text())
+
+
+#: The figures of :func:`serve_bench`'s result kept per run (tok/s; milliseconds).
+DOOR_FIGURES = ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
+                "median_itl_ms", "p99_itl_ms")
+
+
+def run_door_group(servers: list[OpenAIServer], args, report: dict, *, vllm_python: Path, tokenizer: Path,
+                   log_dir: Path) -> None:
+    """Start each door, then per concurrency (``--door-concurrency``): one unrecorded warm-up
+    each, then ``--runs`` interleaved runs of :func:`serve_bench`, the other doors paused."""
+    alive: list[OpenAIServer] = []
+    for server in servers:
+        try:
+            report["door_systems"][server.label].update(start_server(server, args, prime=False))
+            report["door_systems"][server.label]["status"] = "ok"
+            alive.append(server)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the rest goes on
+            log(f"{server.label}: FAILED to start: {e}")
+            report["door_systems"][server.label]["status"] = f"failed to start: {str(e)[:3000]}"
+            server.stop()
+    try:
+        for conc in args.door_concurrency:
+            for server in alive:
+                log(f"{server.label}: door warm-up, {conc} streams")
+                with _Paused([o for o in alive if o is not server], args.pause):
+                    server.run_workload(prompts(conc), min(8, args.tokens))
+            for run in range(args.runs):
+                seed = 1000 * conc + run + 1
+                for server in alive:
+                    before = load()
+                    out = log_dir / "door" / f"{server.label.replace(' ', '_')}-c{conc}-r{run + 1}.json"
+                    try:
+                        with _Paused([o for o in alive if o is not server], args.pause):
+                            result = serve_bench(server, args, vllm_python=vllm_python, tokenizer=tokenizer,
+                                                 concurrency=conc, seed=seed, out=out)
+                        rec = {k: result.get(k) for k in DOOR_FIGURES}
+                        rec.update(completed=result.get("completed"), failed=result.get("failed"),
+                                   output_tokens=result.get("total_output_tokens"))
+                    except Exception as e:  # noqa: BLE001
+                        rec = {"error": str(e)[:2000]}
+                    rec.update({"system": server.label, "concurrency": conc, "run": run + 1, "seed": seed,
+                                "loadavg_before": before, "loadavg_after": load()})
+                    report["door_records"].append(rec)
+                    log(f"{server.label}: door {conc} streams run {run + 1}: "
+                        + (f"{rec['output_throughput']:.1f} tok/s, TPOT {rec['median_tpot_ms']:.1f} ms, "
+                           f"TTFT {rec['median_ttft_ms']:.0f} ms" if "error" not in rec
+                           else f"ERROR {rec['error'][:300]}") + f", load {before}")
+    finally:
+        for server in alive:
+            if server.pids():
+                report["door_systems"][server.label]["peak_rss"] = tree_peak_rss(server.pids())
+            server.stop()
+
+
+def door_medians(report: dict) -> dict:
+    """Median of each :data:`DOOR_FIGURES` figure per door system and concurrency."""
+    out: dict = {}
+    for label in report["door_systems"]:
+        for conc in report["door_concurrency"]:
+            recs = [r for r in report["door_records"]
+                    if r["system"] == label and r["concurrency"] == conc and "error" not in r]
+            if recs:
+                row = {k: round(statistics.median(r[k] for r in recs), 2) for k in DOOR_FIGURES}
+                out.setdefault(label, {})[str(conc)] = row | {"runs": len(recs)}
+    return out
+
+
+def door_goals(report: dict) -> list[dict]:
+    """Issue 25's door goals against the medians: warmserve at one stream >= 1.5x llama.cpp's
+    output tok/s, at 16 streams >= 1.3x vLLM bf16's with a median TTFT no worse."""
+    med = report["door_median"]
+    w, v, lc = med.get("warmserve up", {}), med.get("vllm bf16", {}), med.get("llama.cpp Q4_1", {})
+    goals = []
+
+    def ratio(a: dict, b: dict, key: str) -> float | None:
+        return round(a[key] / b[key], 2) if a.get(key) and b.get(key) else None
+
+    goals.append({"goal": "1 stream: warmserve up / llama.cpp output tok/s >= 1.5",
+                  "measured": ratio(w.get("1", {}), lc.get("1", {}), "output_throughput"), "target": 1.5})
+    goals.append({"goal": "16 streams: warmserve up / vLLM bf16 output tok/s >= 1.3",
+                  "measured": ratio(w.get("16", {}), v.get("16", {}), "output_throughput"), "target": 1.3})
+    goals.append({"goal": "16 streams: vLLM bf16 / warmserve up median TTFT >= 1.0",
+                  "measured": ratio(v.get("16", {}), w.get("16", {}), "median_ttft_ms"), "target": 1.0})
+    for g in goals:
+        g["met"] = None if g["measured"] is None else g["measured"] >= g["target"]
+    return goals
+
+
+def door_markdown(report: dict) -> str:
+    """Rows = concurrency, columns = door systems: output tok/s, TPOT and TTFT (p50 / p99)."""
+    labels = list(report["door_systems"])
+    med = report["door_median"]
+    lines = ["| at the OpenAI door | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for conc in report["door_concurrency"]:
+        name = "1 stream" if conc == 1 else f"{conc} concurrent"
+        for title, keys, spec in (("output tok/s", ("output_throughput",), ".1f"),
+                                  ("TPOT ms p50 / p99", ("median_tpot_ms", "p99_tpot_ms"), ".1f"),
+                                  ("TTFT ms p50 / p99", ("median_ttft_ms", "p99_ttft_ms"), ".0f")):
+            cells = []
+            for lb in labels:
+                row = med.get(lb, {}).get(str(conc), {})
+                cells.append(" / ".join(_fmt(row.get(k), spec) for k in keys))
+            lines.append(f"| {name}: {title} | " + " | ".join(cells) + " |")
+    sysinfo = report["door_systems"]
+    lines.append("| peak RSS, every process (MiB) | " + " | ".join(
+        _fmt(sysinfo[lb].get("peak_rss", {}).get("total_mib"), ".0f") for lb in labels) + " |")
+    lines.append("")
+    lines += ["| goal (issue 25) | measured | met |", "|---|---:|---|"]
+    for g in report["door_goals"]:
+        lines.append(f"| {g['goal']} | {_fmt(g['measured'], '.2f')} | {'-' if g['met'] is None else g['met']} |")
+    for lb in labels:
+        status = sysinfo[lb].get("status", "")
+        if status != "ok":
+            lines.append(f"- {lb}: {status.splitlines()[0] if status else 'not run'}")
+    return "\n".join(lines)
 
 
 class TransformersServer(Server):
@@ -545,10 +765,11 @@ def summarize(streams: list[Stream], expected_tokens: int) -> dict:
     }
 
 
-def start_server(server: Server, args) -> dict:
-    """Prime launch (unless ``--no-prime``), then the measured launch that stays up for the runs."""
+def start_server(server: Server, args, *, prime: bool = True) -> dict:
+    """Prime launch (unless ``--no-prime`` or not ``prime``), then the measured launch that stays
+    up for the runs."""
     info: dict = {"system": server.system, "log": str(server.log_path)}
-    if not args.no_prime:
+    if prime and not args.no_prime:
         log(f"{server.label}: priming launch (fills its caches)")
         ready_s = server.launch(args.startup_timeout)
         s = server.run_workload(prompts(1), args.tokens)[0]
@@ -568,9 +789,12 @@ def start_server(server: Server, args) -> dict:
 
 def idle_cpu(servers: list[Server], seconds: float = 3.0) -> dict:
     """CPU seconds per second each (idle) server used over ``seconds``."""
-    before = {s.label: cpu_seconds(s.proc.pid) for s in servers}
+    def used(s: Server) -> float:
+        return sum(cpu_seconds(pid) for pid in s.pids())
+
+    before = {s.label: used(s) for s in servers}
     time.sleep(seconds)
-    return {s.label: round((cpu_seconds(s.proc.pid) - before[s.label]) / seconds, 3) for s in servers}
+    return {s.label: round((used(s) - before[s.label]) / seconds, 3) for s in servers}
 
 
 class _Paused:
@@ -578,7 +802,7 @@ class _Paused:
     ``SIGCONT`` them on exit. A no-op when ``enabled`` is false."""
 
     def __init__(self, servers: list[Server], enabled: bool) -> None:
-        self.pids = [s.proc.pid for s in servers if enabled and s.proc is not None and s.proc.poll() is None]
+        self.pids = [pid for s in servers if enabled for pid in s.pids()]
 
     def _signal(self, sig: int) -> None:
         for pid in self.pids:
@@ -635,8 +859,8 @@ def run_group(servers: list[Server], args, report: dict) -> None:
                            if "error" not in rec else f"ERROR {rec['error'][:200]}") + f", load {before}")
     finally:
         for server in alive:
-            if server.proc is not None:
-                report["systems"][server.label]["peak_rss"] = peak_rss(server.proc.pid)
+            if server.pids():
+                report["systems"][server.label]["peak_rss"] = tree_peak_rss(server.pids())
             server.stop()
 
 
@@ -766,6 +990,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
     p.add_argument("--dtype", default="f32,bf16", help="dtype groups: f32, bf16 or both (default f32,bf16)")
     p.add_argument("--concurrency", default="1,8,32", help="concurrent streams per workload (default 1,8,32)")
+    p.add_argument("--parts", default="runner,door",
+                   help="runner (each runner or server alone, the client of this file), door (the stacks' "
+                        "OpenAI doors, vLLM's serving benchmark as the client), or both (default)")
+    p.add_argument("--door-concurrency", default="1,16,32", help="concurrent streams at the door (default 1,16,32)")
+    p.add_argument("--door-tokens", type=int, default=128, help="new tokens per request at the door (default 128)")
+    p.add_argument("--door-input-len", type=int, default=128, help="prompt tokens at the door (default 128)")
     p.add_argument("--skip-install", action="store_true", help="install nothing: skip peers not installed yet")
     p.add_argument("--warmserve-ref", default=None, metavar="DIR",
                    help="another warmserve checkout (worktree) to run as an extra column warmserve@old")
@@ -791,9 +1021,17 @@ def parse_args(argv=None):
     args.concurrency = [int(c) for c in _csv(args.concurrency)]
     if not args.concurrency or min(args.concurrency) < 1 or args.runs < 1 or args.tokens < 2 or args.threads < 1:
         p.error("--concurrency, --runs, --threads must be >= 1 and --tokens >= 2")
-    args.max_concurrency = max(args.concurrency)
-    # Context per sequence: prompt (~20 tokens) + new tokens, rounded up to 128, at least 512.
-    args.max_model_len = max(512, -(-(args.tokens + 64) // 128) * 128)
+    args.parts = _csv(args.parts)
+    if not args.parts or set(args.parts) - {"runner", "door"}:
+        p.error("--parts takes runner, door or runner,door")
+    args.door_concurrency = [int(c) for c in _csv(args.door_concurrency)]
+    if not args.door_concurrency or min(args.door_concurrency) < 1 or args.door_tokens < 2 or args.door_input_len < 1:
+        p.error("--door-concurrency and --door-input-len must be >= 1 and --door-tokens >= 2")
+    args.max_concurrency = max(args.concurrency + args.door_concurrency)
+    # Context per sequence: the longer prompt (~20 tokens here, --door-input-len at the door) plus
+    # new tokens and some slack for re-tokenisation, rounded up to 128, at least 512.
+    longest = max(args.tokens + 64, args.door_tokens + args.door_input_len + 64)
+    args.max_model_len = max(512, -(-longest // 128) * 128)
     if args.warmserve_ref:
         ref = Path(args.warmserve_ref).resolve()
         if cli_module(ref) is None:
@@ -821,7 +1059,7 @@ def main(argv=None) -> int:
         want.add("warmserve@old")
     found: dict[str, object] = {}
     unavailable: dict[str, str] = {}
-    if {"vllm", "transformers"} & want:
+    if {"vllm", "transformers"} & want or ("door" in args.parts and "vllm" in want):
         try:
             found["checkpoint"] = peers_install.hf_checkpoint(cache, gguf)
         except Unavailable as e:
@@ -845,7 +1083,7 @@ def main(argv=None) -> int:
     if args.warmserve_ref:
         report["versions"]["warmserve@old"] = _git_rev(args.warmserve_ref)
 
-    for gi, dtype in enumerate(args.dtype):
+    for gi, dtype in enumerate(args.dtype if "runner" in args.parts else []):
         candidates = [(f"warmserve {dtype}", "warmserve", lambda lb, d=dtype: WarmserveServer(
             lb, log_dir, args, checkout=REPO, dtype=d, cache=cache))]
         if gi == 0 and has_weights_dtype(REPO):  # the GGUF's own Q4_1 groups, like llama.cpp (group 0)
@@ -871,16 +1109,55 @@ def main(argv=None) -> int:
         log(f"dtype group {dtype}: {', '.join(s.label for s in group) or 'nothing to run'}")
         run_group(group, args, report)
 
+    if "door" in args.parts:
+        run_doors(args, report, want, found, unavailable, cache, log_dir, gguf)
+
     report["loadavg_end"] = load()
     report["median"] = medians(report)
     report["ratios"] = ratios(report)
+    if "door" in args.parts:
+        report["door_median"] = door_medians(report)
+        report["door_goals"] = door_goals(report)
     print(json.dumps(report, indent=2))
-    print()
-    print(f"SmolLM2-135M-Instruct, greedy, {args.tokens} new tokens per stream, {args.threads} threads, "
-          f"medians of {args.runs} interleaved runs")
-    print()
-    print(markdown(report))
+    if "runner" in args.parts:
+        print()
+        print(f"SmolLM2-135M-Instruct, greedy, {args.tokens} new tokens per stream, {args.threads} threads, "
+              f"medians of {args.runs} interleaved runs")
+        print()
+        print(markdown(report))
+    if "door" in args.parts:
+        print()
+        print(f"At the OpenAI door, vLLM's serving benchmark as the client: random {args.door_input_len}-token "
+              f"prompts, {args.door_tokens} new tokens, ignore_eos, greedy; medians of {args.runs} interleaved runs")
+        print()
+        print(door_markdown(report))
     return 0
+
+
+def run_doors(args, report: dict, want: set[str], found: dict, unavailable: dict, cache: Path, log_dir: Path,
+              gguf: Path) -> None:
+    """The door part: ``warmserve up``, vLLM bf16 and llama.cpp, each behind its OpenAI door,
+    measured by vLLM's serving benchmark (needs the vLLM venv; skipped with a reason without it)."""
+    report.update(door_concurrency=args.door_concurrency, door_tokens=args.door_tokens,
+                  door_input_len=args.door_input_len, door_systems={}, door_records=[])
+    candidates = [("warmserve up", "warmserve", lambda lb: WarmserveUpServer(lb, log_dir, args, cache=cache)),
+                  ("vllm bf16", "vllm", lambda lb: VLLMServer(lb, log_dir, args, python=found["vllm"],
+                                                              checkpoint=found["checkpoint"], dtype="bf16",
+                                                              cache=cache)),
+                  ("llama.cpp Q4_1", "llama.cpp", lambda lb: LlamaCppServer(lb, log_dir, args,
+                                                                            binary=found["llama.cpp"], gguf=gguf))]
+    client = None if "vllm" in unavailable else found.get("vllm")
+    group: list[OpenAIServer] = []
+    for label, system, make in candidates:
+        if client is None or system in unavailable:
+            why = unavailable.get(system) or unavailable.get("vllm") or "vllm was not selected (its venv holds the client)"
+            report["door_systems"][label] = {"system": system, "status": f"skipped: {why}"}
+        elif system in want:
+            report["door_systems"][label] = {"system": system}
+            group.append(make(label))
+    log(f"doors: {', '.join(s.label for s in group) or 'nothing to run'}")
+    if group:
+        run_door_group(group, args, report, vllm_python=client, tokenizer=found["checkpoint"], log_dir=log_dir)
 
 
 def _git_rev(path: Path) -> str:
