@@ -967,9 +967,10 @@ def _csv(text: str) -> list[str]:
 
 
 def has_weights_dtype(checkout: Path) -> bool:
-    """Whether ``checkout``'s runner takes ``--weights-dtype`` (quantized sidecars)."""
-    cli = checkout / "runner_service" / "cli.py"
-    return cli.is_file() and "--weights-dtype" in cli.read_text()
+    """Whether ``checkout``'s runner takes ``--weights-dtype`` (quantized sidecars): declared in
+    ``runner_service/options.py`` since the options were declared once, in ``cli.py`` before."""
+    files = (checkout / "runner_service" / "options.py", checkout / "runner_service" / "cli.py")
+    return any(f.is_file() and "--weights-dtype" in f.read_text() for f in files)
 
 
 def cli_module(checkout: Path) -> str | None:

@@ -38,7 +38,8 @@ Method (one run, one machine):
    the runner alone against the OpenAI door: output tok/s, TPOT, TTFT and each process's CPU
    time per token. ``--rates-only`` runs just this part; ``--ref DIR`` measures an older
    checkout's code first on the same home (before/after in one run); ``--profile DIR`` samples
-   every process with py-spy during the first round.
+   every process with py-spy during the first round; ``--tls`` runs the stack as ``up --tls``
+   (mTLS on every hop, the door over HTTPS with the stack's client certificate).
 
 Prints a JSON object and a Markdown table; never asserts on timings.
 
@@ -477,17 +478,20 @@ def _direct_stream(stub, prompt: str, tokens: int, t0: float) -> dict:
     return {"first": first, "last": last, "tokens": count}
 
 
-def _door_stream(url: str, key: str | None, model: str, prompt: str, tokens: int, t0: float) -> dict:
+def _door_stream(url: str, key: str | None, model: str, prompt: str, tokens: int, t0: float,
+                 context=None) -> dict:
     """The same stream through the OpenAI door (``POST /v1/completions``, ``stream``, usage
     included), read raw with ``http.client`` (only the usage chunk is parsed, so the client's
-    own cost stays small): first/last text-chunk arrival (s since ``t0``), tokens from the usage."""
+    own cost stays small): first/last text-chunk arrival (s since ``t0``), tokens from the usage.
+    ``context``: an ``ssl.SSLContext`` for an ``https`` door (mTLS: it presents a certificate)."""
     parts = urllib.parse.urlsplit(url)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    conn = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=600, context=context)
+            if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname, parts.port, timeout=600))
     first = last = None
     count = 0
     try:
@@ -579,20 +583,24 @@ def _profiled(directory: Path | None, label: str, pids: dict[str, int]):
 
 
 def bench_rates(home: Path, streams: list[int], tokens: int, rounds: int, compile_mode: str,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, tls: bool = False) -> dict:
     """Item 6 of the module docstring: one ``warmserve up --runners 1`` stack (every process of
     ``up``: kernel cache, weights, router with its KServe door, OpenAI door, one runner; auth
-    on, TLS off), its programs installed; per concurrency, rounds alternate between the runner
-    alone (``warmserve.v1`` straight to it) and the OpenAI door (through the router)."""
+    on; TLS off, or with ``tls`` mTLS on every hop and at the door, as ``up --tls``), its
+    programs installed; per concurrency, rounds alternate between the runner alone
+    (``warmserve.v1`` straight to it) and the OpenAI door (through the router)."""
     from warmserve.stack import LocalStack
     from warmserve.stack_auth import OPENAI_KEY_FILE, auth_dir
     from warmserve.stack_config import StackConfig
+    from warmserve.stack_tls import http_context
 
-    cfg = StackConfig(runners=1, base_port=0, home=home, compile=compile_mode, openai=True, record_state=False)
+    cfg = StackConfig(runners=1, base_port=0, home=home, compile=compile_mode, openai=True, record_state=False,
+                      tls=tls)
     with LocalStack(cfg, progress=lambda m: print(m, file=sys.stderr)) as stack:
-        info = stack.wait_programs(0)
+        info = stack.wait_programs(0, final=True)
         key = (auth_dir(home) / OPENAI_KEY_FILE).read_text().strip() if cfg.auth else None
-        url = f"http://{cfg.host}:{stack.port('openai')}/v1"
+        context = http_context(stack.commands.pki)
+        url = f"{'https' if context else 'http'}://{cfg.host}:{stack.port('openai')}/v1"
         with open_channel(stack.runners[0].address, security=stack.credentials()) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             from services.model_name import served_model_name
@@ -600,7 +608,7 @@ def bench_rates(home: Path, streams: list[int], tokens: int, rounds: int, compil
             model = served_model_name(stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).model)
             paths = {
                 "runner": lambda i, t0: _direct_stream(stub, _rate_prompt(i), tokens, t0),
-                "door": lambda i, t0: _door_stream(url, key, model, _rate_prompt(i), tokens, t0),
+                "door": lambda i, t0: _door_stream(url, key, model, _rate_prompt(i), tokens, t0, context),
             }
             pids = {name: c.proc.pid for name, c in stack.services.items()}
             pids |= {"runner": stack.runners[0].proc.pid, "client": os.getpid()}
@@ -608,7 +616,7 @@ def bench_rates(home: Path, streams: list[int], tokens: int, rounds: int, compil
                 for path in paths.values():
                     _concurrent(path, n)
             out: dict = {"tokens_per_stream": tokens, "rounds": rounds, "program_state": info.program_state,
-                         "weights_dtype": info.weights_dtype, "dtype": info.dtype}
+                         "weights_dtype": info.weights_dtype, "dtype": info.dtype, "tls": tls}
             for n in streams:
                 runs: dict[str, list[dict]] = {k: [] for k in paths}
                 for k in range(rounds):
@@ -649,7 +657,8 @@ def print_rates_table(rates: dict[str, dict], streams: list[int]) -> None:
     any_rates = next(iter(rates.values()))
     print(f"\nOutput tok/s, the runner alone vs through the OpenAI door ({any_rates['tokens_per_stream']} tokens "
           f"per stream, medians of {any_rates['rounds']} rounds; {any_rates['weights_dtype']} weights, "
-          f"{any_rates['dtype']}, programs {any_rates['program_state']}):\n")
+          f"{any_rates['dtype']}, programs {any_rates['program_state']}, "
+          f"TLS {'on (mTLS every hop)' if any_rates.get('tls') else 'off'}):\n")
     print("| code | streams | runner tok/s | door tok/s | door / runner | runner TPOT | door TPOT | "
           "runner TTFT | door TTFT |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -675,13 +684,15 @@ def _rates_main(args: argparse.Namespace) -> int:
     streams = [int(n) for n in args.streams.split(",")]
     rate_args = ["--streams", args.streams, "--rate-tokens", str(args.rate_tokens),
                  "--rate-rounds", str(args.rate_rounds), "--compile", args.compile]
+    if args.tls:
+        rate_args.append("--tls")
     with tempfile.TemporaryDirectory(prefix="warmserve-bench-rates-") as tmp:
         home = Path(args.home) if args.home else Path(tmp) / "home"
         rates: dict[str, dict] = {}
         if args.ref:
             rates["ref"] = bench_rates_ref(Path(args.ref).resolve(), home, rate_args)
         rates["this"] = bench_rates(home, streams, args.rate_tokens, args.rate_rounds, args.compile,
-                                    Path(args.profile) if args.profile else None)
+                                    Path(args.profile) if args.profile else None, tls=args.tls)
     result = {"benchmark": "router", "rates": rates["this"], "rates_ref": rates.get("ref")}
     print(json.dumps(result, indent=2))
     if args.json:
@@ -706,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", default="aoti", help="the runner's --compile in the rates part (aoti)")
     parser.add_argument("--profile", default=None,
                         help="rates part: py-spy each process during the first round of each path, into this folder")
+    parser.add_argument("--tls", action="store_true",
+                        help="rates part: the stack with mTLS on every hop and at the door (as up --tls)")
     parser.add_argument("--ref", default=None,
                         help="also measure the rates with this checkout's code (an older commit), same home")
     args = parser.parse_args(argv)
