@@ -242,6 +242,11 @@ class Server(ABC):
         """The process-group leaders of this system (paused together, RSS summed over their trees)."""
         return [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
 
+    def resumed(self) -> None:
+        """Called after the system was paused (``SIGCONT`` sent); waits until it serves again
+        where resuming is not immediate. Here a no-op."""
+        return None
+
     def log_tail(self, n: int = 3000) -> str:
         """The end of the server's log."""
         try:
@@ -491,6 +496,20 @@ class WarmserveUpServer(OpenAIServer):
     def __init__(self, label: str, log_dir: Path, args, *, cache: Path) -> None:
         super().__init__(label, log_dir, args)
         self.home = cache / "warmserve-up" / "home"
+
+    def resumed(self, timeout_s: float = 60.0) -> None:
+        """After ``SIGCONT``: wait until a one-token completion goes through the door. The whole
+        stack was stopped for longer than the runner's lease (10 s), so the router, resumed, may
+        drop the runner before its next heartbeat re-registers it (503 meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.run_workload(prompts(1), 1)
+                return
+            except Exception:  # noqa: BLE001 - retried until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         self.stack = None
 
     def command(self):
@@ -595,8 +614,11 @@ def run_door_group(servers: list[OpenAIServer], args, report: dict, *, vllm_pyth
         for conc in args.door_concurrency:
             for server in alive:
                 log(f"{server.label}: door warm-up, {conc} streams")
-                with _Paused([o for o in alive if o is not server], args.pause):
-                    server.run_workload(prompts(conc), min(8, args.tokens))
+                try:
+                    with _Paused([o for o in alive if o is not server], args.pause):
+                        server.run_workload(prompts(conc), min(8, args.tokens))
+                except Exception as e:  # noqa: BLE001 - the measured runs report their own errors
+                    log(f"{server.label}: door warm-up failed: {str(e)[:300]}")
             for run in range(args.runs):
                 seed = 1000 * conc + run + 1
                 for server in alive:
@@ -812,7 +834,8 @@ class _Paused:
     ``SIGCONT`` them on exit. A no-op when ``enabled`` is false."""
 
     def __init__(self, servers: list[Server], enabled: bool) -> None:
-        self.pids = [pid for s in servers if enabled for pid in s.pids()]
+        self.servers = servers if enabled else []
+        self.pids = [pid for s in self.servers for pid in s.pids()]
 
     def _signal(self, sig: int) -> None:
         for pid in self.pids:
@@ -825,6 +848,8 @@ class _Paused:
 
     def __exit__(self, *exc) -> None:
         self._signal(signal.SIGCONT)
+        for server in self.servers:
+            server.resumed()
 
 
 def run_group(servers: list[Server], args, report: dict) -> None:
