@@ -496,6 +496,7 @@ class WarmserveUpServer(OpenAIServer):
     def __init__(self, label: str, log_dir: Path, args, *, cache: Path) -> None:
         super().__init__(label, log_dir, args)
         self.home = cache / "warmserve-up" / "home"
+        self.stack = None
 
     def resumed(self, timeout_s: float = 60.0) -> None:
         """After ``SIGCONT``: wait until a one-token completion goes through the door. The whole
@@ -510,7 +511,6 @@ class WarmserveUpServer(OpenAIServer):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        self.stack = None
 
     def command(self):
         """Not used: the stack is launched in-process (:meth:`launch`)."""
