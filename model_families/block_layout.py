@@ -63,16 +63,17 @@ class BlockLayout:
 
     def slots_np(self, block_tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:meth:`slot` of row ``i`` for C-contiguous block tables [n, nb] (int64) and positions
-        [n] (int64), vectorised -> [n]: ``block_tables[i, p_i // bs] * bs + p_i % bs``; a
-        single row [1, nb] serves any number of positions."""
+        [n] or [n, S] (int64), vectorised -> positions' shape: ``block_tables[i, p_i // bs] * bs
+        + p_i % bs``; a single row [1, nb] serves any number of positions [m]."""
         bs = self.block_size
         return self._gather(block_tables, positions // bs) * bs + positions % bs
 
     @staticmethod
     def _gather(block_tables: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """``block_tables[i, cols[i]]`` for each row ``i`` (one flat ``take``)."""
+        """``block_tables[i, cols[i]]`` for each row ``i``, ``cols`` [n] or [n, S] (one flat ``take``)."""
         rows, width = block_tables.shape
-        return block_tables.ravel().take(np.arange(0, rows * width, width) + cols)
+        starts = np.arange(0, rows * width, width)
+        return block_tables.ravel().take((starts if cols.ndim == 1 else starts[:, None]) + cols)
 
     def describe(self) -> dict:
         """The layout as plain JSON-able facts (it enters compiled programs' fingerprints)."""

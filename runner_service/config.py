@@ -55,6 +55,12 @@ class EngineConfig:
       CPU priority; each is installed between two engine steps (:meth:`LLMEngine.call_between_steps`).
     - ``max_prompt_bytes``: the largest text or chat prompt, in UTF-8 bytes; a larger one is
       refused before it is tokenized (:func:`runner_service.limits.check_prompt_bytes`).
+    - ``speculative``: :data:`~runner_service.options.SPECULATIVE_METHODS` (``off``, or
+      ``ngram``: prompt-lookup drafts, :mod:`runner_service.ngram`), for a family that lists the
+      method in :attr:`~model_families.family.ModelFamily.speculative_methods`;
+      ``num_speculative_tokens`` (``K``, 1 .. :data:`~runner_service.options.MAX_SPECULATIVE_TOKENS`)
+      drafts at most per sequence and step; ``prompt_lookup_min`` / ``prompt_lookup_max``: the
+      suffix lengths (tokens) the n-gram lookup tries, longest first.
     - ``build_lease_s``: TTL in seconds of the kernel-cache build lease a runner holds while it
       compiles a program others wait for (renewed every third of it; a runner that dies loses
       it after this long and a waiter takes the build over).
@@ -78,6 +84,10 @@ class EngineConfig:
     background_compile: bool = opt.COMPILE_IN_BACKGROUND.default
     build_lease_s: float = opt.BUILD_LEASE_TTL.default
     max_prompt_bytes: int = opt.MAX_PROMPT_BYTES.default
+    speculative: str = opt.SPECULATIVE.default
+    num_speculative_tokens: int = opt.NUM_SPECULATIVE_TOKENS.default
+    prompt_lookup_max: int = opt.PROMPT_LOOKUP_MAX.default
+    prompt_lookup_min: int = opt.PROMPT_LOOKUP_MIN.default
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -106,6 +116,19 @@ class EngineConfig:
             raise InvalidArgument(f"build_lease_s must be in [{MIN_LEASE_TTL_S:g}, {MAX_LEASE_TTL_S:g}] seconds, "
                                   f"got {self.build_lease_s}")
         check_default_max_tokens(self.default_max_tokens)
+        if self.speculative not in opt.SPECULATIVE_METHODS:
+            raise InvalidArgument(f"speculative must be one of {opt.SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= opt.MAX_SPECULATIVE_TOKENS:
+            raise InvalidArgument(f"num_speculative_tokens must be in [1, {opt.MAX_SPECULATIVE_TOKENS}], "
+                                  f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidArgument(f"prompt_lookup_min ({self.prompt_lookup_min}) must be in [1, prompt_lookup_max "
+                                  f"({self.prompt_lookup_max})]")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per sequence and step: ``num_speculative_tokens`` when speculating, else 0."""
+        return 0 if self.speculative == "off" else self.num_speculative_tokens
 
     def resolved_max_model_len(self, args: FamilyConfig) -> int:
         """Context length in tokens for the model ``args``; raises ``InvalidArgument`` past its

@@ -37,6 +37,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
         default_max_tokens=sp.default_max_tokens if sp.HasField("default_max_tokens") else None,
+        disable_speculative_decoding=sp.disable_speculative_decoding,
     )
 
 

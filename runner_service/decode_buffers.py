@@ -24,6 +24,17 @@ buffer                shape                                 row ``i`` of a decod
 ``logits_indices``    [max_num_seqs]                        row whose logits come ``i``-th (``i``)
 ====================  ===================================  ========================================
 
+With speculative decoding (``max_draft_tokens`` ``K`` > 0) a verify step feeds each active row
+``1 + k`` tokens (its last token, then its ``k <= K`` draft tokens) through four more buffers
+(:meth:`DecodeBuffers.fill_verify`); the block tables are the decode ones (same rows, same cache):
+
+====================  ===================================  ========================================
+``verify_ids``        [max_num_seqs, 1 + K]                 last token, drafts, then padding (0)
+``verify_positions``  [max_num_seqs, 1 + K]                 ``p .. p + k``, then 0
+``verify_slots``      [max_num_seqs, 1 + K]                 their KV slots, then scratch slot 0
+``verify_lens``       [max_num_seqs]                        context length after the step (``p + 1 + k``)
+====================  ===================================  ========================================
+
 On an accelerator the rows are written into host mirrors (pinned on CUDA) and the active prefix is copied
 to the device tensors with ``non_blocking=True``; on the CPU the mirrors are the tensors.
 """
@@ -42,6 +53,8 @@ from runner_service.kv_cache import SCRATCH_BLOCK
 from services.errors import InvalidArgument
 
 _NAMES = ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
+#: The verify step's grids ``[max_num_seqs, 1 + K]`` (allocated when ``max_draft_tokens`` > 0).
+_VERIFY_GRIDS = ("verify_ids", "verify_positions", "verify_slots")
 
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
 _PADDING_KEY: list[int] = []
@@ -53,13 +66,16 @@ _PYTHON_SLOT_ROWS = 40
 
 
 class DecodeBuffers:
-    """The persistent decode inputs for up to ``max_num_seqs`` rows (see the module docstring)."""
+    """The persistent decode inputs for up to ``max_num_seqs`` rows (see the module docstring);
+    with ``max_draft_tokens`` > 0 also the verify step's."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, num_blocks: int,
-                 device: torch.device | str = "cpu", layout: BlockLayout | None = None) -> None:
-        if max_num_seqs < 1 or max_blocks_per_seq < 1 or block_size < 1 or num_blocks < 2:
-            raise InvalidArgument("decode buffers need max_num_seqs, max_blocks_per_seq, block_size >= 1 "
-                                  "and num_blocks >= 2")
+                 device: torch.device | str = "cpu", layout: BlockLayout | None = None,
+                 max_draft_tokens: int = 0) -> None:
+        if max_num_seqs < 1 or max_blocks_per_seq < 1 or block_size < 1 or num_blocks < 2 or max_draft_tokens < 0:
+            raise InvalidArgument("decode buffers need max_num_seqs, max_blocks_per_seq, block_size >= 1, "
+                                  "num_blocks >= 2 and max_draft_tokens >= 0")
+        self.max_draft_tokens = max_draft_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
@@ -81,6 +97,13 @@ class DecodeBuffers:
 
         self._host = {name: host(n) for name in _NAMES}
         self._host["block_tables"] = host(n, m)
+        if self.max_draft_tokens:
+            self._host.update({name: host(n, 1 + self.max_draft_tokens) for name in _VERIFY_GRIDS})
+            self._host["verify_lens"] = host(n)
+            #: Column index of the verify grid, and the step's columns-in-use mask (scratch).
+            self._verify_cols = np.arange(1 + self.max_draft_tokens, dtype=np.int64)
+            self._verify_valid = np.zeros((n, 1 + self.max_draft_tokens), dtype=bool)
+            self._verify_drafts = np.zeros(n, dtype=np.int64)
         self._np = {name: t.numpy() for name, t in self._host.items()}
         period = self.layout.slot_period
         #: Per row, the slot of each position modulo the layout's ``slot_period`` (a ring
@@ -97,6 +120,7 @@ class DecodeBuffers:
         #: below it is in the row's blocks (one compare per row and step).
         self._row_limits: list[int] = [self._max_tokens(0)] * n
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._verify_width = 1
         self._prefixes: dict[int, tuple[np.ndarray, ...]] = {}
         self.num_active = 0
         self._set_padding(0, n)
@@ -186,6 +210,68 @@ class DecodeBuffers:
         self.num_active = n
         self._copy_to_device(copied)
         return n
+
+    def fill_verify(self, tokens: Seq[int], positions: Seq[int], block_tables: Seq[Seq[int]],
+                    drafts: Seq[Seq[int]]) -> int:
+        """Write a verify step's active prefix: :meth:`fill` for the rows' block tables, then
+        row ``i`` of the verify grids gets ``tokens[i]`` at ``positions[i]`` followed by the
+        ``k_i = len(drafts[i])`` draft tokens at the next positions; entries past ``k_i`` are
+        padding (token 0, position 0, the scratch slot); ``verify_lens[i]`` is
+        ``positions[i] + 1 + k_i``. Validated before any buffer is touched: ``InvalidArgument``
+        for what :meth:`fill` refuses, no verify buffers (``max_draft_tokens`` 0), more than
+        ``max_draft_tokens`` drafts, a draft position outside the row's blocks or a negative
+        draft id. Returns the number of active rows; the step's grid width is
+        ``1 + max(k_i)`` (:meth:`verify_views`)."""
+        if not self.max_draft_tokens:
+            raise InvalidArgument("these decode buffers have no verify buffers (max_draft_tokens is 0)")
+        n = len(tokens)
+        if len(drafts) != n:
+            raise InvalidArgument(f"verify rows disagree: {n} tokens, {len(drafts)} draft lists")
+        K = self.max_draft_tokens
+        for i, d in enumerate(drafts):
+            k = len(d)
+            if k > K:
+                raise InvalidArgument(f"row {i}: {k} draft tokens exceed max_draft_tokens {K}")
+            if k and (min(d) < 0 or i >= len(positions) or i >= len(block_tables)
+                      or self.layout.blocks_needed(positions[i] + k + 1) > len(block_tables[i])):
+                raise InvalidArgument(f"row {i}: its {k} draft tokens need ids >= 0 and positions "
+                                      f"inside its blocks")
+        self.fill(tokens, positions, block_tables)
+        np_ = self._np
+        ks = self._verify_drafts[:n]
+        ks[:] = [len(d) for d in drafts]
+        width = 1 + int(ks.max()) if n else 1
+        cols = self._verify_cols[:width]
+        valid = self._verify_valid[:n, :width]
+        np.less_equal(cols[None, :], ks[:, None], out=valid)
+        ids, pos, slots = (np_[name][:n, :width] for name in _VERIFY_GRIDS)
+        base = np_["positions"][:n]
+        np.add(base[:, None], cols[None, :], out=pos)
+        pos *= valid
+        ids[:] = 0
+        ids[:, 0] = tokens
+        for i, d in enumerate(drafts):
+            if d:
+                ids[i, 1:1 + len(d)] = d
+        slots[:] = self.layout.slots_np(np_["block_tables"][:n], pos)
+        slots *= valid  # padding entries: the scratch slot 0
+        np.add(base, 1 + ks, out=np_["verify_lens"][:n])
+        self._verify_width = width
+        self._copy_to_device(n)
+        return n
+
+    def verify_views(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """The first ``batch`` rows of the last :meth:`fill_verify` as ``(input_ids [B, S],
+        positions [B, S], slot_mapping [B, S], block_tables [B, nb], seq_lens [B])`` with ``S``
+        its grid width and ``nb`` :meth:`max_active_blocks` (views, no copies). Raises
+        ``InvalidArgument`` for a batch outside ``[num_active, max_num_seqs]``."""
+        if not self.max_draft_tokens:
+            raise InvalidArgument("these decode buffers have no verify buffers (max_draft_tokens is 0)")
+        if not self.num_active <= batch <= self.max_num_seqs:
+            raise InvalidArgument(f"batch {batch} must be in [{self.num_active}, {self.max_num_seqs}]")
+        d, S = self._dev, self._verify_width
+        return (d["verify_ids"][:batch, :S], d["verify_positions"][:batch, :S], d["verify_slots"][:batch, :S],
+                d["block_tables"][:batch, :self.max_active_blocks()], d["verify_lens"][:batch])
 
     def order_logits(self, rows: Seq[int]) -> None:
         """Make the first ``len(rows)`` entries of ``logits_indices`` equal ``rows``: the step's

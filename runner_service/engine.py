@@ -30,6 +30,7 @@ from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
+from runner_service.ngram import NgramDrafter
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.program_installer import ProgramInstaller
 from runner_service.sampler import Sampler
@@ -117,6 +118,16 @@ class LLMEngine:
         self.family = self.model_family.name
         if config.batch_invariant:
             config = self._batch_invariant_config(config, weights)
+        if config.speculative != "off" and config.speculative not in self.model_family.speculative_methods:
+            methods = ", ".join(self.model_family.speculative_methods) or "none"
+            raise InvalidArgument(f"the {self.family} family cannot use --speculative {config.speculative} "
+                                  f"(its methods: {methods})")
+        #: Speculative decoding's drafter (:class:`~runner_service.ngram.NgramDrafter`), ``None`` when off.
+        self.drafter = None if config.speculative == "off" else NgramDrafter(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        #: Speculative decoding counts (vLLM's): rows that verified drafts, draft tokens verified,
+        #: draft tokens accepted.
+        self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -367,6 +378,9 @@ class LLMEngine:
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:
+        if batch.is_speculative:
+            self._run_verify(batch)
+            return
         logits = self.runner.run(batch)
         rows = batch.sampling_rows()
         if not rows:
@@ -376,11 +390,37 @@ class LLMEngine:
         tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
         self.scheduler.postprocess(batch, tokens)
         self.generated_tokens_total += len(tokens)
-        for seq, out in zip(sampling, self.output.process(sampling, logprobs), strict=True):
+        self._emit(sampling, self.output.process(sampling, logprobs))
+
+    def _run_verify(self, batch: ScheduledBatch) -> None:
+        """A speculative decode step: verify every row's drafts (:meth:`Sampler.verify`), append
+        what each emits, count acceptance, stream the deltas, propose the next drafts."""
+        seqs = batch.seqs
+        drafts = [s.draft_token_ids for s in seqs]
+        logits = self.runner.run(batch)
+        emitted, logprobs = self.sampler.verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs])
+        for d, e in zip(drafts, emitted, strict=True):
+            if d:
+                self.spec_num_drafts += 1
+                self.spec_draft_tokens += len(d)
+                self.spec_accepted_tokens += len(e) - 1
+        before = [s.num_tokens for s in seqs]
+        self.scheduler.postprocess(batch, emitted)
+        counts = [s.num_tokens - b for s, b in zip(seqs, before, strict=True)]
+        self.generated_tokens_total += sum(counts)
+        self._emit(seqs, self.output.process(seqs, [lp[:c] if lp else None for lp, c in zip(logprobs, counts,
+                                                                                             strict=True)], counts))
+
+    def _emit(self, seqs: list[Seq], outs: list[RequestOutput]) -> None:
+        """Publish each sampling sequence's delta, or finish it with it; then, when speculating,
+        propose the running ones' next drafts."""
+        for seq, out in zip(seqs, outs, strict=True):
             if out.finish_reason is None:
                 self.output.publish(out)
             else:
                 self._finish(seq, out.finish_reason, out)
+        if self.drafter is not None:
+            self.drafter.propose(seqs)
 
     def _finish(self, seq: Seq, reason: FinishReason, out: RequestOutput | None = None) -> None:
         """Free ``seq``'s blocks (no-op when the scheduler did already), then queue its final delta."""
@@ -484,7 +524,11 @@ class LLMEngine:
         prefix cache's: prefix_caching (1 on, 0 off), prefix_cache_queried_tokens (tokens of the
         sequences looked up when scheduled for prefill, preempted ones again), prefix_cache_tokens_saved
         (those found cached, so not computed), prefix_cache_hit_rate (saved / queried),
-        prefix_cache_blocks (blocks holding cached K/V, in use or evictable)."""
+        prefix_cache_blocks (blocks holding cached K/V, in use or evictable); and speculative
+        decoding's (vLLM's names): spec_decode_num_drafts (rows that verified drafts),
+        spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens,
+        spec_decode_acceptance_rate (accepted / draft tokens) and spec_decode_mean_acceptance_length
+        (tokens a drafted row emits per step: 1 + accepted / drafts), 0 while none was verified."""
         bm = self.block_manager
         return {
             "running": self.scheduler.num_running,
@@ -497,4 +541,16 @@ class LLMEngine:
             "prefix_cache_tokens_saved": bm.prefix_hit_tokens,
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "prefix_cache_blocks": bm.num_cached_blocks,
+            **self.spec_stats(),
+        }
+
+    def spec_stats(self) -> dict[str, int | float]:
+        """The speculative-decoding part of :meth:`stats`."""
+        drafts, tokens, accepted = self.spec_num_drafts, self.spec_draft_tokens, self.spec_accepted_tokens
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
         }

@@ -130,7 +130,7 @@ class ModelRunner:
         #: The batch-invariant row policy (:func:`model_families.invariant.probe_rows`), or ``None``.
         self.invariance = self._probe_invariance() if config.batch_invariant else None
         self.buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks_per_seq, kv.block_size,
-                                     kv.num_blocks, device, self.layout)
+                                     kv.num_blocks, device, self.layout, max_draft_tokens=config.num_draft_tokens)
         #: Held by every step (:meth:`run`, :meth:`warmup`) and by ``torch.export`` while it traces
         #: this runner's modules (:func:`runner_service.programs.aoti.compile_aoti`): a background
         #: build runs in a child process (:mod:`runner_service.programs.build_child`), so while
@@ -146,6 +146,8 @@ class ModelRunner:
         self.prefill_program: Program | None = None
         self._installs = itertools.count(1)
         self._computed_by = {"decode": "eager", "prefill": "eager"}
+        if config.num_draft_tokens:
+            self._computed_by["verify"] = "eager"
         self._rows: list[Sequence] = []
 
     # -- the compile contract ----------------------------------------------------------------
@@ -182,11 +184,11 @@ class ModelRunner:
     def computed_by(self) -> str:
         """Names the code the steps run now, for the prefix cache
         (:attr:`runner_service.block_manager.BlockManager.computed_by`): which decode and which
-        prefill (eager, or the ``n``-th program installed), and batch-invariant or not; ``""`` for
-        eager stock kernels. Changes with every :meth:`install_program`."""
-        if self._computed_by == {"decode": "eager", "prefill": "eager"} and self.invariance is None:
+        prefill (eager, or the ``n``-th program installed), the verify step's when speculating,
+        and batch-invariant or not; ``""`` for eager stock kernels. Changes with every :meth:`install_program`."""
+        if set(self._computed_by.values()) == {"eager"} and self.invariance is None:
             return ""
-        return (f"decode={self._computed_by['decode']};prefill={self._computed_by['prefill']}"
+        return (";".join(f"{kind}={by}" for kind, by in self._computed_by.items())
                 + (";batch-invariant" if self.invariance is not None else ""))
 
     def _probe_invariance(self) -> invariant.RowPolicy:
@@ -304,10 +306,13 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run ``batch``; returns the logits [n, V] float32 of its
-        :meth:`ScheduledBatch.sampling_rows`, in that order."""
+        :meth:`ScheduledBatch.sampling_rows`, in that order ([n, S, V] for a speculative batch:
+        :meth:`run_verify`)."""
         with self.forward_lock:
             if batch.is_prefill:
                 return self.run_prefill(batch)[batch.sampling_rows()]
+            if batch.is_speculative:
+                return self.run_verify(batch.seqs)
             return self.run_decode(batch.seqs)
 
     def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -343,6 +348,25 @@ class ModelRunner:
         if in_row_order:  # the common case: no gathered copy of [n, V] float32
             return logits[:n]
         return logits.index_select(0, self.buffers.logits_indices[:n])
+
+    @torch.inference_mode()
+    def run_verify(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Verify each of ``seqs``' draft tokens (``seq.draft_token_ids``, ``k_i`` of them; it
+        has blocks for position ``num_tokens - 1 + k_i``): one step of its last token and its
+        drafts through the family model's :meth:`~model_families.family.FamilyModel.verify`,
+        the inputs in the persistent buffers (:meth:`DecodeBuffers.fill_verify`, the rows kept
+        as in decode). Returns logits [n, S, V] f32 in the order of ``seqs``, ``S = 1 +
+        max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft."""
+        rows = self._assign_rows(seqs)
+        n = self.buffers.fill_verify([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
+                                     [s.block_table for s in rows], [s.draft_token_ids for s in rows])
+        with self._kernels():
+            logits = self.model.verify(self.kv.tensors, *self.buffers.verify_views(n))
+        row_of = {id(s): i for i, s in enumerate(rows)}
+        order = [row_of[id(s)] for s in seqs]
+        if order == list(range(n)):
+            return logits
+        return logits[order]
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -27,6 +27,11 @@ WEIGHTS_DTYPES = ("auto", *SIDECAR_DTYPES)
 #: 1 .. this bound whatever ``--max-num-seqs`` is (it bounds only the programs' shape check), so
 #: runners that differ in ``--max-num-seqs`` share them (``docs/architecture.md`` §9).
 MAX_PROGRAM_BATCH = 256
+#: ``--speculative`` choices: ``off`` (one token per sequence and step) or ``ngram`` (prompt
+#: lookup drafts, verified by one step of ``1 + K`` tokens per sequence: :mod:`runner_service.ngram`).
+SPECULATIVE_METHODS = ("off", "ngram")
+#: The most draft tokens per sequence and step (``--num-speculative-tokens``).
+MAX_SPECULATIVE_TOKENS = 4
 
 _positive_int = int_at_least(1)
 _SAME = object()
@@ -162,6 +167,16 @@ TRUSTED_KEYS = Option("--trusted-keys", "a .pub key or a directory of them: fetc
                       "verified)", metavar="PATH")
 MAX_PROMPT_BYTES = Option("--max-prompt-bytes", "largest prompt in UTF-8 bytes, refused before it is tokenized",
                           default=1 << 20, type=_positive_int, metavar="BYTES", field="max_prompt_bytes")
+SPECULATIVE = Option("--speculative", "speculative decoding: draft tokens verified by one step (ngram: prompt "
+                     "lookup; greedy output unchanged, sampled output keeps its distribution)", default="off",
+                     choices=SPECULATIVE_METHODS, field="speculative", forwarded=True)
+NUM_SPECULATIVE_TOKENS = Option("--num-speculative-tokens", f"draft tokens per sequence and step, 1..{MAX_SPECULATIVE_TOKENS}",
+                                default=3, type=int_at_least(1, MAX_SPECULATIVE_TOKENS), metavar="K", field="num_speculative_tokens",
+                                forwarded=True)
+PROMPT_LOOKUP_MAX = Option("--prompt-lookup-max", "ngram: the longest suffix (tokens) looked up in the sequence",
+                           default=4, type=_positive_int, metavar="N", field="prompt_lookup_max", forwarded=True)
+PROMPT_LOOKUP_MIN = Option("--prompt-lookup-min", "ngram: the shortest suffix (tokens) looked up",
+                           default=2, type=_positive_int, metavar="N", field="prompt_lookup_min", forwarded=True)
 THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
                  field="num_threads")
 
@@ -169,7 +184,8 @@ THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choic
 RUNNER_OPTIONS: tuple[Option, ...] = (
     MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, COMPILE,
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
-    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, BATCH_INVARIANT, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,
+    KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, BATCH_INVARIANT, SPECULATIVE,
+    NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,
     TRUSTED_KEYS)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)

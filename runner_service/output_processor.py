@@ -134,22 +134,44 @@ class OutputProcessor:
         """The in-flight requests' sequences."""
         return [state.seq for state in self._requests.values()]
 
-    def process(self, seqs: Sequence[Seq], logprobs: Sequence[TokenLogprobs | None]) -> list[RequestOutput]:
+    def process(self, seqs: Sequence[Seq], logprobs: Sequence[TokenLogprobs | list[TokenLogprobs] | None],
+                counts: Sequence[int] | None = None) -> list[RequestOutput]:
         """One delta per sampling sequence of a step, after :meth:`Scheduler.postprocess
         <runner_service.scheduler.Scheduler.postprocess>` appended its token: the token, its new
         text and logprobs. The token goes to the detokenizer unless a stop token or EOS finished
         the sequence (``STOP``); a stop string it completes makes the delta's ``finish_reason``
         ``STOP`` (also over ``LENGTH``), and the caller must then finish the sequence if the
         scheduler has not. Otherwise ``finish_reason`` is the scheduler's (``None``: running).
-        Queues nothing: hand each delta to :meth:`publish` or :meth:`finish`."""
+
+        ``counts`` (a speculative step): sequence ``i`` appended its last ``counts[i]`` tokens,
+        ``logprobs[i]`` a list of theirs; they go to the detokenizer in order, and a stop string
+        one of them completes drops the tokens after it from the delta and from the sequence
+        (as if it had been decoded one token per step). Queues nothing: hand each delta to
+        :meth:`publish` or :meth:`finish`."""
         outs = []
-        for seq, lp in zip(seqs, logprobs, strict=True):
+        if counts is None:
+            for seq, lp in zip(seqs, logprobs, strict=True):
+                state = self._requests[seq.request_id]
+                token = seq.last_token
+                reason = seq.finish_reason
+                if reason is not FinishReason.STOP and state.detok.push(token):
+                    reason = FinishReason.STOP
+                outs.append(RequestOutput(seq.request_id, [token], state.detok.delta(),
+                                          [lp] if lp is not None else [], reason, seq.num_prompt_tokens,
+                                          seq.num_completion_tokens))
+            return outs
+        for seq, lps, m in zip(seqs, logprobs, counts, strict=True):
             state = self._requests[seq.request_id]
-            token = seq.last_token
+            tokens = seq.token_ids[len(seq.token_ids) - m:]
             reason = seq.finish_reason
-            if reason is not FinishReason.STOP and state.detok.push(token):
-                reason = FinishReason.STOP
-            outs.append(RequestOutput(seq.request_id, [token], state.detok.delta(), [lp] if lp is not None else [],
+            pushed = tokens[:-1] if reason is FinishReason.STOP else tokens  # the stop token / EOS is not text
+            for j, token in enumerate(pushed):
+                if state.detok.push(token):
+                    reason = FinishReason.STOP
+                    del seq.token_ids[len(seq.token_ids) - (m - j - 1):]
+                    tokens = tokens[:j + 1]
+                    break
+            outs.append(RequestOutput(seq.request_id, tokens, state.detok.delta(), list(lps or [])[:len(tokens)],
                                       reason, seq.num_prompt_tokens, seq.num_completion_tokens))
         return outs
 

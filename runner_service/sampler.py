@@ -49,8 +49,35 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return scaled.masked_fill(~keep, float("-inf"))
 
 
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: row ``i`` of ``probs`` [m, V] (non-negative, any total; float32)
+    gives the first token whose cumulative mass exceeds ``u[i] * total``, ``u`` [m] uniform in
+    [0, 1). Returns [m] int64. A draw that lands on a zero-probability entry (only through
+    rounding at its left edge) steps back to the nearest token with mass."""
+    cdf = probs.cumsum(-1)
+    drawn = (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp(max=probs.shape[-1] - 1)
+    ok = probs.gather(1, drawn[:, None]).squeeze(1) > 0
+    if not bool(ok.all()):
+        for j in (~ok).nonzero().flatten().tolist():
+            kept = (probs[j] > 0).nonzero().flatten()
+            drawn[j] = kept[(kept <= drawn[j]).sum().clamp(min=1) - 1]
+    return drawn
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """:class:`TokenLogprobs` of ``tokens[j]`` under ``log_softmax(logits[j])`` (``logits`` [m, V]
+    float32, raw: before temperature and filtering) with its ``top_n[j]`` most likely tokens."""
+    lp = logits.float().log_softmax(-1)
+    top_vals, top_ids = lp.topk(max(top_n), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [TokenLogprobs(t, c, list(zip(ids[:k], vals[:k], strict=True)))
+            for t, c, ids, vals, k in zip(tokens, chosen, top_ids, top_vals, top_n, strict=True)]
+
+
 class Sampler:
-    """Samples one token per row; stateless (the generators live with the sequences)."""
+    """Samples one token per row, or verifies draft tokens (:meth:`verify`); stateless (the
+    generators live with the sequences)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -63,35 +90,82 @@ class Sampler:
         if random_rows:
             dev = logits.device
             rows = torch.tensor(random_rows, device=dev)
-            p = [params[i] for i in random_rows]
-            filtered = filter_logits(
-                logits[rows],
-                torch.tensor([x.temperature for x in p], device=dev, dtype=torch.float32),
-                torch.tensor([x.top_k for x in p], device=dev, dtype=torch.int64),
-                torch.tensor([x.top_p for x in p], device=dev, dtype=torch.float32),
-            )
-            cdf = filtered.softmax(-1).cumsum(-1)
+            probs = _filtered(logits[rows], [params[i] for i in random_rows]).softmax(-1)
             u = torch.stack([torch.rand((), generator=generators[i]) for i in random_rows]).to(dev)
-            drawn = (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp(max=logits.shape[-1] - 1)
-            # Inverse-CDF can land on a filtered (zero-probability) entry only through rounding
-            # at its left edge; step back to the nearest kept token in that case.
-            ok = filtered.gather(1, drawn[:, None]).squeeze(1) > float("-inf")
-            if not bool(ok.all()):
-                for j in (~ok).nonzero().flatten().tolist():
-                    kept = (filtered[j] > float("-inf")).nonzero().flatten()
-                    drawn[j] = kept[(kept <= drawn[j]).sum().clamp(min=1) - 1]
-            tokens[rows] = drawn
+            tokens[rows] = draw(probs, u)
         token_list = tokens.tolist()
         want = [i for i in range(n) if params[i].logprobs > 0]
         logprobs: list[TokenLogprobs | None] = [None] * n
         if want:
-            lp = logits[want].float().log_softmax(-1)
-            top_n = max(params[i].logprobs for i in want)
-            top_vals, top_ids = lp.topk(top_n, dim=-1)
-            chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(want):
-                k = params[i].logprobs
-                logprobs[i] = TokenLogprobs(token_list[i], chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k],
-                                                                              strict=True)))
+            for i, lp in zip(want, token_logprobs(logits[want], [token_list[i] for i in want],
+                                                  [params[i].logprobs for i in want]), strict=True):
+                logprobs[i] = lp
         return token_list, logprobs
+
+    def verify(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+               generators: list[torch.Generator | None]
+               ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Verify draft tokens: ``logits`` [n, S, V] float32, row ``i``'s position ``j`` the
+        next-token logits after its last token and its first ``j`` drafts ``drafts[i]`` (``k_i
+        <= S - 1`` of them). Returns per row the tokens it emits, 1 .. ``k_i + 1``: the accepted
+        drafts, then one token of the target model (a correction, or the bonus token after all
+        ``k_i``), and their :class:`TokenLogprobs` when ``params[i].logprobs > 0``.
+
+        Greedy rows accept the longest prefix of drafts equal to the argmax at each position,
+        so they emit what one-token-per-step greedy decoding would. Sampled rows use
+        speculative sampling (Leviathan et al. 2023; Chen et al. 2023) with a deterministic
+        draft (``q`` one-hot): draft ``d`` at position ``j`` is accepted with probability
+        ``p_j(d)`` (``p`` the temperature/top-k/top-p filtered distribution :func:`filter_logits`
+        gives), else the token is drawn from ``p_j`` with ``d`` removed (the normalised
+        ``max(p - q, 0)``) and the row stops; after all drafts the bonus token is drawn from
+        ``p_k``. Each emitted token is thus distributed as sampling from ``p`` would give."""
+        n = logits.shape[0]
+        out: list[list[int]] = []
+        greedy = [i for i in range(n) if params[i].greedy]
+        targets = logits[greedy].argmax(-1).tolist() if greedy else []
+        target_of = dict(zip(greedy, targets, strict=True))
+        for i in range(n):
+            d = drafts[i]
+            if i in target_of:
+                t = target_of[i]
+                a = 0
+                while a < len(d) and d[a] == t[a]:
+                    a += 1
+                out.append(t[:a + 1])
+            else:
+                out.append(self._speculative_sample(logits[i, :len(d) + 1], d, params[i], generators[i]))
+        logprobs: list[list[TokenLogprobs] | None] = [None] * n
+        for i in range(n):
+            if params[i].logprobs > 0:
+                m = len(out[i])
+                logprobs[i] = token_logprobs(logits[i, :m], out[i], [params[i].logprobs] * m)
+        return out, logprobs
+
+    @staticmethod
+    def _speculative_sample(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+                            generator: torch.Generator | None) -> list[int]:
+        """One sampled row of :meth:`verify`: ``logits`` [k + 1, V], ``drafts`` [k]."""
+        k = len(drafts)
+        probs = _filtered(logits, [params] * (k + 1)).softmax(-1)
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            u = float(torch.rand((), generator=generator))
+            if u < float(probs[j, d]):
+                out.append(d)
+                continue
+            residual = probs[j:j + 1].clone()
+            residual[0, d] = 0.0
+            out.append(int(draw(residual, torch.rand(1, generator=generator).to(logits.device))[0]))
+            return out
+        out.append(int(draw(probs[k:k + 1], torch.rand(1, generator=generator).to(logits.device))[0]))
+        return out
+
+
+def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """:func:`filter_logits` of ``logits`` [m, V] with row ``j``'s temperature, top-k and top-p
+    from ``params[j]`` (non-greedy rows)."""
+    dev = logits.device
+    return filter_logits(logits,
+                         torch.tensor([x.temperature for x in params], device=dev, dtype=torch.float32),
+                         torch.tensor([x.top_k for x in params], device=dev, dtype=torch.int64),
+                         torch.tensor([x.top_p for x in params], device=dev, dtype=torch.float32))

@@ -45,6 +45,9 @@ class SamplingParams:
     - ``default_max_tokens``: what an unset ``max_tokens`` becomes instead of the engine's
       default (>= 1; ``None``: the engine's), capped the same way; for front doors whose API has
       its own default (OpenAI completions: 16).
+    - ``disable_speculative_decoding``: decode this request one token per step even when the
+      runner speculates (``--speculative``); its output is the same either way (greedy) or
+      distributed the same (sampled).
     """
 
     max_tokens: int | None = None
@@ -57,6 +60,7 @@ class SamplingParams:
     logprobs: int = 0
     ignore_eos: bool = False
     default_max_tokens: int | None = None
+    disable_speculative_decoding: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

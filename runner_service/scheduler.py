@@ -8,7 +8,9 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   last sequence of a batch is partly prefilled. A sequence that holds no blocks (new or
   preempted) first takes the longest cached prefix of its tokens from the prefix cache
   (:meth:`BlockManager.allocate_cached_prefix`), so its chunk starts after the hit; or
-- a **decode** batch: every running sequence, one token each. When a sequence needs a new block
+- a **decode** batch: every running sequence, one token each, or with speculative decoding
+  its last token and its draft tokens (``seq.draft_token_ids``, proposed by the engine after
+  the previous step; dropped for the step when their blocks do not fit). When a sequence needs a new block
   and none is free, a partly prefilled waiting sequence gives its blocks back, else the youngest
   running sequence is *preempted*: its blocks are freed and it goes back to the front of the
   waiting queue to be recomputed later (free-then-recompute).
@@ -54,19 +56,24 @@ class ScheduledBatch:
         return len(self.seqs)
 
     @property
+    def is_speculative(self) -> bool:
+        """A decode batch in which some row verifies draft tokens (computes more than one token)."""
+        return not self.is_prefill and sum(self.num_tokens) > len(self.num_tokens)
+
+    @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
     def sampling_rows(self) -> list[int]:
         """Rows that sample a token after this step: those whose chunk reaches the sequence's last
-        token (every decode row; a prefill row that completes its prompt). Computed once, on the
+        token (every decode row, drafts or not; a prefill row that completes its prompt). Computed once, on the
         first call, which must come after the batch is complete and before
         :meth:`Scheduler.postprocess` appends the sampled tokens (the runner, the engine and
         ``postprocess`` then share that one list)."""
         if self._sampling_rows is None:
             self._sampling_rows = [i for i, (seq, st, n)
                                    in enumerate(zip(self.seqs, self.starts, self.num_tokens, strict=True))
-                                   if st + n == seq.num_tokens]
+                                   if st + n >= seq.num_tokens]
         return self._sampling_rows
 
 
@@ -130,6 +137,7 @@ class Scheduler:
         """Free ``seq``'s blocks and put it at the front of the waiting queue for recompute."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -207,6 +215,10 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             preempted_self = False
+            k = len(seq.draft_token_ids)
+            if k and not bm.can_allocate(seq, seq.num_tokens + k):
+                seq.draft_token_ids = []  # no blocks for the drafts' slots: one token this step
+                k = 0
             while not bm.can_allocate(seq, seq.num_tokens):
                 holder = next((s for s in reversed(self.waiting) if s.block_table), None)
                 if holder is not None:  # a partly prefilled sequence gives its blocks back first
@@ -219,9 +231,12 @@ class Scheduler:
                     break
             if preempted_self:
                 continue
-            bm.allocate(seq, seq.num_tokens)
+            if k and not bm.can_allocate(seq, seq.num_tokens + k):  # preemption above took them
+                seq.draft_token_ids = []
+                k = 0
+            bm.allocate(seq, seq.num_tokens + k)
             batch.seqs.append(seq)
-            batch.num_tokens.append(1)
+            batch.num_tokens.append(1 + k)
             batch.starts.append(seq.num_tokens - 1)
         return batch
 
@@ -241,20 +256,53 @@ class Scheduler:
                 self.running.append(seq)
         return sampling
 
-    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int] | Seq[Seq[int]]) -> list[Sequence]:
         """Apply one step's result: :meth:`on_step_done`, then append ``tokens[k]`` to the k-th
         sampling sequence and finish it (blocks freed) on, in this order: a stop token or EOS
-        (``STOP``), or the length limit (``LENGTH``). Returns the sampling sequences, in order;
-        finished ones have ``is_finished`` and ``finish_reason`` set. Raises ``ValueError`` when
-        ``tokens`` does not match the sampling rows."""
+        (``STOP``), or the length limit (``LENGTH``). For a speculative batch
+        (:attr:`ScheduledBatch.is_speculative`) ``tokens[k]`` is the list of tokens row ``k``
+        emits (its accepted drafts, then the target model's token: ``Sampler.verify``): they are
+        appended in order up to the first that finishes the sequence, and its computed tokens
+        advance by their count (the last token and the accepted drafts), not by what was
+        scheduled. Returns the sampling sequences, in order; finished ones have ``is_finished``
+        and ``finish_reason`` set. Raises ``ValueError`` when ``tokens`` does not match the
+        sampling rows."""
+        if batch.is_speculative:
+            return self._postprocess_verify(batch, tokens)
         sampling = self.on_step_done(batch)
         if len(tokens) != len(sampling):
             raise ValueError(f"{len(tokens)} sampled tokens for {len(sampling)} sampling sequences")
         for seq, token in zip(sampling, tokens, strict=True):
-            seq.token_ids.append(token)
-            p = seq.params
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                self.finish(seq, FinishReason.STOP)
-            elif seq.num_tokens >= seq.max_total_tokens:
-                self.finish(seq, FinishReason.LENGTH)
+            self._append(seq, token)
         return sampling
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append one sampled token; finish ``seq`` on a stop token / EOS / its length limit.
+        Returns whether it finished."""
+        seq.token_ids.append(token)
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish(seq, FinishReason.STOP)
+            return True
+        if seq.num_tokens >= seq.max_total_tokens:
+            self.finish(seq, FinishReason.LENGTH)
+            return True
+        return False
+
+    def _postprocess_verify(self, batch: ScheduledBatch, tokens: Seq[Seq[int]]) -> list[Sequence]:
+        """:meth:`postprocess` of a speculative decode batch (every row running and sampling).
+        The tokens are appended before the full blocks are cached: a block's key covers its
+        tokens, and the accepted drafts are tokens of the blocks the step computed."""
+        if len(tokens) != len(batch.seqs) or not all(1 <= len(t) <= n for t, n in zip(tokens, batch.num_tokens,
+                                                                                       strict=False)):
+            raise ValueError(f"verify results {[len(t) for t in tokens]} do not match the scheduled rows "
+                             f"{batch.num_tokens} (1 .. 1 + drafts tokens each)")
+        for seq, emitted in zip(batch.seqs, tokens, strict=True):
+            seq.draft_token_ids = []
+            seq.num_computed_tokens += len(emitted)  # the last token and the accepted drafts
+            for token in emitted:
+                if self._append(seq, token):
+                    break
+            else:
+                self.block_manager.cache_full_blocks(seq)
+        return list(batch.seqs)

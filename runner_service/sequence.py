@@ -48,6 +48,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        #: Draft tokens to verify at the next decode step (speculative decoding: the engine
+        #: proposes them after each step; the scheduler allocates their slots), and the drafter's
+        #: per-sequence state (:class:`runner_service.ngram.NgramIndex`), ``None`` until first used.
+        self.draft_token_ids: list[int] = []
+        self.drafter_state: object | None = None
         # Prefix-cache progress, owned by the block manager: the hash-chain keys of the full
         # blocks of token_ids (memoised), how many leading blocks of block_table are resolved
         # against the cache, the cache entry of the last of them, whether the chain broke, and

@@ -90,7 +90,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             programs_building=eng.programs.in_flight,
             eos_token_ids=eng.eos_token_ids, default_sampling=sampling_defaults_to_proto(eng.sampling_defaults),
             running=stats["running"], waiting=stats["waiting"], kv_blocks_used=stats["kv_blocks_used"],
-            kv_blocks_usable=stats["kv_blocks_total"], layer_types=eng.args.layer_kinds)
+            kv_blocks_usable=stats["kv_blocks_total"], layer_types=eng.args.layer_kinds,
+            speculative=generation_pb2.SpeculativeDecoding(
+                method=eng.config.speculative, num_speculative_tokens=eng.config.num_draft_tokens,
+                num_drafts=stats["spec_decode_num_drafts"], num_draft_tokens=stats["spec_decode_num_draft_tokens"],
+                num_accepted_tokens=stats["spec_decode_num_accepted_tokens"],
+                acceptance_rate=stats["spec_decode_acceptance_rate"],
+                mean_acceptance_length=stats["spec_decode_mean_acceptance_length"]))
 
 
 class RunnerCollector:
@@ -119,6 +125,11 @@ class RunnerCollector:
              "prefix-cache hit tokens / queried tokens since start", s["prefix_cache_hit_rate"]),
             ("warmserve_runner_prefix_cache_blocks", "KV blocks holding prefix-cached K/V (in use or evictable)",
              s["prefix_cache_blocks"]),
+            ("warmserve_runner_spec_decode_acceptance_rate", "accepted / proposed draft tokens since start",
+             s["spec_decode_acceptance_rate"]),
+            ("warmserve_runner_spec_decode_mean_acceptance_length",
+             "tokens a drafted sequence emits per verify step (1 + accepted / drafts) since start",
+             s["spec_decode_mean_acceptance_length"]),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
@@ -128,5 +139,11 @@ class RunnerCollector:
              s["prefix_cache_queried_tokens"]),
             ("warmserve_runner_prefix_cache_tokens_saved",
              "prompt tokens found in the prefix cache (prefill not computed)", s["prefix_cache_tokens_saved"]),
+            ("warmserve_runner_spec_decode_num_drafts", "sequence steps that verified draft tokens",
+             s["spec_decode_num_drafts"]),
+            ("warmserve_runner_spec_decode_num_draft_tokens", "draft tokens verified",
+             s["spec_decode_num_draft_tokens"]),
+            ("warmserve_runner_spec_decode_num_accepted_tokens", "draft tokens accepted",
+             s["spec_decode_num_accepted_tokens"]),
         ):
             yield CounterMetricFamily(name, doc, value=value)

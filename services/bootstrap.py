@@ -399,14 +399,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An ``argparse`` ``type=`` accepting integers >= ``minimum`` (anything else is a usage error)."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An ``argparse`` ``type=`` accepting integers >= ``minimum`` (and <= ``maximum`` when
+    given; anything else is a usage error)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if maximum is not None and not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{minimum}, {maximum}], got {value}")
         if value < minimum:
             wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")

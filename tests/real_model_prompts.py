@@ -17,3 +17,13 @@ CHATS = [
     [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
      {"role": "user", "content": "Tell me a fun fact about cats."}],
 ]
+#: Chats whose answers copy spans of the prompt (quoting, editing code): where prompt-lookup
+#: drafts are right (tests/runner/test_runner_speculative_real_model.py, bench/decode.py).
+COPY_CHATS = [
+    [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog "
+                                 "near the quiet river bank every morning."}],
+    [{"role": "user", "content": "Rename the variable x to total in this code:\n\ndef add(x, y):\n"
+                                 "    x = x + y\n    return x\n"}],
+    [{"role": "user", "content": "Fix the typo and repeat the list: apples, bananas, cherries, grapse, "
+                                 "oranges, pears, plums."}],
+]

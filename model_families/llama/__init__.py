@@ -43,6 +43,8 @@ class LlamaFamily(ModelFamily):
     supports_prefix_caching = True
     #: Its steps are linear, paged_attention, RMSNorm, RoPE and SiLU only (:mod:`model_families.invariant`).
     supports_batch_invariance = True
+    #: Rejected drafts leave K/V past the sequence length only (never read, overwritten later).
+    speculative_methods = ("ngram",)
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
                        ) -> LlamaConfig:

@@ -183,6 +183,14 @@ class LlamaModel(FamilyModel):
         return self._step(caches, input_ids[:, None], positions[:, None], None, block_tables, seq_lens,
                           torch.zeros_like(input_ids))
 
+    def verify(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` returning the logits of every position, [B, S, V] float32 (the
+        verify step of speculative decoding). K/V of rejected drafts stay in their slots, past
+        the sequence's length: attention never reads them (``seq_lens``, causal positions) and
+        the next steps overwrite them."""
+        return self._step(caches, input_ids, positions, slot_mapping.reshape(-1), block_tables, seq_lens, None)[0]
+
     def can_loop_layers(self) -> bool:
         """Every weight is stacked per layer (float or quantized parts): always."""
         return True
@@ -200,8 +208,9 @@ class LlamaModel(FamilyModel):
 
     def _step(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              last_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)``; ``None``
+              last_index: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The layers: ``slots`` [B*S] writes K/V in place and returns ``(logits,)`` (at
+        ``last_index`` [B], or [B, S, V] at every position when it is ``None``); ``None``
         (decode) returns ``(logits, k_rows, v_rows)`` instead of writing. With :attr:`scan_layers`,
         an exported step runs the layers as one loop (:meth:`_scan_layers`) that
         only reads the pools; a prefill writes the rows it returns after the loop."""
@@ -237,7 +246,7 @@ class LlamaModel(FamilyModel):
                     h = self._layer(h, *layer, cos, sin, attend)[0]
             if slots is None:
                 k_rows, v_rows = torch.stack(k_list), torch.stack(v_list)
-        last = h[torch.arange(B, device=h.device), last_index]
+        last = h if last_index is None else h[torch.arange(B, device=h.device), last_index]
         logits = linear(rms_norm(last, self.final_norm, c.rms_norm_eps), self.lm_head).float()
         if slots is None:
             return logits, k_rows, v_rows

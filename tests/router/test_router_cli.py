@@ -76,9 +76,10 @@ def test_router_daemon_serves_cli_commands_and_stops_on_sigterm(router_process, 
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["router", address, "SERVING"] in rows
     assert ["fake", runner.address, "SERVING"] in rows
-    # runner, address, state, programs, outstanding, lease, running/waiting, KV blocks, failures (the
-    # programs column is "?": the fake runner's ModelInfo names no program state or compile mode)
-    assert [runner.address, runner.address, "READY", "?", "0", "static", "0/0", "-", "0"] in rows
+    # runner, address, state, programs, outstanding, lease, running/waiting, KV blocks, speculative,
+    # failures (the programs column is "?": the fake runner's ModelInfo names no program state or
+    # compile mode; nor a speculative method: off)
+    assert [runner.address, runner.address, "READY", "?", "0", "static", "0/0", "-", "off", "0"] in rows
 
     assert cli.main(["router", "drain", runner.address, "--addr", address]) == 0
     assert cli.main(["status", "--addr", address]) == 0

@@ -96,6 +96,9 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
     (["--weights-dtype", "int3"], "argument --weights-dtype: invalid choice: 'int3'"),
     (["--dtype", "f16"], "argument --dtype: invalid choice: 'f16'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
+    (["--num-speculative-tokens", "5"], "expected an integer in [1, 4], got 5"),
+    (["--speculative", "ngram", "--prompt-lookup-min", "5"], "prompt_lookup_min (5) must be in [1, prompt_lookup_max (4)]"),
 ])
 def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
     out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,
