@@ -57,6 +57,15 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    (:func:`batch_invariant_check`: token ids alone vs batched, chunked and cached; JSON
    ``batch_invariant_check.identical``).
 
+8. ``--speculative-only``: speculative decoding. Completion tokens/s (greedy, EOS honoured, wall
+   time from the first request to the last token, prefill included) of engines with
+   ``--speculative off`` and ``ngram`` (``--num-speculative-tokens``, default 3; both compiled
+   with ``--compile-mode`` unless ``--no-compiled``) on chats whose answers copy their prompt
+   (:func:`copy_chats`) and on plain questions (:func:`plain_chats`), batch 1 / 8 / 32, the two
+   interleaved in each run, medians over ``--runs``; the acceptance rate and the tokens a drafted
+   row emits per step; whether every output was identical. Then the host time per verify step of
+   the staging: persistent buffers vs tensors rebuilt each step (:func:`host_verify_prepare_us`).
+
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
 [--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
 ``python bench/decode.py --model deepseek-v4 [--tokens 32] [--runs 3] [--threads 1] [--dsv4-prompt-tokens 120]
@@ -235,6 +244,142 @@ def host_prepare_us(batch: int, steps: int = 512, block_size: int = 16, layout: 
     p, r = statistics.median(persistent), statistics.median(rebuilt)
     return {"batch": batch, "persistent_us": round(p, 1), "rebuild_us": round(r, 1), "ratio": round(r / p, 2),
             "row_builds_per_step": round(buf.row_builds / steps, 3)}
+
+
+def _rebuild_verify(seqs, drafts, layout: BlockLayout):
+    """A verify step's tensors rebuilt from Python lists: ids / positions / slots [B, 1 + K]
+    (last token, then the drafts, then padding in the scratch slot), lens [B], tables [B, nb]."""
+    width = 1 + max(len(d) for d in drafts)
+    ids, pos, slots = [], [], []
+    for s, d in zip(seqs, drafts, strict=True):
+        p = [s.length - 1 + j for j in range(1 + len(d))]
+        pad = width - len(p)
+        ids.append([s.token, *d] + [0] * pad)
+        pos.append(p + [0] * pad)
+        slots.append([layout.slot(s.blocks, q) for q in p] + [0] * pad)
+    lens = torch.tensor([s.length + len(d) for s, d in zip(seqs, drafts, strict=True)], dtype=torch.int64)
+    nb = max(len(s.blocks) for s in seqs)
+    tables = torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], dtype=torch.int64)
+    return (torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64), tables, lens)
+
+
+def host_verify_prepare_us(batch: int, k: int = 3, steps: int = 512, block_size: int = 16) -> dict:
+    """Figure 8b: median microseconds per speculative verify step of
+    :meth:`DecodeBuffers.fill_verify` + :meth:`DecodeBuffers.verify_views` vs
+    :func:`_rebuild_verify`, over the :func:`_trajectory` of figure 2 with 0 .. ``k`` drafts per
+    row (seeded), each row's blocks covering its drafts' positions."""
+    layout = BlockLayout(block_size)
+    g = torch.Generator().manual_seed(0)
+    persistent, rebuilt = [], []
+    max_blocks = layout.blocks_needed(2048 + k)
+    buf = DecodeBuffers(batch, max_blocks, block_size, num_blocks=1 << 20, layout=layout, max_draft_tokens=k)
+    extra = 1 << 19  # block ids for the drafts' positions, apart from the trajectory's
+    for seqs in _trajectory(batch, steps, layout):
+        drafts = [torch.randint(2, 1000, (int(torch.randint(0, k + 1, (), generator=g)),), generator=g).tolist()
+                  for _ in seqs]
+        for s, d in zip(seqs, drafts, strict=True):
+            while len(s.blocks) < layout.blocks_needed(s.length + len(d)):
+                s.blocks.append(extra)
+                extra += 1
+        t0 = time.perf_counter()
+        buf.fill_verify([s.token for s in seqs], [s.length - 1 for s in seqs], [s.blocks for s in seqs], drafts)
+        buf.verify_views(batch)
+        t1 = time.perf_counter()
+        _rebuild_verify(seqs, drafts, layout)
+        t2 = time.perf_counter()
+        persistent.append((t1 - t0) * 1e6)
+        rebuilt.append((t2 - t1) * 1e6)
+    p, r = statistics.median(persistent), statistics.median(rebuilt)
+    return {"batch": batch, "draft_tokens": k, "persistent_us": round(p, 1), "rebuild_us": round(r, 1),
+            "ratio": round(r / p, 2)}
+
+
+# -- 8. speculative decoding ------------------------------------------------------------------
+
+#: Chat requests whose answers copy their prompt (quoting: where prompt-lookup drafts are right).
+COPY_REQUEST = "Repeat this text exactly, with nothing before or after it: {} {}"
+
+
+def copy_chats(n: int) -> list[list[dict]]:
+    """``n`` chats asking to repeat two sentences of the library guide (figure 5's)."""
+    k = len(SYSTEM_SENTENCES)
+    return [[{"role": "user", "content": COPY_REQUEST.format(SYSTEM_SENTENCES[i % k], SYSTEM_SENTENCES[(i + 3) % k])}]
+            for i in range(n)]
+
+
+def plain_chats(n: int) -> list[list[dict]]:
+    """``n`` chats whose answers copy little: figure 5's user questions."""
+    return [[{"role": "user", "content": USER_MESSAGES[i % len(USER_MESSAGES)] + f" (#{i})"}] for i in range(n)]
+
+
+def generation_tps(engine: LLMEngine, chats: list[list[dict]], tokens: int) -> tuple[float, list[list[int]]]:
+    """Completion tokens/s of the ``chats`` run together (greedy, at most ``tokens`` each, EOS
+    honoured), wall time from the first add to the last token (prefill included), and the
+    token ids (to check that speculation changed none)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    streams = [engine.add_request(params, messages=m) for m in chats]
+    engine.run_until_done()
+    seconds = time.perf_counter() - t0
+    outs = [s.result(timeout=0).token_ids for s in streams]
+    return sum(len(o) for o in outs) / seconds, outs
+
+
+def speculative_report(sidecar: Path, args, kernel_cache: str | None) -> dict:
+    """Figure 8: tokens/s with ``--speculative off`` vs ``ngram`` (K = ``--num-speculative-tokens``)
+    on the copying and the plain chats at batch 1 / 8 / 32, interleaved (off, ngram) per run,
+    medians over ``--runs``; the ngram engine's acceptance; whether every output was identical."""
+    mode = "off" if args.no_compiled else args.compile_mode
+    engines = {"off": _engine(sidecar, mode, kernel_cache, args.dtype),
+               "ngram": _engine(sidecar, mode, kernel_cache, args.dtype, speculative="ngram",
+                                num_speculative_tokens=args.num_speculative_tokens)}
+    out: dict = {"compile": mode, "num_speculative_tokens": args.num_speculative_tokens, "tps": {}, "identical": True,
+                 "acceptance": {}}
+    for kind, chats in (("copy", copy_chats), ("plain", plain_chats)):
+        for b in BATCHES:
+            for eng in engines.values():
+                generation_tps(eng, chats(b), 4)  # warm-up of the shapes
+            samples: dict[str, list[float]] = {name: [] for name in engines}
+            before = engines["ngram"].spec_stats()
+            for _ in range(args.runs):
+                results = {name: generation_tps(eng, chats(b), args.tokens) for name, eng in engines.items()}
+                for name, (tps, _) in results.items():
+                    samples[name].append(tps)
+                out["identical"] &= results["off"][1] == results["ngram"][1]
+            after = engines["ngram"].spec_stats()
+            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+            drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            row = {name: round(statistics.median(v), 1) for name, v in samples.items()}
+            row["ratio"] = round(row["ngram"] / row["off"], 2)
+            out["tps"][f"{kind} batch {b}"] = row
+            out["acceptance"][f"{kind} batch {b}"] = {
+                "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+                "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 0.0}
+    for eng in engines.values():
+        eng.close()
+    out["host_verify_prepare"] = [host_verify_prepare_us(b, args.num_speculative_tokens) for b in (8, 32)]
+    return out
+
+
+def _print_speculative(report: dict) -> None:
+    spec = report["speculative"]
+    print()
+    print(f"| tokens/s (compile {spec['compile']}, K={spec['num_speculative_tokens']}) | speculative off | ngram | "
+          "ratio | acceptance rate | tokens per drafted step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, row in spec["tps"].items():
+        acc = spec["acceptance"][name]
+        print(f"| {name} | {row['off']} | {row['ngram']} | {row['ratio']}x | {acc['acceptance_rate']} | "
+              f"{acc['mean_acceptance_length']} |")
+    print(f"\noutputs identical with and without speculation: {spec['identical']}")
+    print()
+    print("| host prepare per verify step | persistent buffers (us) | rebuild each step (us) | ratio |")
+    print("|---|---:|---:|---:|")
+    for h in spec["host_verify_prepare"]:
+        print(f"| batch {h['batch']}, up to {h['draft_tokens']} drafts | {h['persistent_us']} | {h['rebuild_us']} | "
+              f"{h['ratio']}x |")
 
 
 # -- 4. prefix caching ------------------------------------------------------------------------
@@ -532,6 +677,9 @@ def main() -> int:
     parser.add_argument("--dsv4-prompt-tokens", type=int, default=120,
                         help="prompt length of every DeepSeek V4 request (default 120: decode runs past the "
                              "64-token window and reaches the first 128-token HCA entry)")
+    parser.add_argument("--speculative-only", action="store_true",
+                        help="run only figure 8: speculative decoding off vs ngram (compiled unless --no-compiled)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="figure 8's K (default 3)")
     args = parser.parse_args()
     if args.no_prefix_caching and args.prefix_caching_only:
         parser.error("--no-prefix-caching and --prefix-caching-only exclude each other")
@@ -556,6 +704,13 @@ def main() -> int:
                     "tokens": args.tokens,
                     "runs": args.runs, "torch_threads": torch.get_num_threads(), "decode_tps": {}}
 
+    if args.speculative_only:
+        kc = args.kernel_cache_dir or str(Path(tmp.name) / "kernel-cache")
+        report["speculative"] = speculative_report(sidecar, args, kc)
+        print(json.dumps(report, indent=2))
+        _print_speculative(report)
+        tmp.cleanup()
+        return 0
     if not args.prefix_caching_only:
         eager = _engine(sidecar, "off", None, args.dtype)
         report["startup_eager"] = eager.startup_report.line()

@@ -269,9 +269,14 @@ class DecodeBuffers:
             raise InvalidArgument("these decode buffers have no verify buffers (max_draft_tokens is 0)")
         if not self.num_active <= batch <= self.max_num_seqs:
             raise InvalidArgument(f"batch {batch} must be in [{self.num_active}, {self.max_num_seqs}]")
-        d, S = self._dev, self._verify_width
-        return (d["verify_ids"][:batch, :S], d["verify_positions"][:batch, :S], d["verify_slots"][:batch, :S],
-                d["block_tables"][:batch, :self.max_active_blocks()], d["verify_lens"][:batch])
+        key = ("verify", batch, self._verify_width, self.max_active_blocks(), torch.is_inference_mode_enabled())
+        views = self._views.get(key)  # made once per shape, as :meth:`views` does
+        if views is None:
+            d, S, nb = self._dev, key[2], key[3]
+            views = self._views[key] = (d["verify_ids"][:batch, :S], d["verify_positions"][:batch, :S],
+                                        d["verify_slots"][:batch, :S], d["block_tables"][:batch, :nb],
+                                        d["verify_lens"][:batch])
+        return views
 
     def order_logits(self, rows: Seq[int]) -> None:
         """Make the first ``len(rows)`` entries of ``logits_indices`` equal ``rows``: the step's

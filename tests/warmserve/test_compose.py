@@ -75,6 +75,11 @@ def _image_user() -> str:
     return user
 
 
+def _interpolate(arg: str) -> str:
+    """Compose's interpolation of one word: ``${NAME:-default}`` is ``$NAME`` when set and not empty, else ``default``."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1]) or m[2], arg)
+
+
 def _container_port(command: list[str]) -> str:
     return command[command.index("--port") + 1]
 
@@ -99,6 +104,7 @@ class ComposeOnLoopback:
         self.rootfs = tmp / "rootfs"
 
     def _arg(self, service: str, arg: str) -> str:
+        arg = _interpolate(arg)
         if arg == "python":
             return sys.executable
         if arg == "0.0.0.0":
@@ -218,7 +224,7 @@ def test_every_compose_command_is_real_options_with_valid_values() -> None:
     for name, svc in _daemons(_load()).items():
         command = svc["command"]
         assert command[:3] == ["python", "-m", "warmserve.cli"], name
-        args = parse_command_line(command[3:])
+        args = parse_command_line([_interpolate(w) for w in command[3:]])
         assert args.host == "0.0.0.0", name
         if command[3:5] == ["runner", "serve"]:
             assert {w for w in command if w.startswith("--")} <= declared, name
