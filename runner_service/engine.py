@@ -30,7 +30,7 @@ from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
-from runner_service.ngram import NgramDrafter
+from runner_service.ngram import NgramDrafter, SpeculationGate
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.program_installer import ProgramInstaller
 from runner_service.sampler import Sampler
@@ -128,6 +128,8 @@ class LLMEngine:
         #: Speculative decoding counts (vLLM's): rows that verified drafts, draft tokens verified,
         #: draft tokens accepted.
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        #: Whether verify steps pay against the compiled decode (:class:`~runner_service.ngram.SpeculationGate`).
+        self.gate = None if self.drafter is None else SpeculationGate()
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -368,6 +370,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return 0
+        gated = self.gate is not None and not batch.is_prefill and self.runner.decode_program is not None
+        if gated and batch.is_speculative and not self.gate.allow(self.runner.batch_bucket(len(batch))):
+            batch.drop_drafts()
+        before = sum(s.num_tokens for s in batch.seqs) if gated else 0
+        t0 = time.perf_counter()
         try:
             self._run(batch)
         except Exception:
@@ -375,6 +382,11 @@ class LLMEngine:
             for seq in batch.seqs:
                 if self.output.seq(seq.request_id) is seq:  # its final delta not queued yet
                     self._finish(seq, FinishReason.ABORTED)
+        else:
+            if gated:  # the step's rate: tokens it emitted (every row; accepted drafts too) per second
+                emitted = sum(s.num_tokens for s in batch.seqs) - before
+                self.gate.record("verify" if batch.is_speculative else "decode", self.runner.batch_bucket(len(batch)),
+                                 emitted, time.perf_counter() - t0)
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:

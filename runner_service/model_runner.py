@@ -259,6 +259,10 @@ class ModelRunner:
         (to a power of two, as it once was) would only add masked keys."""
         return max(1, min(num_blocks, self.max_blocks_per_seq))
 
+    def batch_bucket(self, n: int) -> int:
+        """The batch bucket a decode step of ``n`` rows runs at (:func:`batch_buckets`)."""
+        return _bucket(n, self.buckets)
+
     def decode_views(self, batch: int, num_blocks: int = 1) -> tuple[torch.Tensor, ...]:
         """The decode inputs of batch bucket ``batch`` over a block table ``num_blocks`` wide
         (:meth:`block_width`): views of the persistent buffers."""

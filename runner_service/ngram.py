@@ -85,3 +85,34 @@ class NgramDrafter:
             if index is None:
                 index = seq.drafter_state = NgramIndex(self.n_min, self.n_max)
             seq.draft_token_ids = index.propose(seq.token_ids, room)
+
+
+class SpeculationGate:
+    """Whether a decode step should verify its drafts or decode one token per row, by measured
+    throughput: per batch bucket, an exponential moving average (weight ``alpha``) of the tokens
+    per second that verify steps and plain decode steps achieved. A step verifies when no verify
+    step of its bucket was measured yet, when its verify rate is at least the decode rate, or
+    every ``explore_every``-th step the gate turned down (the rates drift with the acceptance of
+    the requests running). The engine consults it while the verify step runs eager beside a
+    compiled decode program, whose step can cost several times less."""
+
+    def __init__(self, alpha: float = 0.2, explore_every: int = 32) -> None:
+        self.alpha, self.explore_every = alpha, explore_every
+        self._rates: dict[tuple[str, int], float] = {}
+        self._declined = 0
+
+    def allow(self, bucket: int) -> bool:
+        """Whether a decode step of batch bucket ``bucket`` with drafts should verify them."""
+        verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
+        if verify is None or decode is None or verify >= decode:
+            return verify is None or decode is not None
+        self._declined += 1
+        return self._declined % self.explore_every == 0
+
+    def record(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
+        """A ``kind`` (``verify`` / ``decode``) step of bucket ``bucket`` emitted ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self._rates.get((kind, bucket))
+        self._rates[(kind, bucket)] = rate if old is None else old + self.alpha * (rate - old)

@@ -64,6 +64,13 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    def drop_drafts(self) -> None:
+        """Make a speculative decode batch a plain one: one token per row, drafts cleared (their
+        blocks stay with the sequences, whose next tokens use them). Call before the batch runs."""
+        for seq in self.seqs:
+            seq.draft_token_ids = []
+        self.num_tokens = [1] * len(self.seqs)
+
     def sampling_rows(self) -> list[int]:
         """Rows that sample a token after this step: those whose chunk reaches the sequence's last
         token (every decode row, drafts or not; a prefill row that completes its prompt). Computed once, on the

@@ -50,8 +50,8 @@ class ScriptedDrafter:
     (seeded) replaced by a wrong one: long drafts, partial acceptance, and drafts that run into a
     stop token or the length limit, which prompt lookup on a random model rarely makes."""
 
-    def __init__(self, k: int, outputs: dict[tuple[int, ...], list[int]]) -> None:
-        self.k, self.outputs, self.rng = k, outputs, random.Random(0)
+    def __init__(self, k: int, outputs: dict[tuple[int, ...], list[int]], wrong: float = 0.2) -> None:
+        self.k, self.outputs, self.rng, self.wrong = k, outputs, random.Random(0), wrong
 
     def propose(self, seqs) -> None:
         for seq in seqs:
@@ -62,7 +62,7 @@ class ScriptedDrafter:
             room = min(self.k, seq.max_total_tokens - seq.num_tokens - 1)
             drafts = list(ref[done:done + max(room, 0)])
             for j in range(len(drafts)):
-                if self.rng.random() < 0.2:
+                if self.rng.random() < self.wrong:
                     drafts[j] = (drafts[j] + 1) % ARGS.vocab_size
             seq.draft_token_ids = drafts
 
@@ -106,6 +106,61 @@ def test_greedy_output_equals_one_token_per_step_with_every_stop_rule_and_logpro
                                                              / stats["spec_decode_num_drafts"])
     assert stats["kv_blocks_used"] == 0
     assert stats["generated_tokens_total"] == sum(o.completion_tokens for o in spec)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_forced_drafts_all_right_give_k_plus_1_tokens_a_step_all_wrong_exactly_one(k):
+    requests = [(p, SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)) for p in _prompts(4, 8)]
+    plain = _run(_engine(), requests)
+    outputs = {tuple(ids): o.token_ids for (ids, _), o in zip(requests, plain, strict=True)}
+    for wrong, steps_per_seq, acceptance in ((0.0, -(-40 // (k + 1)), 1.0), (1.0, 40, 0.0)):
+        engine = _engine(**{**SPEC, "num_speculative_tokens": k})
+        engine.drafter = ScriptedDrafter(k, outputs, wrong=wrong)
+        streams = [engine.add_request(p, token_ids=ids) for ids, p in requests]
+        steps = engine.run_until_done()
+        assert [s.result(timeout=0).token_ids for s in streams] == [o.token_ids for o in plain]
+        # one prefill step, then the 40 tokens after the first at k + 1 (or 1) a step for all four rows
+        assert steps == 1 + steps_per_seq
+        assert engine.stats()["spec_decode_acceptance_rate"] == acceptance
+
+
+def test_sampled_tokens_follow_the_same_distribution_with_and_without_speculation():
+    """Temperature 1.0 on a 16-token vocabulary, 800 seeds: the histograms of the 2nd and 3rd
+    generated tokens (the first ones a verify step emits) with forced drafts vs without pass a
+    two-sample chi-squared test at p = 0.001 (15 degrees of freedom: critical value 37.70)."""
+    args = tiny_args(vocab=16, eos=(1,))
+    weights = LLAMA.random_weights(args, seed=2)
+    prompt = [3, 7, 5, 9, 3, 7]
+
+    class LikelyDrafter:  # the most frequent 2nd and 3rd tokens of the plain run, every step
+        drafts: list[int] = []
+
+        def propose(self, seqs):
+            for seq in seqs:
+                if not seq.is_finished:
+                    room = max(0, seq.max_total_tokens - seq.num_tokens - 1)
+                    done = seq.num_completion_tokens
+                    seq.draft_token_ids = self.drafts[done - 1:done - 1 + room]
+
+    hists = []
+    for spec in (False, True):
+        engine = LLMEngine(args, weights, tiny_config(max_num_seqs=16, kv_cache_bytes=kv_bytes(args, 400),
+                                                     **(SPEC if spec else {})))
+        if spec:
+            engine.drafter = LikelyDrafter()
+        streams = [engine.add_request(SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True),
+                                      token_ids=prompt) for s in range(800)]
+        engine.run_until_done()
+        outs = [st.result(timeout=0).token_ids for st in streams]
+        hists.append([torch.bincount(torch.tensor([o[j] for o in outs]), minlength=16).float() for j in (1, 2)])
+        if spec:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 100  # the verify path decided many
+        else:
+            LikelyDrafter.drafts = [int(h.argmax()) for h in hists[0]]
+    for plain, drafted in zip(*hists, strict=True):
+        seen = (plain + drafted) > 0
+        chi2 = (((plain - drafted) ** 2)[seen] / (plain + drafted)[seen]).sum().item()
+        assert chi2 < 37.70, (chi2, plain.tolist(), drafted.tolist())
 
 
 def test_batch_invariant_speculative_output_is_bit_for_bit_the_plain_output():
@@ -219,3 +274,26 @@ def test_model_info_metrics_and_the_wire_opt_out_report_speculation():
     finally:
         server.stop()
         engine.close()
+
+
+def test_with_a_compiled_decode_the_gate_decides_and_a_declined_step_decodes_one_token():
+    requests = [(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in _prompts(4, 9)]
+    plain = _run(_engine(), requests)
+    engine = _engine(**SPEC)
+    engine.runner.install_program("decode", engine.runner.decode_module)  # the program contract, eager
+
+    class Decline:
+        def __init__(self):
+            self.asked, self.recorded = 0, []
+
+        def allow(self, bucket):
+            self.asked += 1
+            return False
+
+        def record(self, kind, bucket, tokens, seconds):
+            self.recorded.append(kind)
+
+    engine.gate = gate = Decline()
+    assert [o.token_ids for o in _run(engine, requests)] == [o.token_ids for o in plain]
+    assert gate.asked > 0 and set(gate.recorded) == {"decode"}
+    assert engine.stats()["spec_decode_num_drafts"] == 0 and engine.block_manager.num_used_blocks == 0

@@ -181,3 +181,17 @@ def test_drafts_whose_blocks_do_not_fit_are_dropped_before_anyone_is_preempted()
     batch = sched.schedule()
     assert batch.num_tokens == [1] and not batch.is_speculative and seq.draft_token_ids == []
     assert sched.num_preemptions == 0
+
+
+def test_the_gate_explores_then_verifies_only_where_verify_steps_emit_tokens_faster():
+    from runner_service.ngram import SpeculationGate
+
+    gate = SpeculationGate(alpha=0.5, explore_every=4)
+    assert gate.allow(8)  # nothing measured: try a verify step
+    gate.record("verify", 8, tokens=16, seconds=0.1)  # 160 tokens/s
+    assert not gate.allow(8)  # no decode step measured yet: try one
+    gate.record("decode", 8, tokens=8, seconds=0.02)  # 400 tokens/s
+    assert [gate.allow(8) for _ in range(8)] == [False, False, False, True] * 2  # explores every 4th
+    gate.record("verify", 8, tokens=64, seconds=0.1)  # EMA: 160 + 0.5 * (640 - 160) = 400
+    assert gate.allow(8)
+    assert gate.allow(1)  # another bucket: measured apart
