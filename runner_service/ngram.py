@@ -93,12 +93,14 @@ class SpeculationGate:
     per second that verify steps and plain decode steps achieved. A step verifies when no verify
     step of its bucket was measured yet, when its verify rate is at least the decode rate, or
     every ``explore_every``-th step the gate turned down (the rates drift with the acceptance of
-    the requests running). The engine consults it while the verify step runs eager beside a
-    compiled decode program, whose step can cost several times less."""
+    the requests running). The first step of each kind and bucket is not counted (a shape's
+    first call can cost many later ones). The engine consults it while the verify step runs eager
+    beside a compiled decode program, whose step can cost several times less."""
 
-    def __init__(self, alpha: float = 0.2, explore_every: int = 32) -> None:
+    def __init__(self, alpha: float = 0.2, explore_every: int = 8) -> None:
         self.alpha, self.explore_every = alpha, explore_every
         self._rates: dict[tuple[str, int], float] = {}
+        self._seen: set[tuple[str, int]] = set()
         self._declined = 0
 
     def allow(self, bucket: int) -> bool:
@@ -112,6 +114,9 @@ class SpeculationGate:
     def record(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
         """A ``kind`` (``verify`` / ``decode``) step of bucket ``bucket`` emitted ``tokens`` in ``seconds``."""
         if seconds <= 0:
+            return
+        if (kind, bucket) not in self._seen:
+            self._seen.add((kind, bucket))
             return
         rate = tokens / seconds
         old = self._rates.get((kind, bucket))

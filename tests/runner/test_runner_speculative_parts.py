@@ -188,8 +188,11 @@ def test_the_gate_explores_then_verifies_only_where_verify_steps_emit_tokens_fas
 
     gate = SpeculationGate(alpha=0.5, explore_every=4)
     assert gate.allow(8)  # nothing measured: try a verify step
+    gate.record("verify", 8, tokens=16, seconds=10.0)  # a first call: not counted
+    assert gate.allow(8)
     gate.record("verify", 8, tokens=16, seconds=0.1)  # 160 tokens/s
     assert not gate.allow(8)  # no decode step measured yet: try one
+    gate.record("decode", 8, tokens=8, seconds=10.0)
     gate.record("decode", 8, tokens=8, seconds=0.02)  # 400 tokens/s
     assert [gate.allow(8) for _ in range(8)] == [False, False, False, True] * 2  # explores every 4th
     gate.record("verify", 8, tokens=64, seconds=0.1)  # EMA: 160 + 0.5 * (640 - 160) = 400
