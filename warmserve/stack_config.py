@@ -34,8 +34,8 @@ def split_threads(runners: int) -> int:
 class StackConfig:
     """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
 
-    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs``/``prefix_caching``/``batch_invariant`` are the
-    forwarded runner options (:data:`runner_service.options.FORWARDED_OPTIONS`, one field each);
+    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs``/``prefix_caching``/``batch_invariant``/``speculative``/
+    ``num_speculative_tokens``/``prompt_lookup_max``/``prompt_lookup_min`` are the forwarded runner options (:data:`runner_service.options.FORWARDED_OPTIONS`, one field each);
     ``None`` leaves the runner's default, ``prefix_caching=False`` passes ``--no-prefix-caching``. ``home`` of
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
     ``runner_threads``: torch CPU threads per runner; ``None`` splits the host's cores evenly
@@ -69,6 +69,10 @@ class StackConfig:
     max_num_seqs: int | None = None
     prefix_caching: bool = True
     batch_invariant: bool | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     policy: str = DEFAULT_POLICY
     host: str = "127.0.0.1"
     lease_seconds: float = 3.0
