@@ -295,16 +295,6 @@ class FamilyModel(nn.Module, ABC):
                       seq_lens, torch.zeros_like(input_ids))
         return (logits,)
 
-    def verify(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
-               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """A speculative decoding verify step: :meth:`forward`'s inputs without ``last_index``
-        (``input_ids`` [B, S]: each row's last token then its draft tokens, padded), writing the
-        step's cache entries in place like :meth:`forward`, returning the logits of every
-        position, [B, S, V] float32. Families that list a method in
-        :attr:`ModelFamily.speculative_methods` implement it; the default raises
-        ``NotImplementedError``."""
-        raise NotImplementedError(f"{type(self).__name__} has no verify step")
-
     def can_loop_layers(self) -> bool:
         """Whether an exported step can run the layers as one loop (:meth:`loop_layers`): a
         program that compiles in a fraction of the unrolled one's time. Default: no."""
@@ -376,8 +366,11 @@ class ModelFamily(ABC):
     #: dynamic token count); ``False`` keeps prefill eager and compiles decode only.
     compiled_prefill: ClassVar[bool] = True
     #: The ``--speculative`` methods (:data:`runner_service.options.SPECULATIVE_METHODS`, not
-    #: ``off``) the runner may use with this family: its model has a :meth:`FamilyModel.verify`
-    #: step and rejected drafts leave nothing behind in its caches. Default: none.
+    #: ``off``) the runner may use with this family. A family that lists one gives its model a
+    #: ``verify(caches, input_ids [B, S], positions, slot_mapping [B, S], block_tables, seq_lens)
+    #: -> logits [B, S, V] float32`` step (``forward``'s inputs without ``last_index``, the cache
+    #: written in place, every position's logits; e.g. ``LlamaModel.verify``) after which
+    #: rejected drafts leave nothing read in its caches. Default: none.
     speculative_methods: ClassVar[tuple[str, ...]] = ()
     #: Prefixes of the stacked tensor names (first dim a stack index, see :meth:`stack_index`).
     stacked_prefixes: ClassVar[tuple[str, ...]] = ("layers.",)

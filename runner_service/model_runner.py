@@ -335,6 +335,14 @@ class ModelRunner:
         self._rows = rows
         return rows
 
+    @staticmethod
+    def _row_order(rows: list[Sequence], seqs: list[Sequence]) -> list[int] | None:
+        """The buffer row of each of ``seqs`` (``rows``: :meth:`_assign_rows`' order), or
+        ``None`` when they are in row order (the common case: no gather needed)."""
+        row_of = {id(s): i for i, s in enumerate(rows)}
+        order = [row_of[id(s)] for s in seqs]
+        return None if order == list(range(len(rows))) else order
+
     @torch.inference_mode()
     def run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Decode one token for each of ``seqs`` (each has a block for position
@@ -342,9 +350,8 @@ class ModelRunner:
         rows = self._assign_rows(seqs)
         n = self.buffers.fill([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                               [s.block_table for s in rows])
-        row_of = {id(s): i for i, s in enumerate(rows)}
-        order = [row_of[id(s)] for s in seqs]
-        in_row_order = order == list(range(n))
+        order = self._row_order(rows, seqs)
+        in_row_order = order is None
         if not in_row_order:
             self.buffers.order_logits(order)
         batch = _bucket(n, self.buckets)
@@ -357,7 +364,7 @@ class ModelRunner:
     def run_verify(self, seqs: list[Sequence]) -> torch.Tensor:
         """Verify each of ``seqs``' draft tokens (``seq.draft_token_ids``, ``k_i`` of them; it
         has blocks for position ``num_tokens - 1 + k_i``): one step of its last token and its
-        drafts through the family model's :meth:`~model_families.family.FamilyModel.verify`,
+        drafts through the family model's ``verify`` step (:attr:`~model_families.family.ModelFamily.speculative_methods`),
         the inputs in the persistent buffers (:meth:`DecodeBuffers.fill_verify`, the rows kept
         as in decode). Returns logits [n, S, V] f32 in the order of ``seqs``, ``S = 1 +
         max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft."""
@@ -366,11 +373,8 @@ class ModelRunner:
                                      [s.block_table for s in rows], [s.draft_token_ids for s in rows])
         with self._kernels():
             logits = self.model.verify(self.kv.tensors, *self.buffers.verify_views(n))
-        row_of = {id(s): i for i, s in enumerate(rows)}
-        order = [row_of[id(s)] for s in seqs]
-        if order == list(range(n)):
-            return logits
-        return logits[order]
+        order = self._row_order(rows, seqs)
+        return logits if order is None else logits[order]
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
