@@ -82,7 +82,7 @@ check: install lint node tritonclient
 # pytest-xdist workers, a file per worker, then every other test one at a time.
 PARALLEL_TESTS := tests/families $(foreach t,batch_invariant decode_buffers detokenizer engine explain \
 	generation_config kv_cache logprob_tokens output_processor prefix_cache programs real_model sampler \
-	scheduler speculative_parts speculative_real_model trust warmup,tests/runner/test_runner_$(t).py)
+	scheduler speculative_parts speculative_programs speculative_real_model trust warmup,tests/runner/test_runner_$(t).py)
 
 test: install lint node tritonclient kubectl
 	$(PY) -m pytest -q --durations=20 -n 2 --dist loadfile $(PARALLEL_TESTS)

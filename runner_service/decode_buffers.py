@@ -26,12 +26,15 @@ buffer                shape                                 row ``i`` of a decod
 
 With speculative decoding (``max_draft_tokens`` ``K`` > 0) a verify step feeds each active row
 ``1 + k`` tokens (its last token, then its ``k <= K`` draft tokens) through four more buffers
-(:meth:`DecodeBuffers.fill_verify`); the block tables are the decode ones (same rows, same cache):
+(:meth:`DecodeBuffers.fill_verify`); the block tables are the decode ones (same rows, same cache).
+The three grids are flat, ``max_num_seqs * (1 + K)`` entries: a step of ``n`` rows and width
+``S = 1 + max(k)`` uses the first ``n * S`` as an ``[n, S]`` row-major grid, so the step's
+inputs are contiguous views (what a compiled program needs) with no copy:
 
 ====================  ===================================  ========================================
-``verify_ids``        [max_num_seqs, 1 + K]                 last token, drafts, then padding (0)
-``verify_positions``  [max_num_seqs, 1 + K]                 ``p .. p + k``, then 0
-``verify_slots``      [max_num_seqs, 1 + K]                 their KV slots, then scratch slot 0
+``verify_ids``        [n, S] of [max_num_seqs * (1 + K)]    last token, drafts, then padding (0)
+``verify_positions``  [n, S] of [max_num_seqs * (1 + K)]    ``p .. p + k``, then 0
+``verify_slots``      [n, S] of [max_num_seqs * (1 + K)]    their KV slots, then scratch slot 0
 ``verify_lens``       [max_num_seqs]                        context length after the step (``p + 1 + k``)
 ====================  ===================================  ========================================
 
@@ -53,7 +56,7 @@ from runner_service.kv_cache import SCRATCH_BLOCK
 from services.errors import InvalidArgument
 
 _NAMES = ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
-#: The verify step's grids ``[max_num_seqs, 1 + K]`` (allocated when ``max_draft_tokens`` > 0).
+#: The verify step's flat grids ``[max_num_seqs * (1 + K)]`` (allocated when ``max_draft_tokens`` > 0).
 _VERIFY_GRIDS = ("verify_ids", "verify_positions", "verify_slots")
 
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
@@ -98,7 +101,7 @@ class DecodeBuffers:
         self._host = {name: host(n) for name in _NAMES}
         self._host["block_tables"] = host(n, m)
         if self.max_draft_tokens:
-            self._host.update({name: host(n, 1 + self.max_draft_tokens) for name in _VERIFY_GRIDS})
+            self._host.update({name: host(n * (1 + self.max_draft_tokens)) for name in _VERIFY_GRIDS})
             self._host["verify_lens"] = host(n)
             #: Column index of the verify grid, and the step's columns-in-use mask (scratch).
             self._verify_cols = np.arange(1 + self.max_draft_tokens, dtype=np.int64)
@@ -244,7 +247,7 @@ class DecodeBuffers:
         cols = self._verify_cols[:width]
         valid = self._verify_valid[:n, :width]
         np.less_equal(cols[None, :], ks[:, None], out=valid)
-        ids, pos, slots = (np_[name][:n, :width] for name in _VERIFY_GRIDS)
+        ids, pos, slots = (np_[name][:n * width].reshape(n, width) for name in _VERIFY_GRIDS)
         base = np_["positions"][:n]
         np.add(base[:, None], cols[None, :], out=pos)
         pos *= valid
@@ -260,22 +263,21 @@ class DecodeBuffers:
         self._copy_to_device(n)
         return n
 
-    def verify_views(self, batch: int) -> tuple[torch.Tensor, ...]:
-        """The first ``batch`` rows of the last :meth:`fill_verify` as ``(input_ids [B, S],
-        positions [B, S], slot_mapping [B, S], block_tables [B, nb], seq_lens [B])`` with ``S``
-        its grid width and ``nb`` :meth:`max_active_blocks` (views, no copies). Raises
-        ``InvalidArgument`` for a batch outside ``[num_active, max_num_seqs]``."""
+    def verify_views(self) -> tuple[torch.Tensor, ...]:
+        """The active rows of the last :meth:`fill_verify` as ``(input_ids [n, S], positions
+        [n, S], slot_mapping [n, S], block_tables [n, nb], seq_lens [n])``, ``S`` its grid width,
+        ``nb`` :meth:`max_active_blocks` (views, no copies; the grids contiguous). Only the
+        active rows: the flat grids hold no padding rows at width ``S``. Raises
+        ``InvalidArgument`` without verify buffers."""
         if not self.max_draft_tokens:
             raise InvalidArgument("these decode buffers have no verify buffers (max_draft_tokens is 0)")
-        if not self.num_active <= batch <= self.max_num_seqs:
-            raise InvalidArgument(f"batch {batch} must be in [{self.num_active}, {self.max_num_seqs}]")
-        key = ("verify", batch, self._verify_width, self.max_active_blocks(), torch.is_inference_mode_enabled())
+        n = self.num_active
+        key = ("verify", n, self._verify_width, self.max_active_blocks(), torch.is_inference_mode_enabled())
         views = self._views.get(key)  # made once per shape, as :meth:`views` does
         if views is None:
             d, S, nb = self._dev, key[2], key[3]
-            views = self._views[key] = (d["verify_ids"][:batch, :S], d["verify_positions"][:batch, :S],
-                                        d["verify_slots"][:batch, :S], d["block_tables"][:batch, :nb],
-                                        d["verify_lens"][:batch])
+            views = self._views[key] = (*(d[name][:n * S].view(n, S) for name in _VERIFY_GRIDS),
+                                        d["block_tables"][:n, :nb], d["verify_lens"][:n])
         return views
 
     def order_logits(self, rows: Seq[int]) -> None:
@@ -390,4 +392,5 @@ class DecodeBuffers:
         if self._dev is self._host or rows == 0:
             return
         for name, t in self._host.items():
-            self._dev[name][:rows].copy_(t[:rows], non_blocking=True)
+            m = rows * (1 + self.max_draft_tokens) if name in _VERIFY_GRIDS else rows  # flat grids: row-major
+            self._dev[name][:m].copy_(t[:m], non_blocking=True)

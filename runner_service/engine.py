@@ -130,6 +130,7 @@ class LLMEngine:
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         #: Whether verify steps pay against the compiled decode (:class:`~runner_service.ngram.SpeculationGate`).
         self.gate = None if self.drafter is None else SpeculationGate()
+        self._gate_installs = 0  # the runner's program installs the gate's rates were measured under
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -371,6 +372,9 @@ class LLMEngine:
         if not batch:
             return 0
         gated = self.gate is not None and not batch.is_prefill and self.runner.decode_program is not None
+        if gated and self._gate_installs != self.runner.installs:
+            self.gate.reset()
+            self._gate_installs = self.runner.installs
         if gated and batch.is_speculative and not self.gate.allow(self.runner.batch_bucket(len(batch))):
             batch.drop_drafts()
         before = sum(s.num_tokens for s in batch.seqs) if gated else 0

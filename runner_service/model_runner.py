@@ -25,6 +25,12 @@ last active one), so the block-table cache in :class:`DecodeBuffers` rebuilds on
 sequence changed or grew a block.
 
 Prefill steps build their ``[B, S]`` tensors per step (their cost is amortised over the chunk).
+
+A speculative verify step (:meth:`ModelRunner.run_verify`) runs the family's
+:class:`~model_families.family.VerifyStep` eagerly or its compiled program, both called as
+``(caches, input_ids[n, S], positions[n, S], slot_mapping[n, S], block_tables[n, nb],
+seq_lens[n]) -> (logits[n, S, V] float32,)`` on the active rows of the persistent verify grids
+(contiguous prefixes; the program gets a contiguous copy of the block table, as decode's).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from model_families import family_for_config, invariant
-from model_families.family import FamilyConfig, FamilyWeights, ModelFamily
+from model_families.family import FamilyConfig, FamilyWeights, ModelFamily, VerifyStep
 from model_families.kv_write import write_kv_rows
 from model_families.linear import linear
 from model_families.prepack import PackedMatrices
@@ -75,17 +81,19 @@ WARMUP_PREFILL_TOKENS = 48
 @dataclass(frozen=True)
 class WarmupPlan:
     """The steps the start-up warm-up runs (:meth:`ModelRunner.warmup`), all on padding rows that
-    touch only the scratch block: ``decode`` ``(batch bucket, block-table width)`` pairs and
-    ``prefill`` ``(rows, tokens)`` pairs."""
+    touch only the scratch block: ``decode`` ``(batch bucket, block-table width)`` pairs,
+    ``prefill`` and ``verify`` ``(rows, tokens)`` pairs."""
 
     decode: tuple[tuple[int, int], ...]
     prefill: tuple[tuple[int, int], ...] = ()
+    verify: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
         """``decode buckets [1] width 1; prefill 1 x 48 tokens`` (the ``warmup`` phase's detail)."""
         widths = sorted({w for _, w in self.decode})
         parts = [f"decode buckets {sorted({b for b, _ in self.decode})} width {'/'.join(map(str, widths))}"]
         parts += [f"prefill {rows} x {tokens} tokens" for rows, tokens in self.prefill]
+        parts += [f"verify {rows} x {tokens} tokens" for rows, tokens in self.verify]
         return "; ".join(parts)
 
 
@@ -144,6 +152,11 @@ class ModelRunner:
         self.decode_program: Program | None = None
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
         self.prefill_program: Program | None = None
+        #: The verify step (speculative decoding; ``None`` when off) and its compiled program.
+        self.verify_module = VerifyStep(self.model).eval() if config.num_draft_tokens else None
+        self.verify_program: Program | None = None
+        #: Programs installed (or removed) so far: changes with every :meth:`install_program`.
+        self.installs = 0
         self._installs = itertools.count(1)
         self._computed_by = {"decode": "eager", "prefill": "eager"}
         if config.num_draft_tokens:
@@ -166,19 +179,22 @@ class ModelRunner:
             device=self.device, threads=self.serving_threads or torch.get_num_threads(), decode_module=self.decode_module,
             model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
             decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
-            build_lease_s=self.config.build_lease_s, layers=layers)
+            build_lease_s=self.config.build_lease_s, layers=layers, speculative=self.config.speculative,
+            num_draft_tokens=self.config.num_draft_tokens, verify_module=self.verify_module)
 
     def install_program(self, kind: str, program: Program | None) -> None:
         """Run ``kind`` steps (:data:`~runner_service.programs.spec.PROGRAM_KINDS`) through
         ``program``: decode (the compile contract, every batch bucket) or prefill (called like
         the family model's ``forward``, returning ``(logits,)``; at least 2 tokens per row, see
-        :meth:`run_prefill`); ``None`` goes back to eager. Raises ``ValueError`` for another kind."""
+        :meth:`run_prefill`) or verify (called like :attr:`verify_module`, at least 2 tokens per
+        row); ``None`` goes back to eager. Raises ``ValueError`` for another kind, or verify when
+        not speculating."""
         if kind not in PROGRAM_KINDS:
             raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
-        if kind == "decode":
-            self.decode_program = program
-        else:
-            self.prefill_program = program
+        if kind == "verify" and self.verify_module is None:
+            raise ValueError("no verify program: this runner does not speculate")
+        setattr(self, f"{kind}_program", program)
+        self.installs += 1
         self._computed_by[kind] = "eager" if program is None else f"{self.config.compile}#{next(self._installs)}"
 
     def computed_by(self) -> str:
@@ -281,7 +297,8 @@ class ModelRunner:
           tokens (capped by the step's token budget and the context), over as many blocks as such
           a prompt holds: the program's first call initialises what later calls reuse (one
           dynamic-shape program: no per-length cost after it). Eager prefill has no first-call
-          cost beyond decode's."""
+          cost beyond decode's.
+        - Verify, when a compiled verify is installed: one row of 2 tokens, for the same reason."""
         buckets = self.buckets
         if self.config.compile == "inductor":
             widths = sorted({1, min(2, self.max_blocks_per_seq)})
@@ -292,7 +309,8 @@ class ModelRunner:
         if self.prefill_program is not None:
             budget = min(self.config.resolved_max_num_batched_tokens(self.max_model_len), self.max_model_len - 1)
             prefill = ((1, max(2, min(WARMUP_PREFILL_TOKENS, budget))),)
-        return WarmupPlan(decode, prefill)
+        verify = ((1, 2),) if self.verify_program is not None else ()
+        return WarmupPlan(decode, prefill, verify)
 
     @torch.inference_mode()
     def warmup(self, plan: WarmupPlan) -> None:
@@ -304,6 +322,8 @@ class ModelRunner:
                 self.decode(*self.decode_views(batch, width))
             for rows, tokens in plan.prefill:
                 self.prefill(*self._prefill_padding(rows, tokens, self.block_width(self.layout.blocks_needed(tokens))))
+            for rows, tokens in plan.verify:
+                self.verify(*self._prefill_padding(rows, tokens, 1)[:-1])
             synchronize(self.device)
 
     # -- steps -------------------------------------------------------------------------------
@@ -369,12 +389,23 @@ class ModelRunner:
         as in decode). Returns logits [n, S, V] f32 in the order of ``seqs``, ``S = 1 +
         max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft."""
         rows = self._assign_rows(seqs)
-        n = self.buffers.fill_verify([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
-                                     [s.block_table for s in rows], [s.draft_token_ids for s in rows])
-        with self._kernels():
-            logits = self.model.verify(self.kv.tensors, *self.buffers.verify_views(n))
+        self.buffers.fill_verify([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
+                                 [s.block_table for s in rows], [s.draft_token_ids for s in rows])
+        logits = self.verify(*self.buffers.verify_views())
         order = self._row_order(rows, seqs)
         return logits if order is None else logits[order]
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One verify step (:class:`~model_families.family.VerifyStep`'s inputs, ``S`` tokens a
+        row) through the installed program where ``S >= 2``, else eagerly; returns logits
+        [B, S, V] f32, the KV cache written at every position."""
+        if self.verify_program is None or input_ids.shape[1] < 2:
+            with self._kernels():
+                return self.verify_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables,
+                                          seq_lens)[0]
+        tables = block_tables.clone(memory_format=torch.contiguous_format)  # as decode: see :meth:`decode`
+        return self.verify_program(self.kv.tensors, input_ids, positions, slot_mapping, tables, seq_lens)[0]
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -422,6 +453,5 @@ class ModelRunner:
         prepacked matrices together."""
         self._rows = []
         self.buffers.close()
-        self.decode_program = None
-        self.prefill_program = None
+        self.decode_program = self.prefill_program = self.verify_program = None
         self.packed.close()

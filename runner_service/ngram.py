@@ -94,13 +94,21 @@ class SpeculationGate:
     step of its bucket was measured yet, when its verify rate is at least the decode rate, or
     every ``explore_every``-th step the gate turned down (the rates drift with the acceptance of
     the requests running). The first step of each kind and bucket is not counted (a shape's
-    first call can cost many later ones). The engine consults it while the verify step runs eager
-    beside a compiled decode program, whose step can cost several times less."""
+    first call can cost many later ones). The engine consults it while a compiled decode program
+    is installed (an eager verify step can cost several of its steps; a compiled one still costs
+    more than a decode step, which low acceptance does not repay) and resets it whenever a program
+    is installed (:meth:`reset`)."""
 
     def __init__(self, alpha: float = 0.2, explore_every: int = 8) -> None:
         self.alpha, self.explore_every = alpha, explore_every
         self._rates: dict[tuple[str, int], float] = {}
         self._seen: set[tuple[str, int]] = set()
+        self._declined = 0
+
+    def reset(self) -> None:
+        """Forget every rate (the steps' costs changed: a program was installed)."""
+        self._rates.clear()
+        self._seen.clear()
         self._declined = 0
 
     def allow(self, bucket: int) -> bool:

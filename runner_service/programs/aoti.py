@@ -145,6 +145,8 @@ def compile_program(spec: ProgramSpec, kind: str, package: Path) -> Path:
     AOTI-compile it to ``package`` (:func:`compile_aoti`)."""
     if kind == "decode":
         example, dynamic = export_specs.example_inputs(spec), export_specs.dynamic_shapes(spec)
+    elif kind == "verify":
+        example, dynamic = export_specs.verify_example_inputs(spec), export_specs.verify_dynamic_shapes(spec)
     else:
         example, dynamic = export_specs.prefill_example_inputs(spec), export_specs.prefill_dynamic_shapes(spec)
     spec.model.loop_layers(spec.layers == "loop")  # read by the export only: eager steps never loop

@@ -1,4 +1,4 @@
-"""Example inputs and ``torch.export`` dynamic-shape specs of the decode and prefill programs
+"""Example inputs and ``torch.export`` dynamic-shape specs of the decode, prefill and verify programs
 (``docs/architecture.md`` §9)."""
 
 from __future__ import annotations
@@ -65,3 +65,21 @@ def prefill_dynamic_shapes(spec: ProgramSpec) -> tuple:
     tokens = torch.export.Dim("tokens", min=2, max=max(2, spec.max_prefill_tokens))
     grid, row = _dims((0, batch), (1, tokens)), _dims((0, batch))
     return (pools, grid, grid, grid, _dims((0, batch), (1, blocks)), row, row)
+
+
+def verify_example_inputs(spec: ProgramSpec) -> tuple:
+    """Verify inputs (:class:`~model_families.family.VerifyStep`) of 2 padding rows of 2 tokens
+    (the last token and one draft) over 2 block-table entries: :func:`prefill_example_inputs`
+    without ``last_index``."""
+    return prefill_example_inputs(spec)[:-1]
+
+
+def verify_dynamic_shapes(spec: ProgramSpec) -> tuple:
+    """``torch.export`` dynamic-shape spec for the verify step: as prefill's, the tokens per row
+    2 .. ``1 + num_draft_tokens`` (a step verifies only rows' drafts, so at least 2; static 2 when
+    ``num_draft_tokens`` is 1, the least a dynamic dim allows being 2 .. 3)."""
+    pools, batch, blocks = _shared_dims(spec)
+    top = 1 + spec.num_draft_tokens
+    tokens = torch.export.Dim("tokens", min=2, max=top) if top > 2 else None
+    grid, row = _dims((0, batch), (1, tokens)), _dims((0, batch))
+    return (pools, grid, grid, grid, _dims((0, batch), (1, blocks)), row)

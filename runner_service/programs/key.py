@@ -72,7 +72,7 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     The fingerprint covers ``sources`` (default :func:`program_sources`), the layout (block size,
     max model length, the batch the program takes, max blocks per sequence, dynamic dims, KV pools,
     the block-table layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per
-    row), the family, its pack version and config, the dtype, the device type, the compile options
+    row; for verify the speculative method and ``K``, ``1 + K`` tokens per row), the family, its pack version and config, the dtype, the device type, the compile options
     and :func:`codegen_environment`, the torch thread count among them (Inductor writes it into
     the code); ``UNKNOWN`` when any part is unknown. The runner's ``max_num_seqs`` is no part: an
     ``aoti`` program takes any batch up to :data:`~runner_service.options.MAX_PROGRAM_BATCH`, so
@@ -81,14 +81,15 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     the digest of the parts record of those (:func:`kernel_cache_service.fingerprint.program_parts`),
     remembered in this process (``fingerprint.known_parts``), so a publish of the key carries it and
     ``warmserve cache explain`` can name the parts two keys differ in. Nothing of where the runner
-    runs (port, runner id, home, cache paths) is a part. Raises ``ValueError`` for an unknown ``kind``.
+    runs (port, runner id, home, cache paths) is a part. Raises ``ValueError`` for an unknown ``kind``
+    (or ``verify`` for a spec that does not speculate).
     """
     from kernel_cache_service.fingerprint import program_fingerprint
 
     if kind not in PROGRAM_KINDS:
         raise ValueError(f"program kind must be one of {PROGRAM_KINDS}, got {kind!r}")
     name = f"{spec.family.name}.{kind}.{mode}"
-    weights = spec.constants(kind)
+    weights = spec.constants(kind)  # ValueError for verify when not speculating
     layout = {
         "block_size": spec.block_size,
         "max_model_len": spec.max_model_len,
@@ -105,6 +106,9 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     }
     if kind == "prefill":
         layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=spec.max_prefill_tokens)
+    elif kind == "verify":  # its token dim is bounded by K: a K=2 program never serves K=3
+        layout.update(dynamic=["num_blocks", "batch", "tokens", "blocks"], max_tokens=1 + spec.num_draft_tokens,
+                      speculative={"method": spec.speculative, "num_speculative_tokens": spec.num_draft_tokens})
     # Inductor writes the thread count into CPU code (``num_threads(N)`` on its OpenMP loops when
     # it differs from the core count), so a program built under N threads is another program.
     options = {"mode": mode, "device": spec.device.type, "threads": spec.threads,

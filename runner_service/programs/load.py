@@ -14,7 +14,7 @@ from kernel_cache_service.fingerprint import UNKNOWN
 from runner_service.programs import aoti, inductor
 from runner_service.programs.cache import miss_note, open_kernel_cache, record_wanted, trust_note
 from runner_service.programs.key import program_key
-from runner_service.programs.spec import MODES, PROGRAM_KINDS, ProgramSpec
+from runner_service.programs.spec import MODES, ProgramSpec
 from services.errors import Untrusted, WarmserveError
 
 if TYPE_CHECKING:
@@ -36,8 +36,9 @@ class ProgramsReport:
     (failed; the runner runs eager); ``fingerprint``: the key used (or ``UNKNOWN``);
     ``published``: the kernel cache's answer to the publish (``PUBLISHED``, ``ALREADY_PRESENT``,
     ``REJECTED``) or ``""`` when nothing was published (these three are the decode program's);
-    ``prefill_source``: ``hit`` / ``compiled`` / ``eager`` for the prefill program (``""`` when
-    decode failed first); ``detail``: one human sentence.
+    ``prefill_source`` / ``verify_source``: ``hit`` / ``compiled`` / ``eager`` for the prefill and
+    verify programs (``""`` when decode failed first, or for verify when not speculating);
+    ``detail``: one human sentence.
     """
 
     mode: str
@@ -47,6 +48,7 @@ class ProgramsReport:
     fingerprint: str = ""
     published: str = ""
     prefill_source: str = ""
+    verify_source: str = ""
 
     def __str__(self) -> str:
         return self.detail
@@ -65,7 +67,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
                   progress: Callable[[str], None] | None = None,
                   compiler: aoti.Compiler | None = None) -> ProgramsReport:
     """Fetch or compile the decode program for ``spec.mode`` and ``install("decode", program)``;
-    in ``aoti`` mode then the prefill program likewise (its failure leaves only prefill eager).
+    in ``aoti`` mode then the prefill program and, while speculating, the verify program likewise
+    (:meth:`ProgramSpec.kinds`; a failure of one leaves only that step eager).
 
     ``kernel_cache``: a :class:`KernelCacheClient`, a daemon address ``host:port``, a store
     directory, or ``None`` (compile every launch). ``work_dir``: where fetched and compiled
@@ -113,15 +116,21 @@ def load_programs(spec: ProgramSpec, install: Install, *,
             return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
                                   f"{trust_note(cache, refused_before)}", source="eager")
         defer(lambda: install("decode", program))
-        prefill_source, prefill_detail = _load_prefill(spec, cache, work, sources, install, defer, progress,
-                                                       compiler)
+        prefill_source, prefill_detail = _load_step(spec, "prefill", cache, work, sources, install, defer,
+                                                    progress, compiler)
+        verify_source, verify_detail = "", ""
+        if spec.verify_module is not None:
+            verify_source, verify_detail = _load_step(spec, "verify", cache, work, sources, install, defer,
+                                                      progress, compiler)
+            verify_detail = f"; {verify_detail}"
         trust = trust_note(cache, refused_before)
     finally:
         if cache is not None and cache is not kernel_cache:
             cache.close()
     seconds = time.perf_counter() - t0
-    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}; {trust}", source=source,
-                          fingerprint=fp, published=published, prefill_source=prefill_source)
+    return ProgramsReport(mode, seconds, f"{mode}: {detail}; {prefill_detail}{verify_detail}; {trust}",
+                          source=source, fingerprint=fp, published=published, prefill_source=prefill_source,
+                          verify_source=verify_source)
 
 
 def _with_miss_note(detail: str, source: str, cache: KernelCacheClient | None, name: str, fp: str) -> str:
@@ -137,7 +146,7 @@ def programs_cached(spec: ProgramSpec, mode: str, kernel_cache: KernelCacheClien
     then loading them is quick. ``False`` for no cache, an unusable one or an ``UNKNOWN`` key."""
     if mode not in MODES or kernel_cache is None:
         return False
-    kinds = PROGRAM_KINDS if mode == "aoti" else ("decode",)
+    kinds = spec.kinds() if mode == "aoti" else ("decode",)
     try:
         cache = open_kernel_cache(kernel_cache)
     except WarmserveError:
@@ -164,25 +173,25 @@ def _trusted_hit(cache: KernelCacheClient, name: str, fp: str) -> bool:
     return True
 
 
-def _load_prefill(spec: ProgramSpec, cache: KernelCacheClient | None, work: Path, sources: list | None,
-                  install: Install, defer: Callable[[Callable[[], None]], None],
-                  progress: Callable[[str], None], compiler: aoti.Compiler | None) -> tuple[str, str]:
-    """Fetch or compile and install the prefill program (AOTI only: ``inductor`` mode keeps
-    prefill eager, its dynamic token count would recompile graphs at run time). Returns its
-    source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
-    prefill eager."""
+def _load_step(spec: ProgramSpec, kind: str, cache: KernelCacheClient | None, work: Path, sources: list | None,
+               install: Install, defer: Callable[[Callable[[], None]], None],
+               progress: Callable[[str], None], compiler: aoti.Compiler | None) -> tuple[str, str]:
+    """Fetch or compile and install the ``kind`` program, ``prefill`` or ``verify`` (AOTI only:
+    ``inductor`` mode keeps them eager, their dynamic token count would recompile graphs at run
+    time; and only for a family that compiles its prefill, :meth:`ProgramSpec.kinds`). Returns
+    its source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
+    that step eager."""
     if spec.mode != "aoti":
-        return "eager", "prefill eager"
-    if not spec.family.compiled_prefill:
-        return "eager", f"prefill eager (the {spec.family.name} family compiles decode only)"
+        return "eager", f"{kind} eager"
+    if kind not in spec.kinds():
+        return "eager", f"{kind} eager (the {spec.family.name} family compiles decode only)"
     try:
-        name, fp = program_key(spec, spec.mode, sources=sources, kind="prefill")
+        name, fp = program_key(spec, spec.mode, sources=sources, kind=kind)
         record_wanted(work, name, fp)
-        program, source, _published, detail = aoti.load_aoti(spec, "prefill", name, fp, cache, work, progress,
-                                                              compiler)
+        program, source, _published, detail = aoti.load_aoti(spec, kind, name, fp, cache, work, progress, compiler)
         detail = _with_miss_note(detail, source, cache, name, fp)
-    except Exception as e:  # noqa: BLE001 - prefill then runs eager; decode is compiled
-        log.exception("compiled prefill unavailable; prefill runs eager")
-        return "eager", f"prefill eager ({type(e).__name__}: {e})"
-    defer(lambda: install("prefill", program))
+    except Exception as e:  # noqa: BLE001 - the step then runs eager; decode is compiled
+        log.exception("compiled %s unavailable; %s runs eager", kind, kind)
+        return "eager", f"{kind} eager ({type(e).__name__}: {e})"
+    defer(lambda: install(kind, program))
     return source, detail

@@ -16,8 +16,10 @@ from runner_service.options import COMPILE_MODES
 
 #: The compiling modes of :data:`runner_service.options.COMPILE_MODES` (all but ``off``).
 MODES = tuple(m for m in COMPILE_MODES if m != "off")
-#: The programs a runner can install: ``decode`` (every mode) and ``prefill`` (AOTI only).
-PROGRAM_KINDS = ("decode", "prefill")
+#: The programs a runner can install: ``decode`` (every mode), ``prefill`` (AOTI only, for a
+#: family with :attr:`~model_families.family.ModelFamily.compiled_prefill`) and ``verify`` (the
+#: speculative verify step: AOTI only, likewise, and only while ``--speculative`` is on).
+PROGRAM_KINDS = ("decode", "prefill", "verify")
 #: How a program holds the model's layers: ``loop`` (the layer body once, looped over the stacked
 #: weights: compiles in a fraction of the time, for a family that can,
 #: :meth:`~model_families.family.FamilyModel.can_loop_layers`) or ``unrolled`` (the faster step).
@@ -43,7 +45,10 @@ class ProgramSpec:
     (held while tracing), ``decode_views(batch, width)`` (the runner's persistent decode inputs)
     and the batch ``buckets``. Who builds: ``runner_id``, holding a ``build_lease_s``-second lease.
     ``layers``: the form of the programs (:data:`PROGRAM_LAYERS`, in the key); ``ValueError`` for
-    another, or for ``loop`` where the model cannot loop.
+    another, or for ``loop`` where the model cannot loop. Speculative decoding: ``speculative``
+    (the ``--speculative`` method), ``num_draft_tokens`` (``K``: a verify step takes up to
+    ``1 + K`` tokens a row; 0 when off) and ``verify_module``
+    (:class:`~model_families.family.VerifyStep`, ``None`` when off).
     """
 
     family: ModelFamily
@@ -68,6 +73,9 @@ class ProgramSpec:
     runner_id: str = "runner-0"
     build_lease_s: float = 30.0
     layers: str = "unrolled"
+    speculative: str = "off"
+    num_draft_tokens: int = 0
+    verify_module: nn.Module | None = None
 
     def __post_init__(self) -> None:
         if self.layers not in PROGRAM_LAYERS:
@@ -83,9 +91,22 @@ class ProgramSpec:
         tiered = self.mode == "aoti" and layers >= LOOP_MIN_LAYERS and self.model.can_loop_layers()
         return PROGRAM_LAYERS if tiered else ("unrolled",)
 
+    def kinds(self) -> tuple[str, ...]:
+        """The :data:`PROGRAM_KINDS` a runner of this spec installs, in order: ``decode``; in
+        ``aoti`` mode, where the family compiles its prefill, ``prefill`` and, while speculating,
+        ``verify`` (the other steps run eager)."""
+        if self.mode != "aoti" or not self.family.compiled_prefill:
+            return ("decode",)
+        return ("decode", "prefill", "verify") if self.verify_module is not None else ("decode", "prefill")
+
     def module(self, kind: str) -> nn.Module:
-        """The module compiled for ``kind`` (:data:`PROGRAM_KINDS`): the decode module, or the
-        family model (prefill)."""
+        """The module compiled for ``kind`` (:data:`PROGRAM_KINDS`): the decode module, the
+        family model (prefill) or the verify module. Raises ``ValueError`` for ``verify`` when
+        not speculating."""
+        if kind == "verify":
+            if self.verify_module is None:
+                raise ValueError("no verify program: this runner does not speculate")
+            return self.verify_module
         return self.decode_module if kind == "decode" else self.model
 
     def constants(self, kind: str) -> dict[str, torch.Tensor]:

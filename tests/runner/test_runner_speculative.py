@@ -286,6 +286,9 @@ def test_with_a_compiled_decode_the_gate_decides_and_a_declined_step_decodes_one
         def __init__(self):
             self.asked, self.recorded = 0, []
 
+        def reset(self):  # the install above
+            pass
+
         def allow(self, bucket):
             self.asked += 1
             return False

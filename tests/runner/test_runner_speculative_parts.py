@@ -128,13 +128,20 @@ def test_fill_verify_writes_the_grid_and_validates_before_touching_anything():
     buf = DecodeBuffers(4, 4, 4, 32, max_draft_tokens=3)
     n = buf.fill_verify([7, 8], [5, 2], [[3, 4], [9]], [[11, 12], []])
     assert n == 2
-    ids, pos, slots, tables, lens = buf.verify_views(2)
+    ids, pos, slots, tables, lens = buf.verify_views()
     assert ids.tolist() == [[7, 11, 12], [8, 0, 0]]
     assert pos.tolist() == [[5, 6, 7], [2, 0, 0]]
     # position p of a row with blocks [3, 4] (block size 4): block (p // 4) * 4 + p % 4
     assert slots.tolist() == [[4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3], [9 * 4 + 2, 0, 0]]
     assert lens.tolist() == [8, 3]
     assert tables.tolist() == [[3, 4], [9, 0]]
+    # the grids are contiguous prefixes of persistent storage (a compiled program's inputs, no copy)
+    base = ids.data_ptr()
+    assert ids.is_contiguous() and pos.is_contiguous() and slots.is_contiguous()
+    buf.fill_verify([7, 8, 9], [5, 2, 1], [[3, 4], [9], [5]], [[11], [], [13]])
+    wider = buf.verify_views()[0]
+    assert wider.shape == (3, 2) and wider.data_ptr() == base and wider.tolist() == [[7, 11], [8, 0], [9, 13]]
+    buf.fill_verify([7, 8], [5, 2], [[3, 4], [9]], [[11, 12], []])
     before = {k: t.clone() for k, t in buf._host.items()}
     for bad in ([[11, 12, 13, 14], []],    # more drafts than K
                 [[11, 12, 13], []],        # positions 5 .. 8 pass the 2 blocks (8 slots)
