@@ -510,16 +510,21 @@ class ModelFamily(ABC):
     def cache_specs(self, config: FamilyConfig, block_size: int) -> tuple[CacheSpec, ...]:
         """The KV-cache block pools this family's model reads and writes (possibly none)."""
 
-    def block_layout(self, config: FamilyConfig, block_size: int, max_model_len: int) -> BlockLayout:
+    def block_layout(self, config: FamilyConfig, block_size: int, max_model_len: int,
+                     draft_tokens: int = 0) -> BlockLayout:
         """Where a sequence's tokens live in its block table (how many blocks ``n`` tokens
         hold, the slot of a position): the block manager, the decode buffers and the prefill
-        batcher all ask it. Default: the paged layout, one block per ``block_size`` tokens
-        (:class:`model_families.block_layout.BlockLayout`)."""
+        batcher all ask it. ``draft_tokens``: the most speculative draft tokens a verify step
+        writes past a sequence's length (a layout that reuses slots keeps room for them; the same
+        value :meth:`build_model` gets). Default: the paged layout, one block per ``block_size``
+        tokens (:class:`model_families.block_layout.BlockLayout`)."""
         return BlockLayout(block_size)
 
     @abstractmethod
-    def build_model(self, config: FamilyConfig, weights: FamilyWeights, max_model_len: int) -> FamilyModel:
-        """The model over ``weights`` (no copies) for contexts up to ``max_model_len`` tokens."""
+    def build_model(self, config: FamilyConfig, weights: FamilyWeights, max_model_len: int,
+                    draft_tokens: int = 0) -> FamilyModel:
+        """The model over ``weights`` (no copies) for contexts up to ``max_model_len`` tokens;
+        ``draft_tokens`` as in :meth:`block_layout`."""
 
     def decode_module(self, model: FamilyModel) -> nn.Module:
         """The decode step module (eager and compiled). Default: :class:`DecodeStep`."""

@@ -162,7 +162,8 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
-        self.block_layout = self.model_family.block_layout(args, config.block_size, self.max_model_len)
+        self.block_layout = self.model_family.block_layout(args, config.block_size, self.max_model_len,
+                                                           config.num_draft_tokens)
         num_blocks = self._num_kv_blocks(cache_specs)
         self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
         #: Prefix caching is on when the config asks for it and the family supports it.

@@ -7,6 +7,8 @@ consumes, so the runner's forward can be compared with transformers' on the same
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from model_families.llama.config import LlamaConfig
@@ -90,3 +92,27 @@ def tiny_config(**kw) -> EngineConfig:
 def kv_bytes(args: LlamaConfig, blocks: int, block_size: int = 4) -> int:
     """Bytes of a float32 KV cache with ``blocks`` blocks (including the scratch block)."""
     return blocks * 2 * args.num_hidden_layers * block_size * args.num_key_value_heads * args.head_dim * 4
+
+
+class ScriptedDrafter:
+    """Drafts the next tokens of a known output (``outputs``: prompt ids -> the plain run's
+    token ids), a ``wrong`` fraction of the draft tokens (seeded) replaced by another id of a
+    ``vocab``-token vocabulary: long drafts, partial acceptance, and drafts that run into a stop
+    token or the length limit, which prompt lookup on a random model rarely makes. Set it as
+    ``engine.drafter``."""
+
+    def __init__(self, k: int, outputs: dict[tuple[int, ...], list[int]], vocab: int, wrong: float = 0.2) -> None:
+        self.k, self.outputs, self.vocab, self.rng, self.wrong = k, outputs, vocab, random.Random(0), wrong
+
+    def propose(self, seqs) -> None:
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            ref = self.outputs[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            done = seq.num_completion_tokens
+            room = min(self.k, seq.max_total_tokens - seq.num_tokens - 1)
+            drafts = list(ref[done:done + max(room, 0)])
+            for j in range(len(drafts)):
+                if self.rng.random() < self.wrong:
+                    drafts[j] = (drafts[j] + 1) % self.vocab
+            seq.draft_token_ids = drafts

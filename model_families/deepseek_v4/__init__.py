@@ -49,6 +49,9 @@ class DeepseekV4Family(ModelFamily):
     #: span (the unfolded compressor windows over ``ctx + S`` rows), so a dynamic-length prefill
     #: does not export; prefill chunks run eager, decode steps compiled.
     compiled_prefill = False
+    #: Prompt-lookup drafts, verified by :meth:`DeepseekV4Model.verify` (eager, as prefill) over a
+    #: ring with spare slots for the drafts (:func:`.cache_layout.ring_tokens`).
+    speculative_methods = ("ngram",)
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
                        ) -> DeepseekV4Config:
@@ -101,13 +104,13 @@ class DeepseekV4Family(ModelFamily):
     def cache_specs(self, config: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
         return _cache_layout.cache_specs(config, block_size)
 
-    def block_layout(self, config: DeepseekV4Config, block_size: int, max_model_len: int
-                     ) -> _block_layout.BlockLayout:
-        return _cache_layout.block_layout(config, block_size, max_model_len)
+    def block_layout(self, config: DeepseekV4Config, block_size: int, max_model_len: int,
+                     draft_tokens: int = 0) -> _block_layout.BlockLayout:
+        return _cache_layout.block_layout(config, block_size, max_model_len, draft_tokens)
 
-    def build_model(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int
-                    ) -> DeepseekV4Model:
-        return DeepseekV4Model(config, weights, max_model_len)
+    def build_model(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int,
+                    draft_tokens: int = 0) -> DeepseekV4Model:
+        return DeepseekV4Model(config, weights, max_model_len, draft_tokens)
 
     def program_sources(self) -> list[ModuleType]:
         return [_model, _weights, _cache_layout, _norm_rope, _hyper_connections, _attention, _moe, _config, _pack,

@@ -19,7 +19,8 @@ pool           layers       row width                        row ``s``
 =============  ===========  ===============================  ======================================
 
 Ring pools hold the last ``ring_tokens`` tokens (at least the window and one compressor span:
-``max(W, 2m, m')``), so the rolling compressor state is simply the ring's raw rows. Compressed
+``max(W, 2m, m')``, plus one spare slot per speculative draft token), so the rolling compressor
+state is simply the ring's raw rows. Compressed
 entry ``e`` of a pool lives at slot ``block_table[e // bs] * bs + e % bs``.
 """
 
@@ -47,9 +48,12 @@ def ring_span(c: DeepseekV4Config) -> int:
     return max(spans)
 
 
-def ring_tokens(c: DeepseekV4Config, block_size: int) -> int:
-    """The ring's length in token slots: :func:`ring_span` rounded up to whole blocks."""
-    return -(-ring_span(c) // block_size) * block_size
+def ring_tokens(c: DeepseekV4Config, block_size: int, draft_tokens: int = 0) -> int:
+    """The ring's length in token slots: :func:`ring_span` plus ``draft_tokens`` spare slots,
+    rounded up to whole blocks. A verify step writes the ring rows of up to ``draft_tokens``
+    tokens past what its row keeps (rejected drafts); the spare slots keep those writes off the
+    rows the next step reads back, so rolling the drafts back needs only the shorter length."""
+    return -(-(ring_span(c) + draft_tokens) // block_size) * block_size
 
 
 def cache_specs(c: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
@@ -65,12 +69,12 @@ def cache_specs(c: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
     return tuple(specs)
 
 
-def block_layout(c: DeepseekV4Config, block_size: int, max_model_len: int) -> RingLayout:
-    """The block-table layout: a ring of :func:`ring_tokens` slots, and the compressed pools'
-    entries (one per CSA / HCA rate tokens) through the same table."""
+def block_layout(c: DeepseekV4Config, block_size: int, max_model_len: int, draft_tokens: int = 0) -> RingLayout:
+    """The block-table layout: a ring of :func:`ring_tokens` slots (``draft_tokens`` spare), and
+    the compressed pools' entries (one per CSA / HCA rate tokens) through the same table."""
     rates = [c.csa_compress_rate] if c.layers_of(CSA) else []
     rates += [c.hca_compress_rate] if c.layers_of(HCA) else []
-    return RingLayout(block_size, ring_tokens(c, block_size) // block_size, rates, max_model_len)
+    return RingLayout(block_size, ring_tokens(c, block_size, draft_tokens) // block_size, rates, max_model_len)
 
 
 def _ring_slots(block_tables: torch.Tensor, p: torch.Tensor, bs: int, ring_blocks: int) -> torch.Tensor:
@@ -96,17 +100,18 @@ class Step:
     for each read-back length ``P`` a pool needs (the window ``W - 1``, CSA ``2m - 1``, HCA
     ``m' - 1``), the window mask, compressed-entry slots, rope rows. ``collect``: a decode step
     (S = 1) whose writes are collected as rows (:meth:`DeepseekV4Model.decode`) and whose
-    entry reads see the step's own entry in place of its slot."""
+    entry reads see the step's own entry in place of its slot. ``draft_tokens``: the ring's
+    spare slots (:func:`ring_tokens`)."""
 
     def __init__(self, c: DeepseekV4Config, caches: tuple[torch.Tensor, ...], positions: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cos: Mapping[str, torch.Tensor],
-                 sin: Mapping[str, torch.Tensor], *, collect: bool) -> None:
+                 sin: Mapping[str, torch.Tensor], *, collect: bool, draft_tokens: int = 0) -> None:
         window = c.sliding_window
         B, S = positions.shape
         dev = positions.device
         # The block size is the pools' (a static shape): the ring's geometry follows from it.
         self.bs = bs = caches[0].shape[2]
-        ring = ring_tokens(c, bs)
+        ring = ring_tokens(c, bs, draft_tokens)
         self.block_tables, self.collect = block_tables, collect
         start = positions[:, :1]
         self.pos = pos = start + torch.arange(S, device=dev)                      # [B, S]

@@ -43,14 +43,16 @@ class DeepseekV4Model(FamilyModel):
     """The DeepSeek V4 forward over :class:`DeepseekV4Weights` (registered as buffers, no
     copies) and rope tables ``{main,compress}_{cos,sin}`` [max_model_len, rd / 2] float32.
     Caches: the pools of :func:`cache_specs`, in that order; the block size is read from their
-    shape, the ring's length from it (:func:`~.cache_layout.ring_tokens`)."""
+    shape, the ring's length from it and ``draft_tokens`` (:func:`~.cache_layout.ring_tokens`)."""
 
     #: :meth:`decode` returns each pool's slots after its rows.
     decode_row_slots = True
 
-    def __init__(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int) -> None:
+    def __init__(self, config: DeepseekV4Config, weights: DeepseekV4Weights, max_model_len: int,
+                 draft_tokens: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.draft_tokens = draft_tokens
         self.pool_index = {spec.name: i for i, spec in enumerate(cache_specs(config, 1))}
         c = config
         self.window = c.sliding_window
@@ -118,15 +120,30 @@ class DeepseekV4Model(FamilyModel):
         rows = [torch.stack(step.rows[name]) for name in names]
         return (logits, *rows, *[step.row_slots[name] for name in names])
 
+    def verify(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` returning the logits of every position, [B, S, V] float32 (the verify
+        step of speculative decoding: each row's last token, then its drafts; padding past
+        ``seq_lens`` ignored). Rejected drafts need no undo: their ring rows land in the ring's
+        spare slots (:func:`~.cache_layout.ring_tokens`), never in a row a later step reads back
+        (the rolling compressor state); an entry a rejected draft closed lies past the row's
+        closed entries until the token at its position closes it again, and that step writes
+        it before attention reads it."""
+        step = self._step(caches, positions, block_tables, seq_lens, collect=False)
+        return self._run(step, caches, input_ids, None)
+
     def _step(self, caches: tuple[torch.Tensor, ...], positions: torch.Tensor, block_tables: torch.Tensor,
               seq_lens: torch.Tensor, *, collect: bool) -> Step:
         labels = ("main", "compress")
         cos = {label: getattr(self, f"{label}_cos") for label in labels}
         sin = {label: getattr(self, f"{label}_sin") for label in labels}
-        return Step(self.config, caches, positions, block_tables, seq_lens, cos, sin, collect=collect)
+        return Step(self.config, caches, positions, block_tables, seq_lens, cos, sin, collect=collect,
+                    draft_tokens=self.draft_tokens)
 
     def _run(self, step: Step, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor,
-             last_index: torch.Tensor) -> torch.Tensor:
+             last_index: torch.Tensor | None) -> torch.Tensor:
+        """The layers and the head: logits [B, V] at ``last_index`` [B], or [B, S, V] at every
+        position when it is ``None``."""
         c = self.config
         B, S = input_ids.shape
         h = F.embedding(input_ids, self.embed).reshape(B * S, -1)
@@ -138,9 +155,13 @@ class DeepseekV4Model(FamilyModel):
             post, comb, x = hyper_connection(c, h, self.hc_ffn_fn[i], self.hc_ffn_base[i], self.hc_ffn_scale[i])
             x = rms_norm_f32_scale(x, self.ffn_norm[i], c.rms_norm_eps)
             h = mix(post, comb, moe(self, i, x, input_ids.reshape(-1)), h)
-        last = h.view(B, S, c.hc_mult, -1)[torch.arange(B, device=h.device), last_index]   # [B, n, H]
+        if last_index is None:
+            last = h                                                                         # [B*S, n, H]
+        else:
+            last = h.view(B, S, c.hc_mult, -1)[torch.arange(B, device=h.device), last_index]  # [B, n, H]
         x = hyper_head(c, last, self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        return float_linear(rms_norm_f32_scale(x, self.final_norm, c.rms_norm_eps), self.head).float()
+        logits = float_linear(rms_norm_f32_scale(x, self.final_norm, c.rms_norm_eps), self.head).float()
+        return logits if last_index is not None else logits.view(B, S, -1)
 
     def pool(self, caches: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
         """The pool ``name`` of :func:`~.cache_layout.cache_specs` among ``caches``."""

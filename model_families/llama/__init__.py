@@ -71,8 +71,9 @@ class LlamaFamily(ModelFamily):
         block = (block_size, config.num_key_value_heads, config.head_dim)
         return (CacheSpec("k", config.num_hidden_layers, block), CacheSpec("v", config.num_hidden_layers, block))
 
-    def build_model(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int) -> LlamaModel:
-        return LlamaModel(config, weights, max_model_len)
+    def build_model(self, config: LlamaConfig, weights: LlamaWeights, max_model_len: int,
+                    draft_tokens: int = 0) -> LlamaModel:
+        return LlamaModel(config, weights, max_model_len)  # paged: rejected drafts' slots are reused as is
 
     def program_sources(self) -> list[ModuleType]:
         return [_model, _config, _pack, norm_rope, block_layout, attention, kv_write, linear, quantized_weights,

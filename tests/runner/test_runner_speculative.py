@@ -5,13 +5,10 @@ opt-out, seeded sampling, and the families that cannot speculate."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import ScriptedDrafter, kv_bytes, tiny_args, tiny_config
 
-from model_families.deepseek_v4 import FAMILY as DSV4
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
 from runner_service.sampling_params import SamplingParams
@@ -45,28 +42,6 @@ def _run(engine, requests):
     return [s.result(timeout=0) for s in streams]
 
 
-class ScriptedDrafter:
-    """Drafts the next tokens of a known output (the plain run's), a fifth of the draft tokens
-    (seeded) replaced by a wrong one: long drafts, partial acceptance, and drafts that run into a
-    stop token or the length limit, which prompt lookup on a random model rarely makes."""
-
-    def __init__(self, k: int, outputs: dict[tuple[int, ...], list[int]], wrong: float = 0.2) -> None:
-        self.k, self.outputs, self.rng, self.wrong = k, outputs, random.Random(0), wrong
-
-    def propose(self, seqs) -> None:
-        for seq in seqs:
-            if seq.is_finished:
-                continue
-            ref = self.outputs[tuple(seq.token_ids[:seq.num_prompt_tokens])]
-            done = seq.num_completion_tokens
-            room = min(self.k, seq.max_total_tokens - seq.num_tokens - 1)
-            drafts = list(ref[done:done + max(room, 0)])
-            for j in range(len(drafts)):
-                if self.rng.random() < self.wrong:
-                    drafts[j] = (drafts[j] + 1) % ARGS.vocab_size
-            seq.draft_token_ids = drafts
-
-
 def _key(out):
     return out.token_ids, out.finish_reason, out.completion_tokens
 
@@ -94,7 +69,7 @@ def test_greedy_output_equals_one_token_per_step_with_every_stop_rule_and_logpro
     scripted = _engine(**SPEC)
     # the full outputs (the stop-token requests reuse the first four prompts: their outputs are prefixes)
     scripted.drafter = ScriptedDrafter(3, {tuple(ids): o.token_ids for (ids, _), o in zip(requests[:12], plain,
-                                                                                          strict=False)})
+                                                                                          strict=False)}, ARGS.vocab_size)
     assert [_key(o) for o in _run(scripted, requests)] == [_key(o) for o in plain]
     s = scripted.stats()
     assert s["spec_decode_mean_acceptance_length"] > 1.5 and 0.3 < s["spec_decode_acceptance_rate"] < 0.95
@@ -115,7 +90,7 @@ def test_forced_drafts_all_right_give_k_plus_1_tokens_a_step_all_wrong_exactly_o
     outputs = {tuple(ids): o.token_ids for (ids, _), o in zip(requests, plain, strict=True)}
     for wrong, steps_per_seq, acceptance in ((0.0, -(-40 // (k + 1)), 1.0), (1.0, 40, 0.0)):
         engine = _engine(**{**SPEC, "num_speculative_tokens": k})
-        engine.drafter = ScriptedDrafter(k, outputs, wrong=wrong)
+        engine.drafter = ScriptedDrafter(k, outputs, ARGS.vocab_size, wrong=wrong)
         streams = [engine.add_request(p, token_ids=ids) for ids, p in requests]
         steps = engine.run_until_done()
         assert [s.result(timeout=0).token_ids for s in streams] == [o.token_ids for o in plain]
@@ -170,7 +145,7 @@ def test_batch_invariant_speculative_output_is_bit_for_bit_the_plain_output():
         spec_engine = _engine(batch_invariant=True, **SPEC)
         if scripted:
             spec_engine.drafter = ScriptedDrafter(3, {tuple(ids): o.token_ids for (ids, _), o in zip(requests, plain,
-                                                                                                  strict=True)})
+                                                                                                  strict=True)}, ARGS.vocab_size)
         spec = _run(spec_engine, requests)
         assert spec_engine.stats()["spec_decode_num_accepted_tokens"] > 0
         for a, b in zip(spec, plain, strict=True):
@@ -185,7 +160,7 @@ def test_preemption_under_kv_exhaustion_keeps_outputs_and_block_accounting_exact
         engine = _engine(blocks=60, max_num_seqs=16, **SPEC)  # 59 usable blocks of 4 tokens for 16 x ~60 tokens
         if scripted:
             engine.drafter = ScriptedDrafter(3, {tuple(ids): o.token_ids for (ids, _), o in zip(requests, plain,
-                                                                                             strict=True)})
+                                                                                             strict=True)}, ARGS.vocab_size)
         spec = _run(engine, requests)
         assert engine.scheduler.num_preemptions > 0
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -227,9 +202,13 @@ def test_seeded_sampling_with_speculation_is_reproducible():
 
 
 def test_a_family_without_a_verify_step_refuses_speculation_by_name():
+    class Plain(type(LLAMA)):  # a family that lists no speculative method
+        name = "plain"
+        speculative_methods = ()
+
     # refused before the weights are looked at: the family decides
-    with pytest.raises(InvalidArgument, match="deepseek_v4 family cannot use --speculative ngram"):
-        LLMEngine(ARGS, WEIGHTS, tiny_config(kv_cache_bytes=1 << 20, **SPEC), family=DSV4)
+    with pytest.raises(InvalidArgument, match="plain family cannot use --speculative ngram"):
+        LLMEngine(ARGS, WEIGHTS, tiny_config(kv_cache_bytes=1 << 20, **SPEC), family=Plain())
 
 
 def test_model_info_metrics_and_the_wire_opt_out_report_speculation():
