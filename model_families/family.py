@@ -16,8 +16,7 @@ pack spec (sidecar layout)    :meth:`~ModelFamily.tensor_specs` (the ONE stateme
                               :attr:`~ModelFamily.weights_dtypes`; optional:
                               :meth:`~ModelFamily.stack_index` (stacks over a subset of the
                               layers), :meth:`~ModelFamily.layout_facts` (fingerprinted config
-                              facts), :meth:`~ModelFamily.extra_specs` /
-                              :meth:`~ModelFamily.extra_tensors` (checkpoint-dependent tensors)
+                              facts)
 weights                       :meth:`~ModelFamily.load_weights` (checked against
                               :meth:`~ModelFamily.tensor_specs`), :meth:`~ModelFamily.random_weights`
 KV-cache layout               :meth:`~ModelFamily.cache_specs`: the block pools a model owns;
@@ -68,7 +67,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from types import ModuleType
 from typing import Any, ClassVar, Protocol
@@ -362,8 +361,7 @@ class ModelFamily(ABC):
     sidecar layout changes: it enters the sidecar fingerprint, so older sidecars become stale),
     ``config_class`` (a :class:`FamilyConfig` subclass), ``weights_dtypes`` (the sidecar weights
     dtypes it packs, a subset of :data:`~model_families.dtypes.WEIGHTS_DTYPES`; float-only by default),
-    ``stacked_prefixes`` (names whose first dim is a stack index; ``("layers.",)`` by default) and
-    ``extra_prefixes`` (what :meth:`extra_specs` names may start with; none by default).
+    ``stacked_prefixes`` (names whose first dim is a stack index; ``("layers.",)`` by default).
 
     ``supports_prefix_caching`` (default ``True``): the runner may reuse a full KV block across
     requests whose token histories agree up to the block's end (automatic prefix caching,
@@ -396,8 +394,6 @@ class ModelFamily(ABC):
     speculative_methods: ClassVar[tuple[str, ...]] = ()
     #: Prefixes of the stacked tensor names (first dim a stack index, see :meth:`stack_index`).
     stacked_prefixes: ClassVar[tuple[str, ...]] = ("layers.",)
-    #: Prefixes the names of :meth:`extra_specs` may have (the validator rejects others).
-    extra_prefixes: ClassVar[tuple[str, ...]] = ()
 
     # -- config ----------------------------------------------------------------------------
 
@@ -455,18 +451,6 @@ class ModelFamily(ABC):
         (``warmserve.layout_facts``), and validation reports a sidecar stale when the stored facts
         differ from what its config implies. Default: none (``{}``, fingerprint unchanged)."""
         return {}
-
-    def extra_specs(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, TensorSpec]:
-        """Checkpoint-dependent tensors packed beside the layout (names starting with one of
-        :attr:`extra_prefixes`, e.g. DeepSeek V4's ``mtp.*``), name -> spec. The packer adds them
-        to the header, the names fingerprint and the metadata (``warmserve.extra_tensors``, so
-        the validator knows them); :meth:`extra_tensors` gives their values. Default: none."""
-        return {}
-
-    def extra_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for every name of :meth:`extra_specs`, at full shape (floats in any
-        float dtype: the packer casts), one at a time. Default: none."""
-        return iter(())
 
     @abstractmethod
     def global_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:

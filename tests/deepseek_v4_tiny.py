@@ -267,17 +267,108 @@ def _save_sharded(state: dict[str, torch.Tensor], directory: Path, shards: int) 
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def mtp_state(hidden: int, seed: int, dtype: torch.dtype, quantized: bool) -> dict[str, torch.Tensor]:
-    """Placeholder ``mtp.0.*`` tensors (names under the release's MTP prefix); with ``quantized``,
-    ``mtp.0.e_proj`` is FP8 with its ``mtp.0.e_proj.scale``."""
-    g = torch.Generator().manual_seed(seed + 2)
-    h = hidden
-    state = {name: torch.randn(shape, generator=g).to(dtype)
-             for name, shape in (("mtp.0.e_proj.weight", (h, h)), ("mtp.0.h_proj.weight", (h, h)),
-                                 ("mtp.0.enorm.weight", (h,)), ("mtp.0.hnorm.weight", (h,)),
-                                 ("mtp.0.norm.weight", (h,)))}
-    if quantized:
-        state["mtp.0.e_proj.weight"], state["mtp.0.e_proj.scale"] = quantize_fp8(state["mtp.0.e_proj.weight"].float())
+class TinyMTP(torch.nn.Module):
+    """One MTP block (the release's ``inference/model.py`` ``MTPBlock``) built from transformers'
+    modules, the reference of warmserve's MTP step: ``layer`` a ``DeepseekV4DecoderLayer`` at
+    index ``L`` of a config extended by one window-only, top-k MoE layer (the release's
+    ``compress_ratios[L]`` is 0; hash routing is for the first layers), ``e_proj`` / ``h_proj``
+    (no bias), ``enorm`` / ``hnorm`` / ``norm`` and its own ``hc_head``; ``embed`` and ``head`` are
+    the main model's. :meth:`forward` follows ``MTPBlock.forward``."""
+
+    def __init__(self, model, seed: int) -> None:
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+
+        super().__init__()
+        c = model.config
+        L = c.num_hidden_layers
+        ext = type(c)(**{**c.to_dict(), "num_hidden_layers": L + 1, "layer_types": [*c.layer_types, "sliding_attention"],
+                         "mlp_layer_types": [*c.mlp_layer_types, "moe"]})
+        ext._attn_implementation = c._attn_implementation
+        torch.manual_seed(seed + 7)
+        self.config, self.layer_index = ext, L
+        self.layer = m.DeepseekV4DecoderLayer(ext, L).eval()
+        self.e_proj = torch.nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        self.h_proj = torch.nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        self.enorm, self.hnorm, self.norm = (m.DeepseekV4RMSNorm(c.hidden_size, eps=c.rms_norm_eps) for _ in range(3))
+        self.hc_head = m.DeepseekV4HyperHead(c)
+        self.rotary = m.DeepseekV4RotaryEmbedding(ext)
+        g = torch.Generator().manual_seed(seed + 8)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            _rerandomise(self, ext, g)
+        self.model = [model]  # not a submodule: embed and head are the main model's
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` [B, S, n, H] (the main model's residual streams before its ``hc_head``, or
+        this block's output for a further draft), ``input_ids`` [B, S] (the token after each
+        position); positions ``0 .. S - 1``. Returns ``(logits [B, S, V], streams [B, S, n, H])``."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        main = self.model[0]
+        e = self.enorm(main.model.embed_tokens(input_ids))
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(hidden))
+        pos = torch.arange(input_ids.shape[1])[None]
+        mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=e, attention_mask=None,
+                                                 past_key_values=None, position_ids=pos)
+        rope = {label: self.rotary(e, position_ids=pos, layer_type=label) for label in ("main", "compress")}
+        x = self.layer(x, position_embeddings=rope, position_ids=pos, attention_mask=mask, input_ids=input_ids)
+        return main.lm_head(self.norm(self.hc_head(x))).float(), x
+
+    def release_state(self, index: int = 0) -> dict[str, torch.Tensor]:
+        """This block's tensors under their release names ``mtp.{index}.*``."""
+        L = self.layer_index
+        layer = release_state_dict({f"model.layers.{L}.{k}": v for k, v in self.layer.state_dict().items()})
+        out = {f"mtp.{index}.{k.removeprefix(f'layers.{L}.')}": v for k, v in layer.items()}
+        own = {"e_proj.weight": self.e_proj.weight, "h_proj.weight": self.h_proj.weight,
+               "enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight, "norm.weight": self.norm.weight,
+               "hc_head_fn": self.hc_head.hc_fn, "hc_head_base": self.hc_head.hc_base,
+               "hc_head_scale": self.hc_head.hc_scale}
+        out.update({f"mtp.{index}.{k}": v for k, v in own.items()})
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def _rerandomise(module, config, g: torch.Generator) -> None:
+    """What :func:`tiny_model` re-randomises, for ``module``'s own parameters."""
+    for name, t in module.state_dict().items():
+        if name.endswith(("sinks", "e_score_correction_bias")) or re.search(r"(hc\.base|hc_head\.hc_base|hc_base)$", name):
+            t.copy_(torch.randn(t.shape, generator=g))
+        elif re.search(r"(hc\.scale|hc_scale)$", name) or name.endswith("norm.weight"):
+            t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+
+
+def mtp_state(model, seed: int, dtype: torch.dtype, quantized: bool, fp4_dtype: torch.dtype = torch.int8
+              ) -> dict[str, torch.Tensor]:
+    """The release-named ``mtp.i.*`` tensors of ``model.config.num_nextn_predict_layers``
+    :class:`TinyMTP` blocks (kept as ``model.mtp_blocks``, the reference); with ``quantized``,
+    the block's :data:`FP8_PARAMS` / :data:`FP4_PARAMS` and ``e_proj`` / ``h_proj`` are stored
+    FP8 / FP4 with release scales (the reference holds the dequantized values)."""
+    blocks = [TinyMTP(model, seed + 10 * i) for i in range(model.config.num_nextn_predict_layers)]
+    model.mtp_blocks = blocks  # a list: not registered as submodules, so not in model.state_dict()
+    state = {}
+    for i, block in enumerate(blocks):
+        stored = {}
+        if quantized:  # the patterns want a prefix before the module path: "l."
+            stored = {k.removeprefix("l."): v for k, v in quantize_model(torch.nn.ModuleDict({"l": block.layer})).items()}
+            with torch.no_grad():
+                for proj in (block.e_proj, block.h_proj):
+                    codes, scale = quantize_fp8(proj.weight)
+                    proj.weight.copy_(dequantize_fp8(codes, scale))
+                    stored[proj] = (codes, scale)
+        own = block.release_state(i)
+        state.update({k: v.to(dtype) for k, v in own.items()})
+        L = block.layer_index
+        for key, (codes, scale) in stored.items():
+            if isinstance(key, torch.nn.Linear):
+                name = f"mtp.{i}.{'e_proj' if key is block.e_proj else 'h_proj'}"
+                state[name + ".weight"], state[name + ".scale"] = codes, scale
+                continue
+            if FP4_PARAMS.fullmatch("l." + key):
+                codes = codes.view(fp4_dtype)
+            for rk, v in release_state_dict({f"model.layers.{L}.{key}": codes}).items():
+                state[f"mtp.{i}." + rk.removeprefix(f"layers.{L}.")] = v.contiguous()
+            for rk, v in release_state_dict({f"model.layers.{L}.{key}": scale}).items():
+                state[f"mtp.{i}." + rk.removeprefix(f"layers.{L}.")[: -len(".weight")] + ".scale"] = v.contiguous()
     return state
 
 
@@ -299,15 +390,24 @@ def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, se
     in transformers naming) and the routed experts FP4 (e2m1 pairs as ``fp4_dtype``: int8 or
     ``torch.float4_e2m1fn_x2``, safetensors ``F4``) with one ue8m0 scale per 32 values of a row
     (``_scale_inv`` after the merged parameter in transformers naming). Other floating tensors are
-    cast to ``dtype``. ``mtp`` (release naming) adds a few ``mtp.0.*`` tensors (:func:`mtp_state`)."""
+    cast to ``dtype``. ``mtp``: the config's ``num_nextn_predict_layers`` complete MTP blocks
+    (:func:`mtp_state`; release names ``mtp.i.*`` in every naming, as no other naming has any;
+    the reference blocks are ``model.mtp_blocks``); without it the config declares none."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if not mtp:
+        overrides = {**overrides, "num_nextn_predict_layers": 0}
     model = tiny_model(preset, seed=seed, **overrides)
     stored = quantize_model(model) if quantized else {}
     if naming == "saved":
         if quantized or shards != 1 or dtype != torch.float32:
             raise ValueError("the saved naming is written by save_pretrained: float32, one file, not quantized")
         model.save_pretrained(directory)
+        extra = mtp_state(model, seed, dtype, False)
+        if extra:  # save_pretrained drops mtp.*: added to its file as a release checkpoint stores them
+            from safetensors.torch import load_file
+            weights = directory / "model.safetensors"
+            save_file({**load_file(str(weights)), **extra}, str(weights), metadata={"format": "pt"})
         write_word_tokenizer(directory, TOKENIZER_WORDS)
         return model
     if naming == "release":
@@ -328,8 +428,7 @@ def write_tiny_deepseek_v4(directory: Path, preset: dict = TINY_ALL_KINDS, *, se
         state.update({k: v.contiguous() for k, v in release_state_dict({hf_name: codes}).items()})
         state.update({k[:-len(".weight")] + ".scale": v.contiguous()
                       for k, v in release_state_dict({hf_name: scale}).items()})
-    if mtp and naming == "release":
-        state.update(mtp_state(model.config.hidden_size, seed, dtype, quantized))
+    state.update(mtp_state(model, seed, dtype, quantized, fp4_dtype))
     _save_sharded(state, directory, shards)
     config = model.config.to_dict()
     config["architectures"] = ["DeepseekV4ForCausalLM"]

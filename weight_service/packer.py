@@ -1,10 +1,9 @@
 """Pack a checkpoint into a sidecar directory: stream every tensor into a temp file, check the
 checkpoint did not change meanwhile, then publish atomically.
 
-The header (names, shapes, offsets, fingerprints) depends only on the config (and on the
-family's checkpoint-dependent extra tensors, :meth:`~model_families.family.ModelFamily.extra_specs`),
-so it is written first; tensor data then goes straight to its offset with ``pwrite`` (global
-tensors, extra tensors, then layer by layer into each stacked tensor's slice
+The header (names, shapes, offsets, fingerprints) depends only on the config, so it is written
+first; tensor data then goes straight to its offset with ``pwrite`` (global
+tensors, then layer by layer into each stacked tensor's slice
 ``[family.stack_index(config, name, layer)]``), so memory holds one layer at a time.
 """
 
@@ -28,7 +27,6 @@ from weight_service.sidecar import (
     WEIGHTS_FILE,
     build_header,
     canonical_facts,
-    extra_tensors_json,
     finish_temp_file,
     names_fingerprint,
     new_temp_file,
@@ -92,12 +90,6 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
         generation = ckpt.generation_config()
         layers = config.num_hidden_layers
         specs: dict[str, TensorSpec] = family.tensor_specs(config, dtype)
-        extra = family.extra_specs(ckpt, dtype)
-        clash = sorted(n for n in extra if n in specs or not n.startswith(tuple(family.extra_prefixes) or ("\0",)))
-        if clash:
-            raise InvalidArgument(f"the {family.name} family's extra tensors {clash} clash with its layout "
-                                  f"or lack its extra prefixes {list(family.extra_prefixes)}")
-        specs = {**specs, **extra}
         names_fp = names_fingerprint(specs)
         facts = canonical_facts(family.layout_facts(config))
         metadata = {
@@ -113,8 +105,6 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
         }
         if facts:
             metadata["warmserve.layout_facts"] = facts
-        if extra:
-            metadata["warmserve.extra_tensors"] = extra_tensors_json(extra)
         prefix, entries, total = build_header(specs, metadata)
         created = not directory.exists()
         directory.mkdir(parents=True, exist_ok=True)
@@ -133,10 +123,6 @@ def pack_sidecar(source: ResolvedSource, family: ModelFamily, dtype: str, direct
             _pwrite_all(fd, memoryview(prefix), 0)
             base, written = len(prefix), 0
             for name, t in family.global_tensors(ckpt, dtype).items():
-                data = _tensor_bytes(t, specs[name].dtype, specs[name].shape, name)
-                _pwrite_all(fd, data, base + entries[name].begin)
-                written += len(data)
-            for name, t in family.extra_tensors(ckpt, dtype):
                 data = _tensor_bytes(t, specs[name].dtype, specs[name].shape, name)
                 _pwrite_all(fd, data, base + entries[name].begin)
                 written += len(data)

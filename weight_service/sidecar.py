@@ -17,9 +17,7 @@ whose ``__metadata__`` holds (all strings): ``warmserve.format_version``, ``warm
 ``warmserve.dtype``, ``warmserve.config`` (the family config's JSON, :meth:`model_families.family.FamilyConfig.to_json`),
 ``warmserve.fingerprint``, ``warmserve.source_fingerprint``, ``warmserve.names_fingerprint`` and
 ``warmserve.source``; and, only for a family that has them, ``warmserve.layout_facts`` (the
-canonical JSON of :meth:`model_families.family.ModelFamily.layout_facts`) and
-``warmserve.extra_tensors`` (JSON ``{name: {"dtype": "F32", "shape": [...]}}`` of the
-checkpoint-dependent tensors, :meth:`model_families.family.ModelFamily.extra_specs`).
+canonical JSON of :meth:`model_families.family.ModelFamily.layout_facts`).
 
 Fingerprints (sha256 hex):
 
@@ -131,32 +129,9 @@ def canonical_facts(facts: dict) -> str:
     return json.dumps(facts, sort_keys=True, separators=(",", ":")) if facts else ""
 
 
-def extra_tensors_json(extra: dict[str, TensorSpec]) -> str:
-    """``warmserve.extra_tensors``: canonical JSON of name -> safetensors dtype and shape."""
-    return json.dumps({n: {"dtype": ST_DTYPES[s.dtype][0], "shape": list(s.shape)} for n, s in sorted(extra.items())},
-                      sort_keys=True, separators=(",", ":"))
-
-
 def _facts_difference(stored: dict, expected: dict) -> str:
     keys = sorted(k for k in set(stored) | set(expected) if stored.get(k) != expected.get(k))
     return "; ".join(f"{k} (sidecar {json.dumps(stored.get(k))}, config {json.dumps(expected.get(k))})" for k in keys)
-
-
-def _extra_specs(weights: Path, family, meta: dict[str, str], specs: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
-    """The extra tensors recorded in ``warmserve.extra_tensors`` (empty when absent); each name
-    must carry one of the family's :attr:`extra_prefixes` and not shadow a layout name."""
-    raw = meta.get("warmserve.extra_tensors")
-    if raw is None:
-        return {}
-    try:
-        data = json.loads(raw)
-        extra = {n: TensorSpec(tuple(int(d) for d in v["shape"]), TORCH_DTYPES[v["dtype"]]) for n, v in data.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise InvalidSidecar(f"{weights} has garbled warmserve.extra_tensors metadata: {e!r}") from e
-    bad = sorted(n for n in extra if n in specs or not n.startswith(tuple(family.extra_prefixes) or ("\0",)))
-    if bad:
-        raise InvalidSidecar(f"{weights} records extra tensors the {family.name} family does not pack: {bad}")
-    return extra
 
 
 @dataclass(frozen=True)
@@ -292,7 +267,6 @@ def validate_sidecar(directory: Path, *, source_fingerprint: str | None = None,
         expected = json.loads(facts) if facts else {}
         raise InvalidSidecar(f"{weights} is stale: sidecar layout facts differ from what its config implies: "
                              f"{_facts_difference(stored, expected) if isinstance(stored, dict) else stored_facts}")
-    specs = {**specs, **_extra_specs(weights, family, meta, specs)}
     names_fp = names_fingerprint(specs)
     if names_fp != meta["warmserve.names_fingerprint"]:
         raise InvalidSidecar(f"{weights} is stale: its packed tensor-name set differs from the "

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -40,7 +40,6 @@ class DeepseekV4Family(ModelFamily):
     config_class = DeepseekV4Config
     weights_dtypes = _pack.WEIGHTS_DTYPES
     stacked_prefixes = _pack.STACKED_PREFIXES
-    extra_prefixes = _pack.EXTRA_PREFIXES
     #: Not supported: the window ring overwrites its blocks as the window slides, and a block
     #: holds compressed entries and ring rows of different token spans, so a block's content is
     #: not a function of the tokens up to its end (the precondition of block sharing).
@@ -74,12 +73,6 @@ class DeepseekV4Family(ModelFamily):
 
     def layout_facts(self, config: DeepseekV4Config) -> dict[str, Any]:
         return _pack.layout_facts(config)
-
-    def extra_specs(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, TensorSpec]:
-        return _pack.extra_specs(ckpt, weights_dtype)
-
-    def extra_tensors(self, ckpt: Checkpoint, weights_dtype: str = "f32") -> Iterator[tuple[str, torch.Tensor]]:
-        return _pack.extra_tensors(ckpt, weights_dtype)
 
     def load_weights(self, config: DeepseekV4Config, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
                      device: torch.device, weights_dtype: str = "f32") -> DeepseekV4Weights:

@@ -32,7 +32,8 @@ the stored quantized forms (:mod:`model_families.deepseek_v4.quantized`) with th
 scales: ``<prefix>.scale`` next to ``<prefix>.weight`` (release, saved) or
 ``<prefix>.weight_scale_inv`` / ``<param>_scale_inv`` (transformers; also accepted in the other
 two). A missing tensor raises ``InvalidArgument`` naming its release name and the names looked
-for.
+for. The MTP blocks' tensors (``mtp.i.*``, :mod:`model_families.deepseek_v4.pack`) have their
+release names in every naming: transformers has no module for them and keeps ``mtp.*`` as stored.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def candidates(release_name: str, naming: str) -> tuple[str, ...]:
     if release_name in _GLOBALS:
         saved, hf = _GLOBALS[release_name]
         return {RELEASE: (release_name,), SAVED: (saved,), TRANSFORMERS: (hf,)}[naming]
+    if release_name.startswith("mtp."):
+        return (release_name, *(release_name.replace(r, a) for r, alts in _ALIASES.items() for a in alts
+                                if release_name.endswith(r)))
     m = _LAYER.fullmatch(release_name)
     if m is None:
         if naming == RELEASE:
@@ -190,10 +194,14 @@ class ReleaseView:
             return t
         return t.to(torch.float32) if t.is_floating_point() else t
 
-    def experts(self, layer: int, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s routed experts as ``(gate_up [E, 2I, H], down [E, H, I])``: each
-        expert's ``w1`` rows then ``w3`` rows, and ``w2`` (transformers' merged layout)."""
-        if self.naming == TRANSFORMERS:
+    def experts(self, layer: int | None, n_experts: int, prefix: str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s routed experts (or, with ``prefix`` ``mtp.i.``, an MTP block's,
+        stored per expert under release names in every naming) as ``(gate_up [E, 2I, H], down
+        [E, H, I])``: each expert's ``w1`` rows then ``w3`` rows, and ``w2`` (transformers'
+        merged layout)."""
+        prefix = prefix or f"layers.{layer}."
+        if self.naming == TRANSFORMERS and not prefix.startswith("mtp."):
             p = f"model.layers.{layer}.mlp.experts."
             for part in ("gate_up_proj", "down_proj"):
                 if not self.ckpt.has(p + part):
@@ -205,7 +213,7 @@ class ReleaseView:
                 raise InvalidArgument(f"{p}gate_up_proj / down_proj hold {gate_up.shape[0]} / {down.shape[0]} "
                                       f"experts, the config says {n_experts}")
             return gate_up, down
-        e_name = lambda e, w: f"layers.{layer}.ffn.experts.{e}.{w}.weight"  # noqa: E731
+        e_name = lambda e, w: f"{prefix}ffn.experts.{e}.{w}.weight"  # noqa: E731
         gate_up = torch.stack([torch.cat([self.tensor(e_name(e, "w1")), self.tensor(e_name(e, "w3"))])
                                for e in range(n_experts)])
         down = torch.stack([self.tensor(e_name(e, "w2")) for e in range(n_experts)])

@@ -66,16 +66,29 @@ release's FP8 (128x128 ue8m0 block scales) and FP4 (e2m1, one ue8m0 scale per 32
 row) tensors to float32 (:mod:`model_families.deepseek_v4.quantized`, sources there). A tensor
 the layout needs and the checkpoint lacks raises ``InvalidArgument`` naming it.
 
-MTP (``mtp.*``): kept for the MTP work, outside the layout above. Which tensors the release's
-MTP block holds is not stated by any source at hand (transformers drops ``mtp.`` on load:
-``_keys_to_ignore_on_load_unexpected``), so their shapes are not derived from the config:
-:func:`extra_specs` lists every checkpoint tensor whose name starts with ``mtp.`` (companion
-scales of quantized ones excepted) under its own name, at its dequantized shape, in the
-sidecar's float dtype, and :func:`extra_tensors` yields their values. The packer adds these
-checkpoint-dependent names to the header, to the names fingerprint and to the metadata
-(``warmserve.extra_tensors``), so the validator knows them without the checkpoint
-(:meth:`model_families.family.ModelFamily.extra_specs`). The runner's ``load_weights`` must
-ignore ``mtp.*``.
+MTP (multi-token prediction, ``num_nextn_predict_layers`` = N_mtp blocks): the release's
+``inference/model.py`` ``MTPBlock`` (a ``Block`` at layer id ``L + i``, so window-only attention,
+the release's ``compress_ratios[L + i]`` being 0, and a top-k routed MoE, hash routing being for
+the first layers only) adds ``e_proj`` / ``h_proj`` [H, H], ``enorm`` / ``hnorm`` / ``norm`` [H]
+and its own ``hc_head_{fn,base,scale}`` to a block's tensors; it shares ``embed`` and ``head``.
+Its tensors are ``mtp.i.*`` under the release's per-layer names in every naming (transformers has
+no module for them and leaves ``mtp.*`` as stored: ``_keys_to_ignore_on_load_unexpected``). They
+are stacked over the blocks like ``layers.*``, in the same fused forms:
+
+=============================  ==========================  ===========================================
+``mtp.e_proj``, ``mtp.h_proj``  [N_mtp, H, H]              ``mtp.i.e_proj.weight``, ``h_proj.weight``
+``mtp.enorm``, ``mtp.hnorm``,   [N_mtp, H]                 ``mtp.i.enorm.weight``, ... ``norm.weight``
+``mtp.norm``
+``mtp.hc_head_fn`` / ``_base``  [N_mtp, n, n·H] / [N_mtp,  ``mtp.i.hc_head_fn`` / ``_base`` / ``_scale``
+/ ``_scale``                    n] / [N_mtp, 1]
+``mtp.<x>`` for every           ``[N_mtp, ...]`` of        ``mtp.i.`` + the release name of ``x``
+``layers.<x>`` above            ``layers.<x>``'s slice
+=============================  ==========================  ===========================================
+
+A checkpoint whose config declares MTP blocks but lacks one of their tensors, or holds
+``mtp.i.*`` for an ``i`` the config does not declare, is refused when packed
+(``InvalidArgument`` naming the tensor or the block; set ``num_nextn_predict_layers`` to 0 to pack
+a checkpoint without its MTP block).
 
 Layout facts (:func:`layout_facts`): ``layer_types``, ``compress_rates``, ``sliding_window``,
 ``mlp_layer_types``, ``hc_mult`` and ``index_topk`` enter the sidecar fingerprint and are checked
@@ -84,15 +97,14 @@ when a sidecar is validated (:meth:`model_families.family.ModelFamily.layout_fac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
 from typing import Any
 
 import torch
 
-from model_families.deepseek_v4.checkpoint_names import ReleaseView, scale_names
+from model_families.deepseek_v4.checkpoint_names import ReleaseView
 from model_families.deepseek_v4.config import CSA, HCA, DeepseekV4Config
-from model_families.deepseek_v4.quantized import is_quantized
-from model_families.family import FLOAT_WEIGHTS, Checkpoint, TensorSpec, float_specs
+from model_families.family import Checkpoint, TensorSpec, float_specs
 from services.errors import InvalidArgument
 
 #: Tensors kept in float32 in every layout and at every compute dtype (names ending so: norms,
@@ -100,14 +112,19 @@ from services.errors import InvalidArgument
 #: transformers keeps them (``DeepseekV4PreTrainedModel._keep_in_fp32_modules_strict``) and the
 #: release stores them; the same suffixes pick the runner's float32 weights.
 FLOAT32_SUFFIXES = ("norm", "sink", "ape", "gate_bias", "_fn", "_base", "_scale")
-#: Changes whenever the layout above changes (enters the sidecar fingerprint).
-PACK_VERSION = "1"
+#: Changes whenever the layout above changes (enters the sidecar fingerprint). 2: ``mtp.*`` stacked.
+PACK_VERSION = "2"
 #: The weights dtypes this layout has a form for.
 WEIGHTS_DTYPES = ("f32", "bf16")
 #: Prefixes of the tensors whose first dim is a stack (layer, or rank among a kind's layers).
 STACKED_PREFIXES = ("layers.", "hash.", "csa.", "hca.")
-#: Prefix of the checkpoint-dependent MTP tensors kept verbatim (:func:`extra_specs`).
-EXTRA_PREFIXES = ("mtp.",)
+#: Prefix of the MTP blocks' tensors (stacked over the blocks, see the module docstring).
+MTP_PREFIX = "mtp."
+#: The MTP blocks' own tensors besides a block's (sidecar suffix -> release suffix).
+_MTP_BLOCK = re.compile(r"mtp\.(\d+)\.")
+MTP_OWN = {"e_proj": "e_proj.weight", "h_proj": "h_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight",
+           "norm": "norm.weight", "hc_head_fn": "hc_head_fn", "hc_head_base": "hc_head_base",
+           "hc_head_scale": "hc_head_scale"}
 
 
 def tensor_shapes(c: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
@@ -141,6 +158,13 @@ def tensor_shapes(c: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
         })
     if n_hca:
         shapes.update({"hca.wkv_gate": (n_hca, 2 * hd, H), "hca.ape": (n_hca, m2, hd), "hca.norm": (n_hca, hd)})
+    n_mtp = c.num_nextn_predict_layers
+    if n_mtp:
+        shapes.update({MTP_PREFIX + name.removeprefix("layers."): (n_mtp, *shape[1:])
+                       for name, shape in list(shapes.items()) if name.startswith("layers.")})
+        shapes.update({"mtp.e_proj": (n_mtp, H, H), "mtp.h_proj": (n_mtp, H, H), "mtp.enorm": (n_mtp, H),
+                       "mtp.hnorm": (n_mtp, H), "mtp.norm": (n_mtp, H), "mtp.hc_head_fn": (n_mtp, n, n * H),
+                       "mtp.hc_head_base": (n_mtp, n), "mtp.hc_head_scale": (n_mtp, 1)})
     return shapes
 
 
@@ -191,11 +215,36 @@ def _view(ckpt: Checkpoint) -> ReleaseView:
 
 
 def global_tensors(ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
-    """``embed``, ``head``, ``final_norm`` and the ``hc_head_*`` terms (float32; the packer casts)."""
+    """``embed``, ``head``, ``final_norm``, the ``hc_head_*`` terms and the MTP blocks'
+    ``mtp.*`` tensors (:func:`mtp_tensors`; float32, the packer casts)."""
     v = _view(ckpt)
     return {"embed": v.tensor("embed.weight"), "head": v.tensor("head.weight"), "final_norm": v.tensor("norm.weight"),
             "hc_head_fn": v.tensor("hc_head_fn"), "hc_head_base": v.tensor("hc_head_base"),
-            "hc_head_scale": v.tensor("hc_head_scale")}
+            "hc_head_scale": v.tensor("hc_head_scale"), **mtp_tensors(v)}
+
+
+def mtp_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors of the module docstring, each stacked over the config's
+    ``num_nextn_predict_layers`` blocks (none when it is 0). ``InvalidArgument`` when a declared
+    block lacks a tensor (naming it) or the checkpoint holds ``mtp.i.*`` past the declared count."""
+    v = _view(ckpt)
+    c: DeepseekV4Config = ckpt.config
+    n = c.num_nextn_predict_layers
+    held = sorted({int(m.group(1)) for name in v.names() if (m := _MTP_BLOCK.match(name))})
+    if held and held[-1] >= n:
+        raise InvalidArgument(f"the DeepSeek V4 checkpoint holds MTP block mtp.{held[-1]}.* but its config declares "
+                              f"{n} (num_nextn_predict_layers): {len(held)} blocks are stored")
+    blocks = []
+    for i in range(n):
+        p = f"{MTP_PREFIX}{i}."
+        try:
+            block = _block_tensors(v, c, p, kind="sliding_attention", hashed=False)
+            block.update({name: v.tensor(p + release) for name, release in MTP_OWN.items()})
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{e}; its config declares {n} MTP block(s) (num_nextn_predict_layers; "
+                                  "0 packs the model without MTP)") from None
+        blocks.append(block)
+    return {MTP_PREFIX + name: torch.stack([b[name] for b in blocks]) for name in (blocks[0] if blocks else {})}
 
 
 def layer_tensors(ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> dict[str, torch.Tensor]:
@@ -204,24 +253,31 @@ def layer_tensors(ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> d
     fused as the module docstring's table says."""
     v = _view(ckpt)
     c: DeepseekV4Config = ckpt.config
-    p = f"layers.{layer}."
+    block = _block_tensors(v, c, f"layers.{layer}.", kind=c.layer_types[layer], hashed=layer in c.hash_layers,
+                           layer=layer)
+    return {name if "." in name else f"layers.{name}": t for name, t in block.items()}
+
+
+def _block_tensors(v: ReleaseView, c: DeepseekV4Config, p: str, *, kind: str, hashed: bool,
+                   layer: int | None = None) -> dict[str, torch.Tensor]:
+    """One block's tensors from the release names under prefix ``p`` (``layers.N.`` or
+    ``mtp.i.``): the ``layers.*`` suffixes unprefixed (``attn_norm``, ...), and the group
+    tensors of its ``kind`` / hash routing under their sidecar names (``csa.ape``, ...)."""
     t = lambda name: v.tensor(p + name)  # noqa: E731
     cat = lambda *names: torch.cat([t(n) for n in names])  # noqa: E731
-    experts_gate_up, experts_down = v.experts(layer, c.n_routed_experts)
-    hashed = layer in c.hash_layers
+    experts_gate_up, experts_down = v.experts(layer, c.n_routed_experts, prefix=p)
     out = {
-        "layers.attn_norm": t("attn_norm.weight"), "layers.ffn_norm": t("ffn_norm.weight"),
-        "layers.hc_attn_fn": t("hc_attn_fn"), "layers.hc_attn_base": t("hc_attn_base"),
-        "layers.hc_attn_scale": t("hc_attn_scale"),
-        "layers.hc_ffn_fn": t("hc_ffn_fn"), "layers.hc_ffn_base": t("hc_ffn_base"), "layers.hc_ffn_scale": t("hc_ffn_scale"),
-        "layers.wq_a": t("attn.wq_a.weight"), "layers.q_norm": t("attn.q_norm.weight"), "layers.wq_b": t("attn.wq_b.weight"),
-        "layers.wkv": t("attn.wkv.weight"), "layers.kv_norm": t("attn.kv_norm.weight"),
-        "layers.wo_a": t("attn.wo_a.weight"), "layers.wo_b": t("attn.wo_b.weight"), "layers.attn_sink": t("attn.attn_sink"),
-        "layers.gate": t("ffn.gate.weight"),
-        "layers.gate_bias": torch.zeros(c.n_routed_experts) if hashed else t("ffn.gate.bias"),
-        "layers.shared_gate_up": cat("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
-        "layers.shared_down": t("ffn.shared_experts.w2.weight"),
-        "layers.experts_gate_up": experts_gate_up, "layers.experts_down": experts_down,
+        "attn_norm": t("attn_norm.weight"), "ffn_norm": t("ffn_norm.weight"),
+        "hc_attn_fn": t("hc_attn_fn"), "hc_attn_base": t("hc_attn_base"), "hc_attn_scale": t("hc_attn_scale"),
+        "hc_ffn_fn": t("hc_ffn_fn"), "hc_ffn_base": t("hc_ffn_base"), "hc_ffn_scale": t("hc_ffn_scale"),
+        "wq_a": t("attn.wq_a.weight"), "q_norm": t("attn.q_norm.weight"), "wq_b": t("attn.wq_b.weight"),
+        "wkv": t("attn.wkv.weight"), "kv_norm": t("attn.kv_norm.weight"),
+        "wo_a": t("attn.wo_a.weight"), "wo_b": t("attn.wo_b.weight"), "attn_sink": t("attn.attn_sink"),
+        "gate": t("ffn.gate.weight"),
+        "gate_bias": torch.zeros(c.n_routed_experts) if hashed else t("ffn.gate.bias"),
+        "shared_gate_up": cat("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
+        "shared_down": t("ffn.shared_experts.w2.weight"),
+        "experts_gate_up": experts_gate_up, "experts_down": experts_down,
     }
     if hashed:
         tid2eid = t("ffn.gate.tid2eid")
@@ -229,7 +285,6 @@ def layer_tensors(ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> d
                 0 <= int(tid2eid.min()) and int(tid2eid.max()) < c.n_routed_experts)):
             raise InvalidArgument(f"{p}ffn.gate.tid2eid must hold expert indices in [0, {c.n_routed_experts})")
         out["hash.tid2eid"] = tid2eid.to(torch.int32)
-    kind = c.layer_types[layer]
     if kind == CSA:
         out.update({
             "csa.wkv_gate": cat("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
@@ -242,36 +297,3 @@ def layer_tensors(ckpt: Checkpoint, layer: int, weights_dtype: str = "f32") -> d
         out.update({"hca.wkv_gate": cat("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
                     "hca.ape": t("attn.compressor.ape"), "hca.norm": t("attn.compressor.norm.weight")})
     return out
-
-
-def _mtp_names(v: ReleaseView) -> list[str]:
-    """The checkpoint's ``mtp.*`` tensors to keep: all but the companion scales of quantized
-    ones (sorted)."""
-    names = sorted(n for n in v.names() if n.startswith(EXTRA_PREFIXES))
-    present = set(names)
-    scales = set()
-    for n in names:
-        if any(s in present for s in scale_names(n)):
-            scales.update(s for s in scale_names(n) if s in present and is_quantized(v.ckpt.tensor(n)))
-    return [n for n in names if n not in scales]
-
-
-def extra_specs(ckpt: Checkpoint, weights_dtype: str = "f32") -> dict[str, TensorSpec]:
-    """The checkpoint's ``mtp.*`` tensors (see the module docstring): name -> dequantized shape
-    in the sidecar's float dtype (int32 for integer ones). Empty when the reader cannot list
-    its names."""
-    v, dtype = _view(ckpt), FLOAT_WEIGHTS[weights_dtype]
-    specs = {}
-    for name in _mtp_names(v):
-        t = v.read(name)
-        specs[name] = TensorSpec(tuple(t.shape), dtype if t.is_floating_point() else torch.int32)
-    return specs
-
-
-def extra_tensors(ckpt: Checkpoint, weights_dtype: str = "f32") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, value)`` of each tensor of :func:`extra_specs`, one at a time (float32 or int32;
-    the packer casts floats)."""
-    v = _view(ckpt)
-    for name in _mtp_names(v):
-        t = v.read(name)
-        yield name, (t if t.is_floating_point() else t.to(torch.int32))

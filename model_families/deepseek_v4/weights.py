@@ -67,13 +67,43 @@ class DeepseekV4Weights(FamilyWeights):
     hca_wkv_gate: torch.Tensor | None = None
     hca_ape: torch.Tensor | None = None
     hca_norm: torch.Tensor | None = None
+    #: The MTP blocks (``mtp.*``, stacked over ``num_nextn_predict_layers``; ``None`` without).
+    mtp_e_proj: torch.Tensor | None = None
+    mtp_h_proj: torch.Tensor | None = None
+    mtp_enorm: torch.Tensor | None = None
+    mtp_hnorm: torch.Tensor | None = None
+    mtp_norm: torch.Tensor | None = None
+    mtp_hc_head_fn: torch.Tensor | None = None
+    mtp_hc_head_base: torch.Tensor | None = None
+    mtp_hc_head_scale: torch.Tensor | None = None
+    mtp_attn_norm: torch.Tensor | None = None
+    mtp_ffn_norm: torch.Tensor | None = None
+    mtp_hc_attn_fn: torch.Tensor | None = None
+    mtp_hc_attn_base: torch.Tensor | None = None
+    mtp_hc_attn_scale: torch.Tensor | None = None
+    mtp_hc_ffn_fn: torch.Tensor | None = None
+    mtp_hc_ffn_base: torch.Tensor | None = None
+    mtp_hc_ffn_scale: torch.Tensor | None = None
+    mtp_wq_a: torch.Tensor | None = None
+    mtp_q_norm: torch.Tensor | None = None
+    mtp_wq_b: torch.Tensor | None = None
+    mtp_wkv: torch.Tensor | None = None
+    mtp_kv_norm: torch.Tensor | None = None
+    mtp_wo_a: torch.Tensor | None = None
+    mtp_wo_b: torch.Tensor | None = None
+    mtp_attn_sink: torch.Tensor | None = None
+    mtp_gate: torch.Tensor | None = None
+    mtp_gate_bias: torch.Tensor | None = None
+    mtp_shared_gate_up: torch.Tensor | None = None
+    mtp_shared_down: torch.Tensor | None = None
+    mtp_experts_gate_up: torch.Tensor | None = None
+    mtp_experts_down: torch.Tensor | None = None
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], config: DeepseekV4Config, dtype: torch.dtype,
                      device: torch.device, weights_dtype: str = "f32") -> DeepseekV4Weights:
         """Take the tensors of a sidecar (names and shapes of
-        :func:`~model_families.deepseek_v4.pack.tensor_specs`; other names, e.g. ``mtp.*``, are
-        ignored): float ones zero-copy when dtype and device already match. Raises
+        :func:`~model_families.deepseek_v4.pack.tensor_specs`; other names are ignored): float ones zero-copy when dtype and device already match. Raises
         ``InvalidArgument`` on a missing name or a wrong shape."""
         out = {}
         for name, spec in tensor_specs(config, weights_dtype).items():

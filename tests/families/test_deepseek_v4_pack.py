@@ -240,8 +240,11 @@ def test_stacked_names_cover_every_group():
     c = _config(["compressed_sparse_attention", "heavily_compressed_attention"], ["hash_moe", "moe"])
     stacked = FAMILY.stacked_names(c)
     assert {"layers.wq_a", "hash.tid2eid", "csa.idx_wq_b", "hca.wkv_gate"} <= set(stacked)
-    assert set(pack.tensor_specs(c, "f32")) - set(stacked) == {
-        "embed", "head", "final_norm", "hc_head_fn", "hc_head_base", "hc_head_scale"}
+    specs = pack.tensor_specs(c, "f32")
+    mtp = {n for n in specs if n.startswith("mtp.")}  # stacked over the MTP blocks, written whole
+    assert len(mtp) == 30 and all(specs[n].shape[0] == c.num_nextn_predict_layers == 1 for n in mtp)
+    assert set(specs) - set(stacked) - mtp == {"embed", "head", "final_norm", "hc_head_fn", "hc_head_base",
+                                               "hc_head_scale"}
     assert [FAMILY.stack_index(c, n, 1) for n in ("layers.gate", "hca.ape")] == [1, 0]
 
 

@@ -1,7 +1,9 @@
 """DeepSeek V4 sidecars end to end (prepare -> validate -> load): every tensor equals the
 transformers reference parameter it came from (dequantized where the checkpoint stores it
-FP8/FP4), for the release, transformers and save_pretrained namings, sharded or not; MTP
-tensors kept; layout facts fingerprinted; stale and edited sidecars refused with reasons."""
+FP8/FP4), for the release, transformers and save_pretrained namings, sharded or not, the MTP
+block's included (its reference is built from transformers' modules, ``deepseek_v4_tiny.TinyMTP``);
+a checkpoint whose MTP block is missing a tensor or has a block its config does not declare is
+refused at pack time; layout facts fingerprinted; stale and edited sidecars refused with reasons."""
 
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ import torch
 from deepseek_v4_tiny import (
     TINY_ALL_KINDS,
     TINY_HC4,
-    dequantize_fp8,
-    mtp_state,
     write_tiny_deepseek_v4,
 )
+from safetensors.torch import load_file, save_file
 
 from model_families.deepseek_v4 import FAMILY
+from services.errors import InvalidArgument
 from weight_service.loader import load_sidecar
 from weight_service.prepare import prepare
 from weight_service.sidecar import FORMAT_VERSION, InvalidSidecar, sidecar_fingerprint, validate_sidecar
@@ -78,6 +80,16 @@ def expected_sidecar(model) -> dict[str, torch.Tensor]:
         layers = [i for i in range(L) if c.layer_types[i] == kind]
         if layers:
             out.update({f"{prefix}.{n}": torch.stack([rows(i, parts) for i in layers]) for n, parts in table.items()})
+    blocks = getattr(model, "mtp_blocks", [])
+    if blocks:  # the MTP blocks: their layer's tensors as a layer's, then their own
+        own = {"e_proj": "e_proj.weight", "h_proj": "h_proj.weight", "enorm": "enorm.weight",
+               "hnorm": "hnorm.weight", "norm": "norm.weight", "hc_head_fn": "hc_head.hc_fn",
+               "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+        states = [b.state_dict() for b in blocks]
+        for name, parts in _LAYERS.items():
+            out[f"mtp.{name}"] = torch.stack([torch.cat([st[f"layer.{n}"] for n in parts]) for st in states])
+        out["mtp.gate_bias"] = torch.stack([st["layer.mlp.gate.e_score_correction_bias"] for st in states])
+        out.update({f"mtp.{name}": torch.stack([st[n] for st in states]) for name, n in own.items()})
     return out
 
 
@@ -88,20 +100,21 @@ FLOAT32_NAMES = {
     "layers.hc_attn_fn", "layers.hc_attn_base", "layers.hc_attn_scale", "layers.hc_ffn_fn", "layers.hc_ffn_base",
     "layers.hc_ffn_scale", "layers.q_norm", "layers.kv_norm", "layers.attn_sink", "layers.gate_bias",
     "csa.ape", "csa.norm", "csa.idx_ape", "csa.idx_norm", "hca.ape", "hca.norm",
+    "mtp.attn_norm", "mtp.ffn_norm", "mtp.hc_attn_fn", "mtp.hc_attn_base", "mtp.hc_attn_scale", "mtp.hc_ffn_fn",
+    "mtp.hc_ffn_base", "mtp.hc_ffn_scale", "mtp.q_norm", "mtp.kv_norm", "mtp.attn_sink", "mtp.gate_bias",
+    "mtp.enorm", "mtp.hnorm", "mtp.norm", "mtp.hc_head_fn", "mtp.hc_head_base", "mtp.hc_head_scale",
 }
 
 
-def _check(sidecar_path: Path, model, dtype: torch.dtype = torch.float32, mtp: dict | None = None) -> None:
+def _check(sidecar_path: Path, model, dtype: torch.dtype = torch.float32) -> None:
     expected = expected_sidecar(model)
     with load_sidecar(sidecar_path) as sc:
-        assert set(sc.tensors) == set(expected) | set(mtp or {})
+        assert set(sc.tensors) == set(expected)
         for name, want in expected.items():
             got = sc.tensors[name]
             want = want if not want.is_floating_point() else want.to(
                 torch.float32 if name in FLOAT32_NAMES else dtype)
             assert got.dtype == want.dtype and torch.equal(got, want), name
-        for name, want in (mtp or {}).items():
-            assert torch.equal(sc.tensors[name], want.to(dtype)), name
 
 
 @pytest.mark.parametrize("case", [
@@ -120,14 +133,8 @@ def test_every_sidecar_tensor_is_the_checkpoint_tensor(tmp_path, case):
     model = write_tiny_deepseek_v4(tmp_path / "ckpt", preset, **case)
     handle = prepare(str(tmp_path / "ckpt"), dtype="f32", root=tmp_path / "sc")
     assert handle.family == "deepseek_v4" and handle.state == "BUILT"
-    mtp = None
-    if case["naming"] == "release":  # mtp.* kept, dequantized (mtp.0.e_proj is FP8 in quantized checkpoints)
-        raw = mtp_state(model.config.hidden_size, 0, torch.float32, case.get("quantized", False))
-        scale = raw.pop("mtp.0.e_proj.scale", None)
-        if scale is not None:
-            raw["mtp.0.e_proj.weight"] = dequantize_fp8(raw["mtp.0.e_proj.weight"], scale)
-        mtp = raw
-    _check(handle.path, model, mtp=mtp)
+    assert len(model.mtp_blocks) == 1
+    _check(handle.path, model)
     if case.get("quantized"):  # the checkpoint really stores FP8 / FP4 codes and ue8m0 scales
         dtypes = set()
         for shard in (tmp_path / "ckpt").glob("*.safetensors"):
@@ -145,19 +152,15 @@ def test_bf16_sidecar_rounds_each_dequantized_value(tmp_path):
     _check(handle.path, model, dtype=torch.bfloat16)
 
 
-def test_sidecar_metadata_records_layout_facts_and_mtp(tmp_path):
+def test_sidecar_metadata_records_layout_facts(tmp_path):
     model = write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, quantized=True)
     info = validate_sidecar(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc").path)
     facts = json.loads(info.metadata["warmserve.layout_facts"])
     assert facts == {"layer_types": list(model.config.layer_types), "mlp_layer_types": ["hash_moe", "moe", "moe"],
                      "compress_rates": {CSA: 4, HCA: 8}, "sliding_window": 8, "hc_mult": 2, "index_topk": 2}
-    extra = json.loads(info.metadata["warmserve.extra_tensors"])
-    assert extra == {"mtp.0.e_proj.weight": {"dtype": "F32", "shape": [64, 64]},
-                     "mtp.0.enorm.weight": {"dtype": "F32", "shape": [64]},
-                     "mtp.0.h_proj.weight": {"dtype": "F32", "shape": [64, 64]},
-                     "mtp.0.hnorm.weight": {"dtype": "F32", "shape": [64]},
-                     "mtp.0.norm.weight": {"dtype": "F32", "shape": [64]}}  # no mtp.0.e_proj.scale
-    names = sorted(set(FAMILY.tensor_specs(info.config, "f32")) | set(extra))
+    assert "warmserve.extra_tensors" not in info.metadata
+    names = sorted(FAMILY.tensor_specs(info.config, "f32"))
+    assert {"mtp.e_proj", "mtp.experts_gate_up", "mtp.hc_head_fn"} <= set(names)
     names_fp = hashlib.sha256("\n".join(names).encode()).hexdigest()
     assert info.metadata["warmserve.names_fingerprint"] == names_fp
     canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"))
@@ -201,9 +204,8 @@ def _renamed(old: str, new: str):
 @pytest.mark.parametrize("edit,reason", [
     (lambda h: {k: v for k, v in h.items() if k != "csa.ape"}, r"missing \['csa.ape'\]"),
     (_renamed("hca.norm", "hca.nrm"), r"unexpected \['hca.nrm'\], missing \['hca.norm'\]"),
-    (_renamed("mtp.0.hnorm.weight", "mtp.0.hnrm.weight"),
-     r"unexpected \['mtp.0.hnrm.weight'\], missing \['mtp.0.hnorm.weight'\]"),
-    (lambda h: {k: v for k, v in h.items() if k != "mtp.0.norm.weight"}, r"missing \['mtp.0.norm.weight'\]"),
+    (_renamed("mtp.hnorm", "mtp.hnrm"), r"unexpected \['mtp.hnrm'\], missing \['mtp.hnorm'\]"),
+    (lambda h: {k: v for k, v in h.items() if k != "mtp.norm"}, r"missing \['mtp.norm'\]"),
 ])
 def test_a_sidecar_lacking_or_renaming_a_tensor_is_stale_with_its_name(packed, edit, reason):
     tmp_path, handle = packed
@@ -238,25 +240,9 @@ def test_changed_layout_rules_make_the_sidecar_stale_and_repack(packed, monkeypa
     assert again.state == "REBUILT" and again.fingerprint != handle.fingerprint
 
 
-def test_extra_tensors_outside_the_family_prefixes_are_refused(packed):
-    _, handle = packed
-
-    def edit(h):
-        extra = json.loads(h["__metadata__"]["warmserve.extra_tensors"])
-        extra["junk.x"] = extra.pop("mtp.0.norm.weight")
-        h["__metadata__"]["warmserve.extra_tensors"] = json.dumps(extra, separators=(",", ":"))
-        return h
-
-    _edit_header(handle.path / "model.safetensors", edit)
-    with pytest.raises(InvalidSidecar, match=r"records extra tensors the deepseek_v4 family does not pack: \['junk.x'\]"):
-        validate_sidecar(handle.path)
-
-
 def test_config_disagreeing_with_the_weights_is_invalid_argument_and_leaves_nothing(tmp_path):
     """A config.json whose vocab_size does not match the tensors is bad input (INVALID_ARGUMENT,
     exit 2), and the failed first pack leaves no sidecar directory behind."""
-    from services.errors import InvalidArgument
-
     write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     config["vocab_size"] = 64
@@ -264,3 +250,22 @@ def test_config_disagreeing_with_the_weights_is_invalid_argument_and_leaves_noth
     with pytest.raises(InvalidArgument, match=r"checkpoint tensor for embed has shape \[128, 64\]"):
         prepare(str(tmp_path / "ckpt"), root=tmp_path / "sc")
     assert [p for p in (tmp_path / "sc").iterdir() if not p.name.startswith(".")] == []  # only the lock dir
+
+
+@pytest.mark.parametrize("naming", ["release", "transformers"])
+def test_a_checkpoint_missing_an_mtp_tensor_or_holding_an_undeclared_block_is_refused_at_pack_time(tmp_path, naming):
+    ckpt = tmp_path / "ckpt"
+    write_tiny_deepseek_v4(ckpt, TINY_ALL_KINDS, naming=naming)
+    weights = ckpt / "model.safetensors"
+    state = load_file(str(weights))
+    for drop in ("mtp.0.h_proj.weight", "mtp.0.ffn.experts.3.w2.weight", "mtp.0.attn.attn_sink"):
+        save_file({k: v for k, v in state.items() if k != drop}, str(weights))
+        with pytest.raises(InvalidArgument, match=re.escape(f"lacks tensor {drop}") + ".*declares 1 MTP block"):
+            prepare(str(ckpt), root=tmp_path / "sc")
+        assert not any((tmp_path / "sc").glob("*/model.safetensors"))  # nothing published
+    extra = {k.replace("mtp.0.", "mtp.1.", 1): v.clone() for k, v in state.items() if k.startswith("mtp.0.")}
+    save_file({**state, **extra}, str(weights))
+    with pytest.raises(InvalidArgument, match=re.escape("holds MTP block mtp.1.* but its config declares 1")):
+        prepare(str(ckpt), root=tmp_path / "sc")
+    save_file(state, str(weights))  # the whole block again: packs
+    assert prepare(str(ckpt), root=tmp_path / "sc").state == "BUILT"
