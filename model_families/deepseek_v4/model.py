@@ -23,6 +23,7 @@ still holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from model_families.deepseek_v4.attention import attention
 from model_families.deepseek_v4.cache_layout import Step, cache_specs
-from model_families.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from model_families.deepseek_v4.config import CSA, HCA, WINDOW, DeepseekV4Config
 from model_families.deepseek_v4.hyper_connections import hyper_connection, hyper_head, mix
 from model_families.deepseek_v4.moe import moe
 from model_families.deepseek_v4.norm_rope import rms_norm_f32_scale, rope_tables
@@ -69,6 +70,9 @@ class DeepseekV4Model(FamilyModel):
             cos, sin = rope_tables(c, label, max_model_len)
             self.register_buffer(f"{label}_cos", cos.to(weights.embed.device), persistent=False)
             self.register_buffer(f"{label}_sin", sin.to(weights.embed.device), persistent=False)
+        #: The MTP blocks as the layers of a model :func:`attention` and :func:`moe` can run
+        #: (:class:`_MtpBlocks`), ``None`` for a checkpoint without them.
+        self.mtp_blocks = _MtpBlocks(self) if weights.mtp_e_proj is not None else None
 
     def linear_matrices(self) -> list[torch.Tensor]:
         """The per-layer float ``[N, K]`` matrices passed to :func:`~model_families.linear.float_linear`
@@ -140,29 +144,97 @@ class DeepseekV4Model(FamilyModel):
         return Step(self.config, caches, positions, block_tables, seq_lens, cos, sin, collect=collect,
                     draft_tokens=self.draft_tokens)
 
+    def mtp(self, pool: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, block: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of MTP block ``block`` (the release's ``inference/model.py`` ``MTPBlock.forward``)
+        over a padded batch: position ``p`` of a row pairs ``hidden`` at ``p`` (the main model's
+        residual streams before its ``hc_head``, :meth:`streams`, or this block's own output
+        for a further draft) with ``input_ids`` at ``p`` (the token *after* ``p``), and predicts
+        the token two after ``p``. Position 0 pairs the first token's streams with the second
+        token, nothing masked (vLLM's ``deepseek_mtp`` zeroes the embedding at position 0 of its
+        shifted inputs instead).
+
+        Args (B rows, S positions; int64): ``pool`` the block's window ring
+        [N_mtp, num_blocks, block_size, hd] (its rows at the main ring's slots, written in place);
+        ``hidden`` [B, S, n, H]; ``input_ids``, ``positions`` [B, S] (contiguous from
+        ``positions[:, 0]``); ``block_tables`` [B, nb] (the sequence's, as the main step's);
+        ``seq_lens`` [B] (positions the block has seen after this step). Returns
+        ``(logits [B, S, V] float32, streams [B, S, n, H])``."""
+        c, mtp, j = self.config, self.mtp_blocks, block
+        eps = c.rms_norm_eps
+        B, S = input_ids.shape
+        step = self._step((pool,), positions, block_tables, seq_lens, collect=False)
+        e = rms_norm_f32_scale(F.embedding(input_ids, self.embed), mtp.enorm[j], eps)
+        x = float_linear(e, mtp.e_proj[j]).unsqueeze(2) + float_linear(
+            rms_norm_f32_scale(hidden, mtp.hnorm[j], eps), mtp.h_proj[j])
+        h = self._block(mtp, j, step, (pool,), x.reshape(B * S, c.hc_mult, -1), input_ids)
+        out = hyper_head(c, h, mtp.hc_head_fn[j], mtp.hc_head_base[j], mtp.hc_head_scale[j])
+        logits = float_linear(rms_norm_f32_scale(out, mtp.norm[j], eps), self.head).float()
+        return logits.view(B, S, -1), h.view(B, S, c.hc_mult, -1)
+
+    def _block(self, model, i: int, step: Step, caches: tuple[torch.Tensor, ...], h: torch.Tensor,
+               input_ids: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` of ``model`` (this model, or :class:`_MtpBlocks`) on the streams ``h``
+        [T, n, H] of ``input_ids`` [B, S]: attention, then MoE, each between hyper-connections."""
+        c = self.config
+        B, S = input_ids.shape
+        post, comb, x = hyper_connection(c, h, model.hc_attn_fn[i], model.hc_attn_base[i], model.hc_attn_scale[i])
+        x = rms_norm_f32_scale(x, model.attn_norm[i], c.rms_norm_eps).view(B, S, -1)
+        h = mix(post, comb, attention(model, step, caches, i, x).reshape(B * S, -1), h)
+        post, comb, x = hyper_connection(c, h, model.hc_ffn_fn[i], model.hc_ffn_base[i], model.hc_ffn_scale[i])
+        x = rms_norm_f32_scale(x, model.ffn_norm[i], c.rms_norm_eps)
+        return mix(post, comb, moe(model, i, x, input_ids.reshape(-1)), h)
+
+    def streams(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`verify`, also returning the residual streams before ``hc_head`` [B, S, n, H]
+        (what :meth:`mtp` takes): ``(logits [B, S, V] float32, streams)``."""
+        step = self._step(caches, positions, block_tables, seq_lens, collect=False)
+        return self._run(step, caches, input_ids, None, with_streams=True)
+
     def _run(self, step: Step, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor,
-             last_index: torch.Tensor | None) -> torch.Tensor:
+             last_index: torch.Tensor | None, with_streams: bool = False) -> torch.Tensor:
         """The layers and the head: logits [B, V] at ``last_index`` [B], or [B, S, V] at every
-        position when it is ``None``."""
+        position when it is ``None`` (and then, ``with_streams``, ``(logits, streams [B, S, n, H])``)."""
         c = self.config
         B, S = input_ids.shape
         h = F.embedding(input_ids, self.embed).reshape(B * S, -1)
         h = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()     # [T, n, H]
         for i in range(c.num_hidden_layers):
-            post, comb, x = hyper_connection(c, h, self.hc_attn_fn[i], self.hc_attn_base[i], self.hc_attn_scale[i])
-            x = rms_norm_f32_scale(x, self.attn_norm[i], c.rms_norm_eps).view(B, S, -1)
-            h = mix(post, comb, attention(self, step, caches, i, x).reshape(B * S, -1), h)
-            post, comb, x = hyper_connection(c, h, self.hc_ffn_fn[i], self.hc_ffn_base[i], self.hc_ffn_scale[i])
-            x = rms_norm_f32_scale(x, self.ffn_norm[i], c.rms_norm_eps)
-            h = mix(post, comb, moe(self, i, x, input_ids.reshape(-1)), h)
+            h = self._block(self, i, step, caches, h, input_ids)
         if last_index is None:
             last = h                                                                         # [B*S, n, H]
         else:
             last = h.view(B, S, c.hc_mult, -1)[torch.arange(B, device=h.device), last_index]  # [B, n, H]
         x = hyper_head(c, last, self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         logits = float_linear(rms_norm_f32_scale(x, self.final_norm, c.rms_norm_eps), self.head).float()
-        return logits if last_index is not None else logits.view(B, S, -1)
+        if last_index is not None:
+            return logits
+        return (logits.view(B, S, -1), h.view(B, S, c.hc_mult, -1)) if with_streams else logits.view(B, S, -1)
 
     def pool(self, caches: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
         """The pool ``name`` of :func:`~.cache_layout.cache_specs` among ``caches``."""
         return caches[self.pool_index[name]]
+
+
+class _MtpBlocks:
+    """The MTP blocks seen as the layers of a model by :func:`attention` and :func:`moe`: their
+    weights (the ``mtp_*`` buffers of ``model``, block ``j`` at index ``j``), a config of
+    ``N_mtp`` window-only, top-k routed layers, and the block's window ring as its one pool."""
+
+    def __init__(self, model: DeepseekV4Model) -> None:
+        c = model.config
+        n = model.mtp_e_proj.shape[0]
+        self.config = dataclasses.replace(c, num_hidden_layers=n, layer_types=(WINDOW,) * n,
+                                          mlp_layer_types=("moe",) * n)
+        self.window, self.csa_rank, self.hca_rank = model.window, {}, {}
+        self._model = model
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        return getattr(self._model, f"mtp_{name}")
+
+    def pool(self, caches: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
+        """The blocks' window ring (``caches`` is ``(pool,)``)."""
+        return caches[0]
