@@ -390,7 +390,10 @@ class ModelFamily(ABC):
     #: ``verify(caches, input_ids [B, S], positions, slot_mapping [B, S], block_tables, seq_lens)
     #: -> logits [B, S, V] float32`` step (``forward``'s inputs without ``last_index``, the cache
     #: written in place, every position's logits; e.g. ``LlamaModel.verify``) after which
-    #: rejected drafts leave nothing read in its caches. Default: none.
+    #: rejected drafts leave nothing read in its caches. ``mtp`` also needs ``streams`` (as
+    #: ``verify``, returning ``(logits, residual streams [B, S, ...])``), ``forward_streams``
+    #: (``forward``'s inputs, returning ``(logits [B, V], streams)``) and ``mtp`` (the block step,
+    #: :mod:`runner_service.mtp`), and its pools in :meth:`draft_cache_specs`. Default: none.
     speculative_methods: ClassVar[tuple[str, ...]] = ()
     #: Prefixes of the stacked tensor names (first dim a stack index, see :meth:`stack_index`).
     stacked_prefixes: ClassVar[tuple[str, ...]] = ("layers.",)
@@ -493,6 +496,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def cache_specs(self, config: FamilyConfig, block_size: int) -> tuple[CacheSpec, ...]:
         """The KV-cache block pools this family's model reads and writes (possibly none)."""
+
+    def draft_cache_specs(self, config: FamilyConfig, block_size: int, method: str) -> tuple[CacheSpec, ...]:
+        """The block pools speculative method ``method`` keeps beside :meth:`cache_specs` (the
+        same block ids and table; e.g. an MTP block's window ring). Default: none."""
+        return ()
 
     def block_layout(self, config: FamilyConfig, block_size: int, max_model_len: int,
                      draft_tokens: int = 0) -> BlockLayout:

@@ -30,6 +30,7 @@ from runner_service.generation_config import GenerationConfig
 from runner_service.kv_cache import KVCache, bytes_per_block, num_blocks_for_bytes
 from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
+from runner_service.mtp import MtpDrafter
 from runner_service.ngram import NgramDrafter, SpeculationGate
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.program_installer import ProgramInstaller
@@ -122,14 +123,18 @@ class LLMEngine:
             methods = ", ".join(self.model_family.speculative_methods) or "none"
             raise InvalidArgument(f"the {self.family} family cannot use --speculative {config.speculative} "
                                   f"(its methods: {methods})")
-        #: Speculative decoding's drafter (:class:`~runner_service.ngram.NgramDrafter`), ``None`` when off.
-        self.drafter = None if config.speculative == "off" else NgramDrafter(
+        if config.speculative == "mtp" and not getattr(args, "num_nextn_predict_layers", 0):
+            raise InvalidArgument("--speculative mtp needs the checkpoint's MTP block, and this model has none "
+                                  "(num_nextn_predict_layers is 0)")
+        #: Speculative decoding's drafter (:class:`~runner_service.ngram.NgramDrafter`, or
+        #: :class:`~runner_service.mtp.MtpDrafter` once the runner is built), ``None`` when off.
+        self.drafter = None if config.speculative != "ngram" else NgramDrafter(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         #: Speculative decoding counts (vLLM's): rows that verified drafts, draft tokens verified,
         #: draft tokens accepted.
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         #: Whether verify steps pay against the compiled decode (:class:`~runner_service.ngram.SpeculationGate`).
-        self.gate = None if self.drafter is None else SpeculationGate()
+        self.gate = None if config.speculative == "off" else SpeculationGate()
         self._gate_installs = 0  # the runner's program installs the gate's rates were measured under
         self.config = config
         self.tokenizer = tokenizer
@@ -162,10 +167,14 @@ class LLMEngine:
 
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
+        draft_specs = self.model_family.draft_cache_specs(args, config.block_size, config.speculative)
         self.block_layout = self.model_family.block_layout(args, config.block_size, self.max_model_len,
                                                            config.num_draft_tokens)
-        num_blocks = self._num_kv_blocks(cache_specs)
+        num_blocks = self._num_kv_blocks((*cache_specs, *draft_specs))
         self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
+        #: The drafter's pools (the same block ids as :attr:`kv`), ``None`` when it has none.
+        self.draft_kv = KVCache(draft_specs, num_blocks, config.block_size, self.dtype, self.device) \
+            if draft_specs else None
         #: Prefix caching is on when the config asks for it and the family supports it.
         self.prefix_caching = config.enable_prefix_caching and self.model_family.supports_prefix_caching
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=self.prefix_caching,
@@ -186,6 +195,11 @@ class LLMEngine:
         packed = self.runner.packed
         self._phase("prepack", t0, f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
                                    f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
+
+        if config.speculative == "mtp":
+            self.drafter = MtpDrafter(config.num_speculative_tokens, self.runner.model, self.draft_kv,
+                                      self.block_layout, lock=self.runner.forward_lock)
+            self.gate = None  # every decode step verifies: the drafter needs every step's streams
 
         t0 = time.perf_counter()
         #: The compiled programs and their state (``ModelInfo.program_state``).
@@ -395,26 +409,32 @@ class LLMEngine:
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:
-        if batch.is_speculative:
+        streams_needed = getattr(self.drafter, "needs_streams", False)
+        if batch.is_speculative or (streams_needed and not batch.is_prefill):
             self._run_verify(batch)
             return
-        logits = self.runner.run(batch)
+        out = self.runner.run(batch, with_streams=True) if streams_needed else (self.runner.run(batch),)
+        logits = out[0]
         rows = batch.sampling_rows()
-        if not rows:
-            self.scheduler.postprocess(batch, [])
-            return
         sampling = [batch.seqs[i] for i in rows]
-        tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        self.scheduler.postprocess(batch, tokens)
-        self.generated_tokens_total += len(tokens)
-        self._emit(sampling, self.output.process(sampling, logprobs))
+        if rows:
+            tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            self.scheduler.postprocess(batch, tokens)
+            self.generated_tokens_total += len(tokens)
+            self._emit(sampling, self.output.process(sampling, logprobs))
+        else:
+            self.scheduler.postprocess(batch, [])
+        if streams_needed:
+            self.drafter.observe(batch.seqs, batch.starts, batch.num_tokens, out[1])
 
     def _run_verify(self, batch: ScheduledBatch) -> None:
         """A speculative decode step: verify every row's drafts (:meth:`Sampler.verify`), append
         what each emits, count acceptance, stream the deltas, propose the next drafts."""
         seqs = batch.seqs
         drafts = [s.draft_token_ids for s in seqs]
-        logits = self.runner.run(batch)
+        streams_needed = getattr(self.drafter, "needs_streams", False)
+        out = self.runner.run(batch, with_streams=True) if streams_needed else (self.runner.run(batch),)
+        logits = out[0]
         emitted, logprobs = self.sampler.verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs])
         for d, e in zip(drafts, emitted, strict=True):
             if d:
@@ -422,11 +442,14 @@ class LLMEngine:
                 self.spec_draft_tokens += len(d)
                 self.spec_accepted_tokens += len(e) - 1
         before = [s.num_tokens for s in seqs]
-        self.scheduler.postprocess(batch, emitted)
+        # a batch without drafts (the mtp drafter's streams path) emits one token a row
+        self.scheduler.postprocess(batch, emitted if batch.is_speculative else [e[0] for e in emitted])
         counts = [s.num_tokens - b for s, b in zip(seqs, before, strict=True)]
         self.generated_tokens_total += sum(counts)
         self._emit(seqs, self.output.process(seqs, [lp[:c] if lp else None for lp, c in zip(logprobs, counts,
                                                                                              strict=True)], counts))
+        if streams_needed:
+            self.drafter.observe(seqs, [b - 1 for b in before], [1 + len(d) for d in drafts], out[1])
 
     def _emit(self, seqs: list[Seq], outs: list[RequestOutput]) -> None:
         """Publish each sampling sequence's delta, or finish it with it; then, when speculating,

@@ -328,15 +328,21 @@ class ModelRunner:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run ``batch``; returns the logits [n, V] float32 of its
         :meth:`ScheduledBatch.sampling_rows`, in that order ([n, S, V] for a speculative batch:
-        :meth:`run_verify`)."""
+        :meth:`run_verify`). ``with_streams`` (the ``mtp`` drafter's need): eagerly, through the
+        model's ``forward_streams`` / ``streams`` (a decode batch as a verify step, drafts or
+        not), returning ``(logits, streams [B, S, ...])`` with the streams of every row of the
+        batch, in its order."""
         with self.forward_lock:
             if batch.is_prefill:
+                if with_streams:
+                    logits, streams = self.run_prefill(batch, with_streams=True)
+                    return logits[batch.sampling_rows()], streams
                 return self.run_prefill(batch)[batch.sampling_rows()]
-            if batch.is_speculative:
-                return self.run_verify(batch.seqs)
+            if batch.is_speculative or with_streams:
+                return self.run_verify(batch.seqs, with_streams=with_streams)
             return self.run_decode(batch.seqs)
 
     def _assign_rows(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -381,19 +387,26 @@ class ModelRunner:
         return logits.index_select(0, self.buffers.logits_indices[:n])
 
     @torch.inference_mode()
-    def run_verify(self, seqs: list[Sequence]) -> torch.Tensor:
+    def run_verify(self, seqs: list[Sequence], with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Verify each of ``seqs``' draft tokens (``seq.draft_token_ids``, ``k_i`` of them; it
         has blocks for position ``num_tokens - 1 + k_i``): one step of its last token and its
         drafts through the family model's ``verify`` step (:attr:`~model_families.family.ModelFamily.speculative_methods`),
         the inputs in the persistent buffers (:meth:`DecodeBuffers.fill_verify`, the rows kept
         as in decode). Returns logits [n, S, V] f32 in the order of ``seqs``, ``S = 1 +
-        max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft."""
+        max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft.
+        ``with_streams``: eagerly through the model's ``streams``, returning ``(logits,
+        streams [n, S, ...])``."""
         rows = self._assign_rows(seqs)
         self.buffers.fill_verify([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                                  [s.block_table for s in rows], [s.draft_token_ids for s in rows])
-        logits = self.verify(*self.buffers.verify_views())
+        if with_streams:
+            with self._kernels():
+                out = self.model.streams(self.kv.tensors, *self.buffers.verify_views())
+        else:
+            out = (self.verify(*self.buffers.verify_views()),)
         order = self._row_order(rows, seqs)
-        return logits if order is None else logits[order]
+        out = out if order is None else tuple(t[order] for t in out)
+        return out if with_streams else out[0]
 
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -408,12 +421,13 @@ class ModelRunner:
         return self.verify_program(self.kv.tensors, input_ids, positions, slot_mapping, tables, seq_lens)[0]
 
     @torch.inference_mode()
-    def run_prefill(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run_prefill(self, batch: ScheduledBatch, with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Compute each sequence's chunk ``[start, start + n)``; returns logits [len(batch), V]
         f32 at each chunk's last token (meaningful for the :meth:`ScheduledBatch.sampling_rows`).
         Rows are padded to the longest chunk (padding tokens write the scratch block); for the
         compiled prefill to at least 2 tokens (its token dim is dynamic from 2: export
-        specialises a size of 1)."""
+        specialises a size of 1). ``with_streams``: eagerly through the model's
+        ``forward_streams``, returning ``(logits, streams [len(batch), S, ...])``."""
         B, S = len(batch), max(batch.num_tokens)
         nb = max(len(s.block_table) for s in batch.seqs)
         ids, pos, slots, tables, lens, last = self._prefill_padding(B, S, nb)
@@ -425,6 +439,10 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = bt
             slots[i, :n] = self.layout.slots(bt, p)
             lens[i], last[i] = st + n, n - 1
+        if with_streams:
+            with self._kernels():
+                return self.model.forward_streams(self.kv.tensors, *(t.to(self.device) for t in
+                                                                   (ids, pos, slots, tables, lens, last)))
         return self.prefill(ids, pos, slots, tables, lens, last)
 
     def _prefill_padding(self, rows: int, tokens: int, blocks: int) -> list[torch.Tensor]:

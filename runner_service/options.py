@@ -27,9 +27,11 @@ WEIGHTS_DTYPES = ("auto", *SIDECAR_DTYPES)
 #: 1 .. this bound whatever ``--max-num-seqs`` is (it bounds only the programs' shape check), so
 #: runners that differ in ``--max-num-seqs`` share them (``docs/architecture.md`` §9).
 MAX_PROGRAM_BATCH = 256
-#: ``--speculative`` choices: ``off`` (one token per sequence and step) or ``ngram`` (prompt
-#: lookup drafts, verified by one step of ``1 + K`` tokens per sequence: :mod:`runner_service.ngram`).
-SPECULATIVE_METHODS = ("off", "ngram")
+#: ``--speculative`` choices: ``off`` (one token per sequence and step), ``ngram`` (prompt
+#: lookup drafts: :mod:`runner_service.ngram`) or ``mtp`` (the checkpoint's multi-token-prediction
+#: block drafts: :mod:`runner_service.mtp`), the drafts verified by one step of ``1 + K`` tokens per
+#: sequence.
+SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 #: The most draft tokens per sequence and step (``--num-speculative-tokens``).
 MAX_SPECULATIVE_TOKENS = 4
 
@@ -168,7 +170,8 @@ TRUSTED_KEYS = Option("--trusted-keys", "a .pub key or a directory of them: fetc
 MAX_PROMPT_BYTES = Option("--max-prompt-bytes", "largest prompt in UTF-8 bytes, refused before it is tokenized",
                           default=1 << 20, type=_positive_int, metavar="BYTES", field="max_prompt_bytes")
 SPECULATIVE = Option("--speculative", "speculative decoding: draft tokens verified by one step (ngram: prompt "
-                     "lookup; greedy output unchanged, sampled output keeps its distribution)", default="off",
+                     "lookup; mtp: the checkpoint's MTP block; greedy output unchanged, sampled output keeps its "
+                     "distribution)", default="off",
                      choices=SPECULATIVE_METHODS, field="speculative", forwarded=True)
 NUM_SPECULATIVE_TOKENS = Option("--num-speculative-tokens", f"draft tokens per sequence and step, 1..{MAX_SPECULATIVE_TOKENS}",
                                 default=3, type=int_at_least(1, MAX_SPECULATIVE_TOKENS), metavar="K", field="num_speculative_tokens",

@@ -48,9 +48,10 @@ class DeepseekV4Family(ModelFamily):
     #: span (the unfolded compressor windows over ``ctx + S`` rows), so a dynamic-length prefill
     #: does not export; prefill chunks run eager, decode steps compiled.
     compiled_prefill = False
-    #: Prompt-lookup drafts, verified by :meth:`DeepseekV4Model.verify` (eager, as prefill) over a
-    #: ring with spare slots for the drafts (:func:`.cache_layout.ring_tokens`).
-    speculative_methods = ("ngram",)
+    #: Prompt-lookup drafts and the checkpoint's MTP block's, verified by
+    #: :meth:`DeepseekV4Model.verify` / ``streams`` (eager, as prefill) over a ring with spare
+    #: slots for the drafts (:func:`.cache_layout.ring_tokens`).
+    speculative_methods = ("ngram", "mtp")
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False
                        ) -> DeepseekV4Config:
@@ -96,6 +97,12 @@ class DeepseekV4Family(ModelFamily):
 
     def cache_specs(self, config: DeepseekV4Config, block_size: int) -> tuple[CacheSpec, ...]:
         return _cache_layout.cache_specs(config, block_size)
+
+    def draft_cache_specs(self, config: DeepseekV4Config, block_size: int, method: str) -> tuple[CacheSpec, ...]:
+        """``mtp``: the MTP blocks' window ring ``mtp_win`` [N_mtp, num_blocks, block_size, hd]."""
+        if method != "mtp" or not config.num_nextn_predict_layers:
+            return ()
+        return (CacheSpec("mtp_win", config.num_nextn_predict_layers, (block_size, config.head_dim)),)
 
     def block_layout(self, config: DeepseekV4Config, block_size: int, max_model_len: int,
                      draft_tokens: int = 0) -> _block_layout.BlockLayout:

@@ -186,6 +186,14 @@ class DeepseekV4Model(FamilyModel):
         x = rms_norm_f32_scale(x, model.ffn_norm[i], c.rms_norm_eps)
         return mix(post, comb, moe(model, i, x, input_ids.reshape(-1)), h)
 
+    def forward_streams(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        last_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, also returning the residual streams before ``hc_head`` of every
+        position, [B, S, n, H]: ``(logits [B, V] float32, streams)``."""
+        step = self._step(caches, positions, block_tables, seq_lens, collect=False)
+        return self._run(step, caches, input_ids, last_index, with_streams=True)
+
     def streams(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +205,7 @@ class DeepseekV4Model(FamilyModel):
     def _run(self, step: Step, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor,
              last_index: torch.Tensor | None, with_streams: bool = False) -> torch.Tensor:
         """The layers and the head: logits [B, V] at ``last_index`` [B], or [B, S, V] at every
-        position when it is ``None`` (and then, ``with_streams``, ``(logits, streams [B, S, n, H])``)."""
+        position when it is ``None``; ``with_streams``: ``(logits, streams [B, S, n, H])``."""
         c = self.config
         B, S = input_ids.shape
         h = F.embedding(input_ids, self.embed).reshape(B * S, -1)
@@ -210,9 +218,8 @@ class DeepseekV4Model(FamilyModel):
             last = h.view(B, S, c.hc_mult, -1)[torch.arange(B, device=h.device), last_index]  # [B, n, H]
         x = hyper_head(c, last, self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         logits = float_linear(rms_norm_f32_scale(x, self.final_norm, c.rms_norm_eps), self.head).float()
-        if last_index is not None:
-            return logits
-        return (logits.view(B, S, -1), h.view(B, S, c.hc_mult, -1)) if with_streams else logits.view(B, S, -1)
+        logits = logits if last_index is not None else logits.view(B, S, -1)
+        return (logits, h.view(B, S, c.hc_mult, -1)) if with_streams else logits
 
     def pool(self, caches: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
         """The pool ``name`` of :func:`~.cache_layout.cache_specs` among ``caches``."""

@@ -1,8 +1,10 @@
-"""Speculative decoding on DeepSeek V4 (``--speculative ngram``), float32 tiny random models of
-both presets: greedy output equal to plain decoding, token for token, for K = 1 .. 4 over 8
-concurrent sequences of different lengths; forced drafts (all right, all wrong, mixed) whose
-rejections must leave the window ring, the compressed entries and the rolling compressor state
-as plain decoding leaves them (the text after them still matches), with exact block accounting.
+"""Speculative decoding on DeepSeek V4 (``--speculative ngram`` and ``mtp``), float32 tiny random
+models of both presets: greedy output equal to plain decoding, token for token, for K = 1 .. 4
+over 8 concurrent sequences of different lengths; forced drafts (all right, all wrong, mixed)
+whose rejections must leave the window ring, the compressed entries and the rolling compressor
+state as plain decoding leaves them (the text after them still matches), with exact block
+accounting; the MTP drafts made while decoding equal the MTP block's prediction computed afresh
+over the final text (so its own window ring rolls back too).
 
 Sequences run past the window (8), both compress rates (4, 8) and give the CSA indexer more
 entries than its top-k, so every piece of state a rejected draft touches is exercised."""
@@ -17,7 +19,9 @@ from runner_tiny import ScriptedDrafter, tiny_config
 from model_families.deepseek_v4 import FAMILY
 from model_families.deepseek_v4.cache_layout import ring_span, ring_tokens
 from runner_service.engine import LLMEngine
+from runner_service.kv_cache import KVCache
 from runner_service.sampling_params import SamplingParams
+from services.errors import InvalidArgument
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -110,3 +114,57 @@ def test_preemption_in_the_middle_of_speculation_keeps_outputs_and_blocks_exact(
     assert got == plain
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_output_with_mtp_drafts_equals_plain_decoding(model, plain, k):
+    engine = _engine(model, speculative="mtp", num_speculative_tokens=k)
+    got, _ = _run(engine, _prompts())
+    assert got == plain
+    assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_mtp_drafts_while_decoding_equal_the_block_run_afresh_over_the_final_text(model):
+    """Each step's first MTP draft (made from chunked prefill and verify steps' streams, the
+    block's ring rewritten over its own drafting rows) is the argmax of the block run once over
+    the whole final text from empty caches, at the same position (where that argmax is clear)."""
+    config, _ = model
+    engine = _engine(model, speculative="mtp", num_speculative_tokens=3, max_num_batched_tokens=16)
+    drafter, seen = engine.drafter, {}
+    observe = drafter.observe
+
+    def recording(seqs, starts, lengths, streams):
+        observe(seqs, starts, lengths, streams)
+        for seq in seqs:
+            if seq.draft_token_ids:  # the draft of the token after the last one
+                seen.setdefault(tuple(seq.token_ids[:seq.num_prompt_tokens]), {})[seq.num_tokens] = \
+                    seq.draft_token_ids[0]
+
+    drafter.observe = recording
+    prompts = _prompts()
+    outs, _ = _run(engine, prompts, 40)
+    m, checked = engine.runner.model, 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        full = prompt + out
+        S = len(full)
+        table = torch.tensor([list(range(1, 1 + engine.block_layout.blocks_needed(S + 4)))])
+        kv = KVCache(FAMILY.cache_specs(config, 4), 200, 4, torch.float32, torch.device("cpu"))
+        pool = torch.zeros(config.num_nextn_predict_layers, 200, 4, config.head_dim)
+        with torch.inference_mode():
+            _, streams = m.streams(kv.tensors, torch.tensor([full]), torch.arange(S)[None],
+                                   torch.zeros(1, S, dtype=torch.int64), table, torch.tensor([S]))
+            logits, _ = m.mtp(pool, streams[:, :-1], torch.tensor([full[1:]]), torch.arange(S - 1)[None], table,
+                              torch.tensor([S - 1]))
+        for nt, draft in seen[tuple(prompt)].items():
+            top = logits[0, nt - 2].topk(2).values
+            if top[0] - top[1] > 1e-3:
+                assert draft == int(logits[0, nt - 2].argmax()), (prompt, nt)
+                checked += 1
+    assert checked > 200
+
+
+def test_mtp_needs_the_checkpoint_block():
+    config = FAMILY.config_from_hf({**TINY_HC4, "num_nextn_predict_layers": 0})
+    with pytest.raises(InvalidArgument, match="needs the checkpoint's MTP block"):
+        _engine((config, FAMILY.random_weights(config, seed=1)), speculative="mtp")
