@@ -508,7 +508,8 @@ class ModelFamily(ABC):
         hold, the slot of a position): the block manager, the decode buffers and the prefill
         batcher all ask it. ``draft_tokens``: the most speculative draft tokens a verify step
         writes past a sequence's length (a layout that reuses slots keeps room for them; the same
-        value :meth:`build_model` gets). Default: the paged layout, one block per ``block_size``
+        value :meth:`build_model` gets; passed only by a speculating runner, so a family that
+        lists no :attr:`speculative_methods` need not take it). Default: the paged layout, one block per ``block_size``
         tokens (:class:`model_families.block_layout.BlockLayout`)."""
         return BlockLayout(block_size)
 

@@ -168,8 +168,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         cache_specs = self.model_family.cache_specs(args, config.block_size)
         draft_specs = self.model_family.draft_cache_specs(args, config.block_size, config.speculative)
-        self.block_layout = self.model_family.block_layout(args, config.block_size, self.max_model_len,
-                                                           config.num_draft_tokens)
+        self.block_layout = self.model_family.block_layout(  # draft_tokens only when speculating, as the runner
+            args, config.block_size, self.max_model_len,
+            **({"draft_tokens": config.num_draft_tokens} if config.num_draft_tokens else {}))
         num_blocks = self._num_kv_blocks((*cache_specs, *draft_specs))
         self.kv = KVCache(cache_specs, num_blocks, config.block_size, self.dtype, self.device)
         #: The drafter's pools (the same block ids as :attr:`kv`), ``None`` when it has none.

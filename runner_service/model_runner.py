@@ -128,10 +128,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         #: The family's block-table layout (slots of positions, blocks per sequence).
-        self.layout = self.family.block_layout(args, kv.block_size, max_model_len, config.num_draft_tokens)
+        # only a speculating runner passes draft_tokens (a family that lists no method need not take it)
+        drafts = {"draft_tokens": config.num_draft_tokens} if config.num_draft_tokens else {}
+        self.layout = self.family.block_layout(args, kv.block_size, max_model_len, **drafts)
         self.max_blocks_per_seq = self.layout.blocks_needed(max_model_len)
         self.dtype = weights.dtype
-        self.model = self.family.build_model(args, weights, max_model_len, config.num_draft_tokens).eval()
+        self.model = self.family.build_model(args, weights, max_model_len, **drafts).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
         self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs)
         self.buckets = batch_buckets(config.max_num_seqs)

@@ -28,10 +28,9 @@ starts it again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 
