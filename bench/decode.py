@@ -65,6 +65,10 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    interleaved in each run, medians over ``--runs``; the acceptance rate and the tokens a drafted
    row emits per step; whether every output was identical. Then the host time per verify step of
    the staging: persistent buffers vs tensors rebuilt each step (:func:`host_verify_prepare_us`).
+   With ``--model deepseek-v4``: decode tokens/s (prefill excluded) of eager plain decoding vs
+   ``--speculative mtp`` with the checkpoint's own MTP block and with forced-accept drafts (the
+   block still runs; its drafts replaced by the plain run's next tokens), batch 1 / 8 / 32
+   (:func:`dsv4_speculative_report`).
 
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
 [--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
@@ -490,10 +494,74 @@ def dsv4_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
             for _ in range(batch)]
 
 
-def _dsv4_engine(sidecar: Path, compile_mode: str, kernel_cache: str | None) -> LLMEngine:
+def _dsv4_engine(sidecar: Path, compile_mode: str, kernel_cache: str | None, **extra) -> LLMEngine:
     # KV cache sized by the engine: all 32 sequences at full length fit (ring + compressed pools).
-    cfg = EngineConfig(max_num_seqs=32, max_model_len=DSV4_MAX_MODEL_LEN, dtype="f32", compile=compile_mode)
+    cfg = EngineConfig(max_num_seqs=32, max_model_len=DSV4_MAX_MODEL_LEN, dtype="f32", compile=compile_mode, **extra)
     return LLMEngine.from_sidecar(sidecar, cfg, model="deepseek-v4-tiny", kernel_cache=kernel_cache)
+
+
+class _ForcedDrafts:
+    """The MTP drafter run as usual (its cost counted), its drafts then replaced by the next
+    tokens of the plain run's ``output`` (every request has the same prompt): forced-accept drafts."""
+
+    def __init__(self, inner, output: list[int]) -> None:
+        self.inner, self.output, self.needs_streams = inner, output, True
+
+    def propose(self, seqs) -> None:
+        pass
+
+    def observe(self, seqs, starts, lengths, streams) -> None:
+        self.inner.observe(seqs, starts, lengths, streams)
+        for seq in seqs:
+            if seq.draft_token_ids:
+                done = seq.num_completion_tokens
+                seq.draft_token_ids = self.output[done:done + len(seq.draft_token_ids)]
+
+
+def dsv4_speculative_report(sidecar: Path, args) -> dict:
+    """Figure 8 on DeepSeek V4: decode tokens/s (prefill excluded) of eager plain decoding vs
+    ``--speculative mtp`` (K = ``--num-speculative-tokens``) with the checkpoint's own (random)
+    MTP block and with forced-accept drafts, at batch 1 / 8 / 32, interleaved per run, medians;
+    the acceptance of each MTP engine; whether the greedy outputs were identical."""
+    k = args.num_speculative_tokens
+    engines = {"off": _dsv4_engine(sidecar, "off", None),
+               "mtp": _dsv4_engine(sidecar, "off", None, speculative="mtp", num_speculative_tokens=k),
+               "mtp_forced_accept": _dsv4_engine(sidecar, "off", None, speculative="mtp", num_speculative_tokens=k)}
+    prompt = dsv4_prompts(1, args.dsv4_prompt_tokens, seed=1)[0]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    stream = engines["off"].add_request(params, token_ids=prompt)
+    engines["off"].run_until_done()
+    reference = stream.result(timeout=0).token_ids
+    engines["mtp_forced_accept"].drafter = _ForcedDrafts(engines["mtp_forced_accept"].drafter, reference)
+    out: dict = {"num_speculative_tokens": k, "tps": {}, "acceptance": {}, "identical": True}
+    for b in BATCHES:
+        prompts = [prompt] * b
+        for e in engines.values():
+            warmserve_decode_tps(e, b, 4, prompts)
+        before = {n: e.spec_stats() for n, e in engines.items() if n != "off"}
+        samples: dict[str, list[float]] = {n: [] for n in engines}
+        for r in range(args.runs):
+            names = list(engines)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(warmserve_decode_tps(engines[name], b, args.tokens, prompts))
+        row = {n: round(statistics.median(v), 1) for n, v in samples.items()}
+        row.update({f"{n}_ratio": round(row[n] / row["off"], 2) for n in engines if n != "off"})
+        out["tps"][f"batch {b}"] = row
+        for n, was in before.items():
+            now = engines[n].spec_stats()
+            drafts = now["spec_decode_num_drafts"] - was["spec_decode_num_drafts"]
+            drafted = now["spec_decode_num_draft_tokens"] - was["spec_decode_num_draft_tokens"]
+            accepted = now["spec_decode_num_accepted_tokens"] - was["spec_decode_num_accepted_tokens"]
+            out["acceptance"].setdefault(n, {})[f"batch {b}"] = {
+                "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+                "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 0.0}
+    for name in ("mtp", "mtp_forced_accept"):
+        s = engines[name].add_request(params, token_ids=prompt)
+        engines[name].run_until_done()
+        out["identical"] &= s.result(timeout=0).token_ids == reference
+    for e in engines.values():
+        e.close()
+    return out
 
 
 def deepseek_v4_report(args, tmp: Path) -> dict:
@@ -678,7 +746,8 @@ def main() -> int:
                         help="prompt length of every DeepSeek V4 request (default 120: decode runs past the "
                              "64-token window and reaches the first 128-token HCA entry)")
     parser.add_argument("--speculative-only", action="store_true",
-                        help="run only figure 8: speculative decoding off vs ngram (compiled unless --no-compiled)")
+                        help="run only figure 8: speculative decoding off vs ngram (compiled unless --no-compiled); "
+                             "with --model deepseek-v4: off vs mtp (eager), real and forced-accept drafts")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="figure 8's K (default 3)")
     args = parser.parse_args()
     if args.no_prefix_caching and args.prefix_caching_only:
@@ -688,6 +757,24 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="warmserve-bench-decode-")
+    if args.model == "deepseek-v4" and args.speculative_only:
+        hf_dir = Path(tmp.name) / "dsv4-ckpt"
+        write_dsv4_checkpoint(hf_dir)
+        sidecar = prepare(str(hf_dir), root=Path(args.sidecar_dir or Path(tmp.name) / "sidecars")).path
+        report = {"model": "DeepSeek V4 (tiny, random weights)", "tokens": args.tokens, "runs": args.runs,
+                  "prompt_tokens": args.dsv4_prompt_tokens, "torch_threads": torch.get_num_threads(),
+                  "speculative": dsv4_speculative_report(sidecar, args)}
+        print(json.dumps(report, indent=2))
+        spec = report["speculative"]
+        print(f"\n| DeepSeek V4 decode tokens/s (eager, K={spec['num_speculative_tokens']}) | off | mtp | ratio | "
+              "mtp, forced-accept drafts | ratio |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, row in spec["tps"].items():
+            print(f"| {name} | {row['off']} | {row['mtp']} | {row['mtp_ratio']}x | {row['mtp_forced_accept']} | "
+                  f"{row['mtp_forced_accept_ratio']}x |")
+        print(f"\nacceptance: {json.dumps(spec['acceptance'])}\noutputs identical: {spec['identical']}")
+        tmp.cleanup()
+        return 0
     if args.model == "deepseek-v4":
         report = deepseek_v4_report(args, Path(tmp.name))
         print(json.dumps(report, indent=2))

@@ -92,32 +92,42 @@ class SpeculationGate:
     throughput: per batch bucket, an exponential moving average (weight ``alpha``) of the tokens
     per second that verify steps and plain decode steps achieved. A step verifies when no verify
     step of its bucket was measured yet, when its verify rate is at least the decode rate, or
-    every ``explore_every``-th step the gate turned down (the rates drift with the acceptance of
-    the requests running). The first step of each kind and bucket is not counted (a shape's
-    first call can cost many later ones). The engine consults it while a compiled decode program
+    as an exploration (the rates drift with the acceptance of the requests running): after
+    ``explore_every`` steps the gate turned down, then after twice as many each time the
+    exploration confirms the decline, up to ``max_explore_every`` (an exploration at a large
+    batch costs several decode steps), back to ``explore_every`` once verify wins. The first step
+    of each kind and bucket is not counted (a shape's first call can cost many later ones). The engine consults it while a compiled decode program
     is installed (an eager verify step can cost several of its steps; a compiled one still costs
     more than a decode step, which low acceptance does not repay) and resets it whenever a program
     is installed (:meth:`reset`)."""
 
-    def __init__(self, alpha: float = 0.2, explore_every: int = 8) -> None:
-        self.alpha, self.explore_every = alpha, explore_every
+    def __init__(self, alpha: float = 0.2, explore_every: int = 8, max_explore_every: int = 64) -> None:
+        self.alpha, self.explore_every, self.max_explore_every = alpha, explore_every, max_explore_every
         self._rates: dict[tuple[str, int], float] = {}
         self._seen: set[tuple[str, int]] = set()
-        self._declined = 0
+        self._declined: dict[int, int] = {}  # per bucket: steps turned down since the last exploration
+        self._interval: dict[int, int] = {}  # per bucket: turned-down steps between explorations
 
     def reset(self) -> None:
         """Forget every rate (the steps' costs changed: a program was installed)."""
         self._rates.clear()
         self._seen.clear()
-        self._declined = 0
+        self._declined.clear()
+        self._interval.clear()
 
     def allow(self, bucket: int) -> bool:
         """Whether a decode step of batch bucket ``bucket`` with drafts should verify them."""
         verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
         if verify is None or decode is None or verify >= decode:
+            self._interval[bucket] = self.explore_every
             return verify is None or decode is not None
-        self._declined += 1
-        return self._declined % self.explore_every == 0
+        declined = self._declined[bucket] = self._declined.get(bucket, 0) + 1
+        interval = self._interval.setdefault(bucket, self.explore_every)
+        if declined < interval:
+            return False
+        self._declined[bucket] = 0
+        self._interval[bucket] = min(2 * interval, self.max_explore_every)
+        return True
 
     def record(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
         """A ``kind`` (``verify`` / ``decode``) step of bucket ``bucket`` emitted ``tokens`` in ``seconds``."""

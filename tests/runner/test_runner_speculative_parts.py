@@ -193,7 +193,7 @@ def test_drafts_whose_blocks_do_not_fit_are_dropped_before_anyone_is_preempted()
 def test_the_gate_explores_then_verifies_only_where_verify_steps_emit_tokens_faster():
     from runner_service.ngram import SpeculationGate
 
-    gate = SpeculationGate(alpha=0.5, explore_every=4)
+    gate = SpeculationGate(alpha=0.5, explore_every=4, max_explore_every=8)
     assert gate.allow(8)  # nothing measured: try a verify step
     gate.record("verify", 8, tokens=16, seconds=10.0)  # a first call: not counted
     assert gate.allow(8)
@@ -201,7 +201,10 @@ def test_the_gate_explores_then_verifies_only_where_verify_steps_emit_tokens_fas
     assert not gate.allow(8)  # no decode step measured yet: try one
     gate.record("decode", 8, tokens=8, seconds=10.0)
     gate.record("decode", 8, tokens=8, seconds=0.02)  # 400 tokens/s
-    assert [gate.allow(8) for _ in range(8)] == [False, False, False, True] * 2  # explores every 4th
-    gate.record("verify", 8, tokens=64, seconds=0.1)  # EMA: 160 + 0.5 * (640 - 160) = 400
-    assert gate.allow(8)
+    # explores after 4 declined steps, then after 8 (the cap), and 8 again
+    assert [gate.allow(8) for _ in range(20)] == [False] * 3 + [True] + ([False] * 7 + [True]) * 2
     assert gate.allow(1)  # another bucket: measured apart
+    gate.record("verify", 8, tokens=64, seconds=0.1)  # EMA: 160 + 0.5 * (640 - 160) = 400
+    assert gate.allow(8)  # verify wins: the interval goes back to 4
+    gate.record("verify", 8, tokens=8, seconds=0.1)  # EMA: 400 + 0.5 * (80 - 400) = 240
+    assert [gate.allow(8) for _ in range(4)] == [False] * 3 + [True]
