@@ -116,7 +116,8 @@ def _prompts(n: int) -> list[str]:
 
 def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
                          token_prompts: list[list[int]] | None = None) -> float:
-    """Decode tokens/s of ``batch`` concurrent greedy requests (prefill steps excluded): the
+    """Decode tokens/s of ``batch`` concurrent greedy requests (prefill steps excluded; the
+    tokens the decode steps emitted, a speculative step's accepted drafts included): the
     chat-less text prompts of :func:`_prompts`, or ``token_prompts`` (token ids) when given."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     if token_prompts is not None:
@@ -129,12 +130,13 @@ def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
     while engine.has_work():
         engine._drain_inbox()
         is_decode = not engine.scheduler.waiting and bool(engine.scheduler.running)
+        before = engine.generated_tokens_total
         t0 = time.perf_counter()
-        n = engine.step()
+        engine.step()
         dt = time.perf_counter() - t0
         if is_decode:
             decode_s += dt
-            decode_tokens += n
+            decode_tokens += engine.generated_tokens_total - before
     return decode_tokens / decode_s
 
 
