@@ -68,7 +68,7 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    With ``--model deepseek-v4``: decode tokens/s (prefill excluded) of eager plain decoding vs
    ``--speculative mtp`` with the checkpoint's own MTP block and with forced-accept drafts (the
    block still runs; its drafts replaced by the plain run's next tokens), batch 1 / 8 / 32
-   (:func:`dsv4_speculative_report`).
+   (:func:`dsv4_speculative_report`); then the long identity run (:func:`dsv4_long_identity`).
 
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
 [--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
@@ -563,7 +563,27 @@ def dsv4_speculative_report(sidecar: Path, args) -> dict:
         out["identical"] &= s.result(timeout=0).token_ids == reference
     for e in engines.values():
         e.close()
+    out["long_identity"] = dsv4_long_identity(sidecar, args.dsv4_identity_tokens)
     return out
+
+
+def dsv4_long_identity(sidecar: Path, tokens: int) -> dict:
+    """The long greedy identity run: 8 concurrent requests of 40 .. 110 prompt tokens, ``tokens``
+    each, plain vs ``--speculative mtp`` at K = 1 .. 4: whether each K's output equals plain's."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 120, (40 + 10 * i,), generator=g).tolist() for i in range(8)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    def run(**extra) -> list[list[int]]:
+        engine = _dsv4_engine(sidecar, "off", None, **extra)
+        streams = [engine.add_request(params, token_ids=p) for p in prompts]
+        engine.run_until_done()
+        engine.close()
+        return [s.result(timeout=0).token_ids for s in streams]
+
+    plain = run()
+    return {"tokens": tokens, "requests": len(prompts),
+            "identical": {f"K={k}": run(speculative="mtp", num_speculative_tokens=k) == plain for k in range(1, 5)}}
 
 
 def deepseek_v4_report(args, tmp: Path) -> dict:
@@ -751,6 +771,9 @@ def main() -> int:
                         help="run only figure 8: speculative decoding off vs ngram (compiled unless --no-compiled); "
                              "with --model deepseek-v4: off vs mtp (eager), real and forced-accept drafts")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="figure 8's K (default 3)")
+    parser.add_argument("--dsv4-identity-tokens", type=int, default=300,
+                        help="figure 8 with --model deepseek-v4: tokens per request of the long identity run "
+                             "(default 300)")
     args = parser.parse_args()
     if args.no_prefix_caching and args.prefix_caching_only:
         parser.error("--no-prefix-caching and --prefix-caching-only exclude each other")
@@ -775,6 +798,8 @@ def main() -> int:
             print(f"| {name} | {row['off']} | {row['mtp']} | {row['mtp_ratio']}x | {row['mtp_forced_accept']} | "
                   f"{row['mtp_forced_accept_ratio']}x |")
         print(f"\nacceptance: {json.dumps(spec['acceptance'])}\noutputs identical: {spec['identical']}")
+        print(f"long identity run ({spec['long_identity']['requests']} requests x {spec['long_identity']['tokens']} "
+              f"tokens, mtp vs plain): {spec['long_identity']['identical']}")
         tmp.cleanup()
         return 0
     if args.model == "deepseek-v4":

@@ -331,7 +331,7 @@ class DecodeStep(nn.Module):
         return self.model.decode(caches, input_ids, positions, slot_mapping, block_tables, seq_lens)
 
 
-class VerifyStep(nn.Module):
+class VerifyStep(DecodeStep):
     """The verify step of speculative decoding (``1 + k`` tokens per row, the last token then
     the drafts) of a :class:`FamilyModel` whose family lists a
     :attr:`ModelFamily.speculative_methods`: the function eager verify calls and the module
@@ -340,12 +340,9 @@ class VerifyStep(nn.Module):
         forward(caches, input_ids[B, S], positions[B, S], slot_mapping[B, S], block_tables[B, nb],
                 seq_lens[B]) -> (logits[B, S, V] float32,)
 
-    The caches are written in place (every position, drafts included).
+    The caches are written in place (every position, drafts included). A :class:`DecodeStep`
+    over the same model, for its other step.
     """
-
-    def __init__(self, model: FamilyModel) -> None:
-        super().__init__()
-        self.model = model
 
     def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
