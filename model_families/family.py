@@ -382,6 +382,9 @@ class ModelFamily(ABC):
     #: Whether ``aoti`` mode also compiles the prefill step (the model's ``forward`` over a
     #: dynamic token count); ``False`` keeps prefill eager and compiles decode only.
     compiled_prefill: ClassVar[bool] = True
+    #: Whether ``aoti`` mode compiles the speculative verify step while speculating (at most
+    #: ``1 + K`` tokens a row, so it exports where a long prefill chunk may not).
+    compiled_verify: ClassVar[bool] = True
     #: The ``--speculative`` methods (:data:`runner_service.options.SPECULATIVE_METHODS`, not
     #: ``off``) the runner may use with this family. A family that lists one gives its model a
     #: ``verify(caches, input_ids [B, S], positions, slot_mapping [B, S], block_tables, seq_lens)

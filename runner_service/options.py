@@ -32,6 +32,9 @@ MAX_PROGRAM_BATCH = 256
 #: block drafts: :mod:`runner_service.mtp`), the drafts verified by one step of ``1 + K`` tokens per
 #: sequence.
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+#: The methods whose drafter needs every step's residual streams: their steps run eager (the
+#: ``verify`` program returns logits only, so it is not built for them).
+STREAMS_METHODS = ("mtp",)
 #: The most draft tokens per sequence and step (``--num-speculative-tokens``).
 MAX_SPECULATIVE_TOKENS = 4
 

@@ -49,8 +49,9 @@ class DeepseekV4Family(ModelFamily):
     #: does not export; prefill chunks run eager, decode steps compiled.
     compiled_prefill = False
     #: Prompt-lookup drafts and the checkpoint's MTP block's, verified by
-    #: :meth:`DeepseekV4Model.verify` / ``streams`` (eager, as prefill) over a ring with spare
-    #: slots for the drafts (:func:`.cache_layout.ring_tokens`).
+    #: :meth:`DeepseekV4Model.verify` (compiled in ``aoti`` mode: ``compiled_verify``) or, for
+    #: ``mtp``, ``streams`` (eager) over a ring with spare slots for the drafts
+    #: (:func:`.cache_layout.ring_tokens`).
     speculative_methods = ("ngram", "mtp")
 
     def config_from_hf(self, hf: Mapping[str, Any], has_tensor: Callable[[str], bool] = lambda _n: False

@@ -279,6 +279,51 @@ def test_aoti_decode_program_equals_eager(tmp_path):
             torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # builds an AOTInductor program
+@pytest.mark.usefixtures("one_torch_thread")
+def test_aoti_verify_program_equals_eager_and_is_built_for_ngram_only(tmp_path):
+    """The speculative verify step (1 + k tokens a row, written in place) compiled by AOTInductor
+    gives eager's logits of every position and cache writes within 1e-4, across window and
+    compression boundaries; with ``mtp`` (which verifies through the eager streams path) no
+    verify program is built."""
+    import dataclasses
+
+    from runner_service.model_runner import ModelRunner
+    from runner_service.programs.aoti import AotiProgram, compile_program
+
+    config = FAMILY.config_from_hf(TINY_HC4)
+    weights = FAMILY.random_weights(config, seed=4)
+
+    def runner(compile_mode):
+        cfg = tiny_config(max_num_seqs=4, block_size=4, max_model_len=128, compile=compile_mode, device="cpu",
+                          speculative="ngram", num_speculative_tokens=3)
+        kv = KVCache(FAMILY.cache_specs(config, 4), 64, 4, torch.float32, torch.device("cpu"))
+        g = torch.Generator().manual_seed(6)
+        for pool in kv.tensors:
+            pool.copy_(torch.randn(pool.shape, generator=g))
+        return ModelRunner(config, weights, kv, cfg, 128, torch.device("cpu"))
+
+    compiled, eager = runner("aoti"), runner("off")
+    spec = compiled.program_spec()
+    assert spec.kinds() == ("decode", "verify")  # prefill stays eager for this family
+    assert dataclasses.replace(spec, speculative="mtp").kinds() == ("decode",)
+    program = AotiProgram(compile_program(spec, "verify", tmp_path / "verify.pt2"), compiled.verify_module,
+                          compiled.device)
+    compiled.install_program("verify", program)
+    g = torch.Generator().manual_seed(9)
+    for batch, S, nb, start in ((1, 2, 3, 6), (3, 4, 8, 13), (2, 3, 12, 29), (4, 4, 12, 44)):
+        ids = torch.randint(0, config.vocab_size, (batch, S), generator=g)
+        pos = torch.arange(start, start + S).repeat(batch, 1)
+        tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
+        inputs = (ids, pos, torch.zeros(batch, S, dtype=torch.int64), tables, pos[:, -1] + 1)
+        with torch.inference_mode():
+            got, want = compiled.verify(*inputs), eager.verify(*inputs)
+        assert got.shape == (batch, S, config.vocab_size)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        for a, b in zip(compiled.kv.tensors, eager.kv.tensors, strict=True):
+            torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=0)
+
+
 def test_program_fingerprint_covers_the_layout_dims():
     """Window, compress rates, top-k, experts, hc_mult and layer kinds each change the decode
     program's fingerprint; the same config gives the same one."""
