@@ -97,7 +97,8 @@ class MtpDrafter:
         for r, (_, seq, a, n) in enumerate(rows):
             seq.drafter_state.processed = a + n
             room = min(self.k, seq.max_total_tokens - seq.num_tokens - 1)
-            if a + n == seq.num_tokens - 1 and room > 0:  # every known token processed: draft
+            # decoding (its prompt done) and every known token processed: draft
+            if seq.num_tokens > seq.num_prompt_tokens and a + n == seq.num_tokens - 1 and room > 0:
                 seq.draft_token_ids = [int(logits[r, n - 1].argmax())]
                 drafting.append((seq, room, out[r, n - 1]))
         for j in range(1, max((room for _, room, _ in drafting), default=0)):

@@ -168,3 +168,20 @@ def test_mtp_needs_the_checkpoint_block():
     config = FAMILY.config_from_hf({**TINY_HC4, "num_nextn_predict_layers": 0})
     with pytest.raises(InvalidArgument, match="needs the checkpoint's MTP block"):
         _engine((config, FAMILY.random_weights(config, seed=1)), speculative="mtp")
+
+
+def test_a_sequence_still_in_prefill_gets_no_mtp_drafts(model):
+    """A prompt chunked so that its first chunk ends one token before the prompt's end: the
+    block runs over the chunk, but the sequence drafts only once its prompt is done."""
+    prompt = _prompts()[6][:17]
+    engine = _engine(model, speculative="mtp", num_speculative_tokens=3, max_num_batched_tokens=16)
+    plain = _engine(model, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    stream = engine.add_request(params, token_ids=prompt)
+    engine.step()  # the first 16-token chunk
+    seq = engine.scheduler.running[0] if engine.scheduler.running else engine.scheduler.waiting[0]
+    assert seq.num_computed_tokens == 16 and seq.drafter_state.processed == 16 and seq.draft_token_ids == []
+    engine.run_until_done()
+    want = plain.add_request(params, token_ids=prompt)
+    plain.run_until_done()
+    assert stream.result(timeout=0).token_ids == want.result(timeout=0).token_ids
