@@ -507,7 +507,7 @@ class _ForcedDrafts:
     tokens of the plain run's ``output`` (every request has the same prompt): forced-accept drafts."""
 
     def __init__(self, inner, output: list[int]) -> None:
-        self.inner, self.output, self.needs_streams = inner, output, True
+        self.inner, self.output = inner, output
 
     def propose(self, seqs) -> None:
         pass

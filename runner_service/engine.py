@@ -32,6 +32,7 @@ from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.mtp import MtpDrafter
 from runner_service.ngram import NgramDrafter, SpeculationGate
+from runner_service.options import STREAMS_METHODS
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.program_installer import ProgramInstaller
 from runner_service.sampler import Sampler
@@ -133,8 +134,11 @@ class LLMEngine:
         #: Speculative decoding counts (vLLM's): rows that verified drafts, draft tokens verified,
         #: draft tokens accepted.
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        #: Whether every step returns the residual streams to the drafter (``mtp``): then every
+        #: decode step verifies, drafts or not, and no gate applies.
+        self._with_streams = config.speculative in STREAMS_METHODS
         #: Whether verify steps pay against the compiled decode (:class:`~runner_service.ngram.SpeculationGate`).
-        self.gate = None if config.speculative == "off" else SpeculationGate()
+        self.gate = None if config.speculative == "off" or self._with_streams else SpeculationGate()
         self._gate_installs = 0  # the runner's program installs the gate's rates were measured under
         self.config = config
         self.tokenizer = tokenizer
@@ -200,7 +204,6 @@ class LLMEngine:
         if config.speculative == "mtp":
             self.drafter = MtpDrafter(config.num_speculative_tokens, self.runner.model, self.draft_kv,
                                       self.block_layout, lock=self.runner.forward_lock)
-            self.gate = None  # every decode step verifies: the drafter needs every step's streams
 
         t0 = time.perf_counter()
         #: The compiled programs and their state (``ModelInfo.program_state``).
@@ -410,11 +413,11 @@ class LLMEngine:
         return len(batch)
 
     def _run(self, batch: ScheduledBatch) -> None:
-        streams_needed = getattr(self.drafter, "needs_streams", False)
-        if batch.is_speculative or (streams_needed and not batch.is_prefill):
+        streams = self._with_streams
+        if batch.is_speculative or (streams and not batch.is_prefill):
             self._run_verify(batch)
             return
-        out = self.runner.run(batch, with_streams=True) if streams_needed else (self.runner.run(batch),)
+        out = self.runner.run(batch, with_streams=True) if streams else (self.runner.run(batch),)
         logits = out[0]
         rows = batch.sampling_rows()
         sampling = [batch.seqs[i] for i in rows]
@@ -425,7 +428,7 @@ class LLMEngine:
             self._emit(sampling, self.output.process(sampling, logprobs))
         else:
             self.scheduler.postprocess(batch, [])
-        if streams_needed:
+        if streams:
             self.drafter.observe(batch.seqs, batch.starts, batch.num_tokens, out[1])
 
     def _run_verify(self, batch: ScheduledBatch) -> None:
@@ -433,8 +436,8 @@ class LLMEngine:
         what each emits, count acceptance, stream the deltas, propose the next drafts."""
         seqs = batch.seqs
         drafts = [s.draft_token_ids for s in seqs]
-        streams_needed = getattr(self.drafter, "needs_streams", False)
-        out = self.runner.run(batch, with_streams=True) if streams_needed else (self.runner.run(batch),)
+        streams = self._with_streams
+        out = self.runner.run(batch, with_streams=True) if streams else (self.runner.run(batch),)
         logits = out[0]
         emitted, logprobs = self.sampler.verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs])
         for d, e in zip(drafts, emitted, strict=True):
@@ -449,7 +452,7 @@ class LLMEngine:
         self.generated_tokens_total += sum(counts)
         self._emit(seqs, self.output.process(seqs, [lp[:c] if lp else None for lp, c in zip(logprobs, counts,
                                                                                              strict=True)], counts))
-        if streams_needed:
+        if streams:
             self.drafter.observe(seqs, [b - 1 for b in before], [1 + len(d) for d in drafts], out[1])
 
     def _emit(self, seqs: list[Seq], outs: list[RequestOutput]) -> None:

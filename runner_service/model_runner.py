@@ -36,7 +36,6 @@ seq_lens[n]) -> (logits[n, S, V] float32,)`` on the active rows of the persisten
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,7 +158,6 @@ class ModelRunner:
         self.verify_program: Program | None = None
         #: Programs installed (or removed) so far: changes with every :meth:`install_program`.
         self.installs = 0
-        self._installs = itertools.count(1)
         self._computed_by = {"decode": "eager", "prefill": "eager"}
         if config.num_draft_tokens:
             self._computed_by["verify"] = "eager"
@@ -197,7 +195,7 @@ class ModelRunner:
             raise ValueError("no verify program: this runner does not speculate")
         setattr(self, f"{kind}_program", program)
         self.installs += 1
-        self._computed_by[kind] = "eager" if program is None else f"{self.config.compile}#{next(self._installs)}"
+        self._computed_by[kind] = "eager" if program is None else f"{self.config.compile}#{self.installs}"
 
     def computed_by(self) -> str:
         """Names the code the steps run now, for the prefix cache

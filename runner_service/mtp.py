@@ -52,10 +52,9 @@ class MtpDrafter:
     (see the module docstring), its window ring in ``pool`` (the runner's draft cache, pool
     ``mtp_win``) at the slots of ``layout`` (the family's block layout: a drafting position past
     a sequence's blocks reads and writes the scratch block); its steps hold ``lock`` (the
-    runner's forward lock). Needs the main steps'
-    residual streams (:attr:`needs_streams`): :meth:`observe` is called after each step with them."""
-
-    needs_streams = True
+    runner's forward lock). Needs the main steps' residual streams (``mtp`` is in
+    :data:`~runner_service.options.STREAMS_METHODS`): :meth:`observe` is called after each step
+    with them."""
 
     def __init__(self, k: int, model, pool: KVCache, layout: BlockLayout, block: int = 0,
                  lock: threading.Lock | None = None) -> None:

@@ -178,7 +178,7 @@ def _load_step(spec: ProgramSpec, kind: str, cache: KernelCacheClient | None, wo
                progress: Callable[[str], None], compiler: aoti.Compiler | None) -> tuple[str, str]:
     """Fetch or compile and install the ``kind`` program, ``prefill`` or ``verify`` (AOTI only:
     ``inductor`` mode keeps them eager, their dynamic token count would recompile graphs at run
-    time; and only for a family that compiles its prefill, :meth:`ProgramSpec.kinds`). Returns
+    time; and only a kind :meth:`ProgramSpec.kinds` lists). Returns
     its source (``hit``, ``compiled``, ``eager``) and a phrase for the report; a failure leaves
     that step eager."""
     if spec.mode != "aoti":
