@@ -24,9 +24,12 @@ compute runs on the bf16 units, so its batch-32 bound is bf16's.
 ``qkv``, ``o``, ``gate_up``, ``down``, each layer its own random matrices, so nothing stays in
 cache that would not in a real step; ``lm_head`` left out, a prefill runs it on one row per
 sequence) at each row count ``M`` (the step's tokens: the batch in a decode, every prompt token
-in a prefill), through the serving path's :func:`model_families.linear.linear`: bf16 matrices
-(oneDNN) against the int4 weight-only kernel (:func:`model_families.quantized_weights.quantized_weight`
-of the same matrices quantized), best of 3. Shows where int4 stops paying at larger ``M``.
+in a prefill): bf16 matrices through the serving path's :func:`model_families.linear.linear`
+(oneDNN), against the same matrices quantized (:func:`model_families.quantized_weights.quantized_weight`)
+run by the int4 weight-only kernel alone and by dequantize-then-matmul alone
+(:func:`model_families.quantized_weights.int4_matmul` with ``dense_from`` 1 or never), best of 3.
+Shows where int4 stops paying at larger ``M`` and where the serving path's
+``INT4_DENSE_MIN_ROWS`` switch from the kernel to the dense matmul belongs.
 
 ``--peers FILE``: a ``bench/peers.py`` stdout (its JSON document) whose warmserve columns are
 reported as fractions of these bounds (1 stream against the bandwidth bound, 32 against the
@@ -50,7 +53,7 @@ import torch  # noqa: E402
 
 from model_families import quant  # noqa: E402
 from model_families.linear import float_linear, linear  # noqa: E402
-from model_families.quantized_weights import quantized_weight  # noqa: E402
+from model_families.quantized_weights import INT4_DENSE_MIN_ROWS, int4_matmul, quantized_weight  # noqa: E402
 from weight_service.gguf_reader import GGUFCheckpoint  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
@@ -103,19 +106,27 @@ def step_matmul_ms(model: dict, rows: list[int]) -> list[dict]:
     for _ in range(model["layers"]):
         mats = [torch.randn(n, k, generator=g) * 0.02 for n, k in model["layer_shapes"]]
         layers.append([(m.to(torch.bfloat16), quantized_weight(quant.quantize_parts(m, "int4"), torch.bfloat16,
-                                                               torch.device("cpu"))) for m in mats])
+                                                               torch.device("cpu")).matrix()) for m in mats])
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in model["layer_shapes"]}
 
-        def step(which: int, xs: dict = xs) -> None:
+        def step(xs: dict = xs) -> None:
             for layer in layers:
-                for pair in layer:
-                    linear(xs[pair[0].shape[1]], pair[which])
+                for w, _ in layer:
+                    linear(xs[w.shape[1]], w)
 
-        bf16, int4 = _best_s(lambda: step(0), 3) * 1e3, _best_s(lambda: step(1), 3) * 1e3
-        out.append({"rows": m, "bf16_ms": round(bf16, 2), "int4_ms": round(int4, 2),
-                    "int4_over_bf16": round(int4 / bf16, 2)})
+        def step_int4(dense_from: int, xs: dict = xs) -> None:
+            for layer in layers:
+                for w, q in layer:
+                    int4_matmul(xs[w.shape[1]], q.packed, quant.INT4_GROUP, q.scales_and_zeros, dense_from)
+
+        bf16 = _best_s(step, 3) * 1e3
+        int4, dense = _best_s(lambda: step_int4(2**62), 3) * 1e3, _best_s(lambda: step_int4(1), 3) * 1e3
+        out.append({"rows": m, "bf16_ms": round(bf16, 2), "int4_kernel_ms": round(int4, 2),
+                    "int4_dense_ms": round(dense, 2), "int4_kernel_over_bf16": round(int4 / bf16, 2),
+                    "int4_dense_over_kernel": round(dense / int4, 2),
+                    "served_by": "dense" if m >= INT4_DENSE_MIN_ROWS else "kernel"})
     return out
 
 
@@ -191,10 +202,12 @@ def main() -> int:
     for wd, b in bound.items():
         print(f"| {wd} | {b['bytes_per_token'] / 2**20:.0f} | {b['batch1_tok_s']:.0f} | {b['batch32_tok_s']:.0f} |")
     if rows:
-        print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | int4 (ms) | int4 / bf16 |\n"
-              "|---:|---:|---:|---:|")
+        print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | int4 kernel (ms) | "
+              "int4 dequantize + dense (ms) | kernel / bf16 | dense / kernel | served by |\n"
+              "|---:|---:|---:|---:|---:|---:|---|")
         for r in report["step_matmul_ms"]:
-            print(f"| {r['rows']} | {r['bf16_ms']:.1f} | {r['int4_ms']:.1f} | {r['int4_over_bf16']:.2f} |")
+            print(f"| {r['rows']} | {r['bf16_ms']:.1f} | {r['int4_kernel_ms']:.1f} | {r['int4_dense_ms']:.1f} | "
+                  f"{r['int4_kernel_over_bf16']:.2f} | {r['int4_dense_over_kernel']:.2f} | {r['served_by']} |")
     if peers is not None:
         print("\n| measured (bench/peers.py) | 1 stream tok/s | of bound | 32 streams tok/s | of bound |\n"
               "|---|---:|---:|---:|---:|")

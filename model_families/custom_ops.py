@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from model_families.prepack import onednn_linear
+from model_families.quantized_weights import int4_matmul
 
 
 def tracing(t: torch.Tensor) -> bool:
@@ -58,11 +59,13 @@ _LIB.define("int4_linear(Tensor x, Tensor packed, int group_size, Tensor scales_
 def _int4_linear_kernel(x: torch.Tensor, packed: torch.Tensor, group_size: int,
                         scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` (bf16 / f16) times an int4 matrix (``packed`` uint8 [N, K/2], CPU int4pack
-    layout; ``scales_and_zeros`` [K/group_size, N, 2]) -> [M, N] in ``x``'s dtype: PyTorch's
-    ``_weight_int4pack_mm_for_cpu``. The call a loop program makes inside its loop body, where
-    Inductor's own lowering of that kernel adds the group size as a tensor constant that AOTI's
+    layout; ``scales_and_zeros`` [K/group_size, N, 2]) -> [M, N] in ``x``'s dtype:
+    :func:`~model_families.quantized_weights.int4_matmul`, which picks PyTorch's
+    ``_weight_int4pack_mm_for_cpu`` or a dense matmul by the row count at run time. The call a
+    program makes where that choice is wanted (prefill, verify) and inside a loop body, where
+    Inductor's own lowering of the aten kernel adds the group size as a tensor constant that AOTI's
     C++ wrapper of a ``while_loop`` body does not declare (the C++ does not compile, torch 2.13)."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+    return int4_matmul(x, packed, group_size, scales_and_zeros)
 
 
 _LIB.impl("int4_linear", _int4_linear_kernel, "CPU")

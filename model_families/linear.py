@@ -19,7 +19,14 @@ from model_families import custom_ops as _custom_ops  # noqa: F401  (registers t
 from model_families import invariant, quant
 from model_families.custom_ops import tracing
 from model_families.prepack import onednn_linear, onednn_linear_eligible
-from model_families.quantized_weights import Int4Groups, Int4Matrix, Int8Matrix, QuantizedWeight, dequantized
+from model_families.quantized_weights import (
+    Int4Groups,
+    Int4Matrix,
+    Int8Matrix,
+    QuantizedWeight,
+    dequantized,
+    int4_matmul,
+)
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,16 +46,22 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.reshape(*lead, y.shape[-1])
 
 
-#: Set while a loop program's layer body is traced (:func:`opaque_quantized_kernels`).
+#: Set while a program that runs int4 matrices as ``warmserve::int4_linear`` is traced
+#: (:func:`opaque_quantized_kernels`).
 _OPAQUE_QUANTIZED = contextvars.ContextVar("warmserve_opaque_quantized", default=False)
 
 
 @contextlib.contextmanager
 def opaque_quantized_kernels() -> Iterator[None]:
-    """While tracing a loop body (``scan``, lowered to ``while_loop``): int4 matrices run as the
-    custom op ``warmserve::int4_linear``, which Inductor calls as is, instead of the aten kernel,
-    whose Inductor lowering the C++ wrapper of a loop body cannot hold
-    (:func:`model_families.custom_ops._int4_linear_kernel`). Same kernel, same numbers."""
+    """While tracing a loop body (``scan``, lowered to ``while_loop``) or a program whose steps run
+    many rows per matmul (prefill, verify): int4 matrices run as the custom op
+    ``warmserve::int4_linear``, which Inductor calls as is, instead of the aten kernel. Its kernel
+    is :func:`~model_families.quantized_weights.int4_matmul`, as in eager steps: the int4 kernel
+    or, from :data:`~model_families.quantized_weights.INT4_DENSE_MIN_ROWS` rows, dequantize and a
+    dense matmul, picked by the row count at run time; and the aten kernel's Inductor lowering is
+    one the C++ wrapper of a loop body cannot hold (:func:`model_families.custom_ops._int4_linear_kernel`).
+    A decode program outside a loop calls the aten kernel directly (no Python op per matmul at
+    batch 1)."""
     token = _OPAQUE_QUANTIZED.set(True)
     try:
         yield
@@ -61,7 +74,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int
     """``x [..., K] @ weight.T (+ bias)`` for a float ``[N, K]`` matrix (``F.linear``), one
     quantized matrix (a layer of a stacked :class:`QuantizedWeight`: ``w[i]``) or an unstacked
     :class:`QuantizedWeight`. Output in ``x``'s dtype. Float matrices run :func:`float_linear`;
-    bf16/f16 activations over quantized ones PyTorch's weight-only kernels; float32 ones a
+    bf16/f16 activations over quantized ones PyTorch's weight-only kernels (int4 from
+    :data:`~model_families.quantized_weights.INT4_DENSE_MIN_ROWS` rows: dequantized, then a dense
+    matmul, :func:`~model_families.quantized_weights.int4_matmul`); float32 ones a
     float32 matmul of the matrix dequantized just before. In a batch-invariant step
     (:func:`model_families.invariant.active_policy`) the same kernels run at the policy's row
     counts (:meth:`~model_families.invariant.RowPolicy.rows`)."""
@@ -83,8 +98,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | In
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if isinstance(weight, Int4Matrix):
-        int4_mm = (torch.ops.warmserve.int4_linear if _OPAQUE_QUANTIZED.get() and tracing(x2)
-                   else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        if not tracing(x2):
+            int4_mm = int4_matmul
+        elif _OPAQUE_QUANTIZED.get():
+            int4_mm = torch.ops.warmserve.int4_linear
+        else:
+            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = int4_mm(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, weight.weight, weight.scales)

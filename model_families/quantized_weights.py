@@ -13,10 +13,16 @@ runs them (``docs/quantization.md``, ``docs/architecture.md`` §7):
   (what the fidelity tests compare) but is slower than a float32 model; bf16 is the mode to serve in.
 - Other devices (CUDA, NPU) get the dequantized matrix in the compute dtype: correct, without
   the memory saving.
+
+The int4 kernel dequantizes per block of rows, so its time grows linearly with the rows ``M``,
+while a dense bf16 matmul amortizes the weights over them: :func:`int4_matmul` runs an int4
+matrix with at least :data:`INT4_DENSE_MIN_ROWS` rows (a prefill chunk, a verify step) as
+:func:`dequantize_int4pack` into a transient dense matrix and one dense matmul.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
@@ -25,6 +31,73 @@ from torch import nn
 
 from model_families import quant
 from services.errors import InvalidArgument
+
+#: Rows from which :func:`int4_matmul` dequantizes the int4 matrix and runs a dense matmul (the
+#: crossover of ``python bench/bounds.py --rows``: the int4 kernel's time grows with ``M``,
+#: dequantize-then-matmul costs one pass over the matrix plus a dense matmul).
+INT4_DENSE_MIN_ROWS = 64
+
+
+@functools.cache
+def int4pack_block_n() -> int | None:
+    """Output rows per block of the CPU int4pack layout (``_convert_weight_to_int4pack_for_cpu``)
+    on this host, found once per process by packing a probe and reading it back with
+    :func:`_int4pack_codes`: ``64`` on AVX-512 builds, where block ``b`` of ``packed`` viewed as
+    ``[K, 32]`` bytes holds row ``64 b + j`` in the low nibble of byte ``(k, j)`` and row
+    ``64 b + 32 + j`` in its high one. ``None`` when no block size reads the probe back (an ISA
+    whose layout differs): :func:`int4_matmul` then always runs the int4 kernel."""
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    for block in (64, 32, 16):
+        if torch.equal(_int4pack_codes(packed, block).permute(1, 0).to(torch.int32), codes):
+            return block
+    return None
+
+
+def _int4pack_codes(packed: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes of ``packed`` (uint8 ``[N, K/2]``, int4pack layout, ``N`` a multiple of
+    ``block``) as uint8 ``[K, N]`` (transposed: the layout a dense ``x @ w`` reads), into ``out``
+    when given."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    nb, half = n // block, block // 2
+    blk = packed.reshape(nb, k, half).transpose(0, 1)  # [K, nb, half]: byte (k, j) of each block
+    codes = (torch.empty((k, nb, block), dtype=torch.uint8) if out is None else out.view(k, nb, block))
+    torch.bitwise_and(blk, 15, out=codes[..., :half])
+    torch.bitwise_right_shift(blk, 4, out=codes[..., half:])
+    return codes.view(k, n)
+
+
+def dequantize_int4pack(packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor | None:
+    """The dense transposed matrix ``w.T`` ``[K, N]`` in ``scales_and_zeros``' dtype of one int4
+    matrix in the kernel's form (``packed`` uint8 ``[N, K/2]``, ``scales_and_zeros``
+    ``[K/group_size, N, 2]``): ``w[n, k] = (q - 8) * scale + zero`` (the kernel's formula, each
+    value computed in float32 and rounded once), in three passes over the matrix. ``None`` when
+    this host's int4pack layout is not known (:func:`int4pack_block_n`) or ``N`` is not a
+    multiple of its block."""
+    block = int4pack_block_n()
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if block is None or n % block:
+        return None
+    q = _int4pack_codes(packed, block).view(torch.int8).sub_(8)
+    w = torch.empty((k, n), dtype=scales_and_zeros.dtype).copy_(q)
+    groups = w.view(k // group_size, group_size, n)
+    scales, zeros = scales_and_zeros.unbind(-1)  # [K/group_size, N] each, strided
+    torch.addcmul(zeros.contiguous()[:, None], groups, scales.contiguous()[:, None], out=groups)
+    return w
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                dense_from: int = INT4_DENSE_MIN_ROWS) -> torch.Tensor:
+    """``x [M, K]`` (bf16 / f16) times an int4 matrix (``packed``, ``scales_and_zeros`` as
+    :class:`Int4Matrix`) -> ``[M, N]`` in ``x``'s dtype: with ``M >= dense_from`` (and a known
+    layout) ``x @ dequantize_int4pack(...)``, a transient ``[K, N]`` matrix and one dense matmul;
+    else PyTorch's weight-only kernel ``_weight_int4pack_mm_for_cpu``. Both compute
+    ``sum_k x[m, k] w[n, k]`` with ``w`` as in :func:`dequantize_int4pack`; they round differently."""
+    if x.shape[0] >= dense_from:
+        w = dequantize_int4pack(packed, group_size, scales_and_zeros)
+        if w is not None:
+            return torch.mm(x, w)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
 
 
 class Int4Matrix(NamedTuple):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from model_families import kv_write as _kv_write  # noqa: F401  (registers torch.ops.warmserve.kv_write_)
+from model_families.linear import opaque_quantized_kernels
 from runner_service.programs import cache as kc
 from runner_service.programs import export_specs
 from runner_service.programs.spec import ProgramSpec, module_constants
@@ -142,7 +143,9 @@ Compiler = Callable[[ProgramSpec, str, Path], Path]
 def compile_program(spec: ProgramSpec, kind: str, package: Path) -> Path:
     """Export the ``kind`` module of ``spec`` at its example inputs with its dynamic shapes
     (:mod:`runner_service.programs.export_specs`), its layers in ``spec.layers``' form, and
-    AOTI-compile it to ``package`` (:func:`compile_aoti`)."""
+    AOTI-compile it to ``package`` (:func:`compile_aoti`). Prefill and verify run their int4
+    matrices as ``warmserve::int4_linear`` (:func:`~model_families.linear.opaque_quantized_kernels`:
+    int4 kernel or dense matmul by the row count at run time); decode calls the int4 kernel."""
     if kind == "decode":
         example, dynamic = export_specs.example_inputs(spec), export_specs.dynamic_shapes(spec)
     elif kind == "verify":
@@ -151,7 +154,8 @@ def compile_program(spec: ProgramSpec, kind: str, package: Path) -> Path:
         example, dynamic = export_specs.prefill_example_inputs(spec), export_specs.prefill_dynamic_shapes(spec)
     spec.model.loop_layers(spec.layers == "loop")  # read by the export only: eager steps never loop
     try:
-        return compile_aoti(spec.module(kind), example, dynamic, package, spec.forward_lock)
+        with contextlib.nullcontext() if kind == "decode" else opaque_quantized_kernels():
+            return compile_aoti(spec.module(kind), example, dynamic, package, spec.forward_lock)
     finally:
         spec.model.loop_layers(False)
 

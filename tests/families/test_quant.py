@@ -13,7 +13,16 @@ from runner_tiny import tiny_args
 from model_families import quant
 from model_families.linear import linear
 from model_families.llama import FAMILY as LLAMA
-from model_families.quantized_weights import Int4GroupWeight, Int4Weight, Int8Weight, quantized_weight
+from model_families.quantized_weights import (
+    INT4_DENSE_MIN_ROWS,
+    Int4GroupWeight,
+    Int4Weight,
+    Int8Weight,
+    dequantize_int4pack,
+    int4_matmul,
+    int4pack_block_n,
+    quantized_weight,
+)
 from services.errors import InvalidArgument
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -101,6 +110,46 @@ def test_quantized_matmul_equals_float_matmul_of_the_dequantized_weights(fmt, dt
         else:
             ref = x.to(dtype).float() @ ref_w[layer].T + bias.to(dtype).float()
             assert (got.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), layer
+
+
+def test_dequantized_int4pack_is_the_stored_formula_in_bf16():
+    """The dense matrix read back from the kernel's opaque int4pack layout is w = (q - 8) * scale
+    + zero of the stored parts (quant.dequantize), each value the one bf16 rounding of that float32
+    value (scales and zeros rounded to bf16 first, as the kernel takes them); transposed [K, N]."""
+    assert int4pack_block_n() == 64  # this host's build (AVX-512); the layout the docstring states
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(192, 96, generator=g)
+    parts = quant.quantize_parts(w, "int4")
+    m = Int4Weight.from_parts(parts, torch.bfloat16).matrix()
+    got = dequantize_int4pack(m.packed, 32, m.scales_and_zeros)
+    q = quant.unpack_nibbles(parts["qweight"]).float()
+    scales = parts["scales"].bfloat16().float().repeat_interleave(32, -1)
+    zeros = parts["zeros"].bfloat16().float().repeat_interleave(32, -1)
+    assert got.shape == (96, 192) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ((q - 8) * scales + zeros).bfloat16().T)
+
+
+def test_int4_matmul_from_the_dense_threshold_computes_the_same_product():
+    """From INT4_DENSE_MIN_ROWS rows the int4 matmul is dequantize-then-matmul, below it the
+    weight-only kernel: both are x @ dequantized(W).T to bf16 rounding, and a row's result does
+    not depend on which path its batch took beyond that rounding. N = 48 is not a multiple of the
+    layout's block: the kernel serves it at every row count."""
+    g = torch.Generator().manual_seed(8)
+    for n in (128, 48):
+        parts = quant.quantize_parts(torch.randn(n, 64, generator=g), "int4")
+        m = Int4Weight.from_parts(parts, torch.bfloat16).matrix()
+        ref_w = quant.dequantize(parts)
+        assert (dequantize_int4pack(m.packed, 32, m.scales_and_zeros) is None) == (n == 48)
+        x = torch.randn(INT4_DENSE_MIN_ROWS + 3, 64, generator=g).bfloat16()
+        many, few = int4_matmul(x, m.packed, 32, m.scales_and_zeros), int4_matmul(x[:3], m.packed, 32, m.scales_and_zeros)
+        ref = x.float() @ ref_w.T
+        for got, r in ((many, ref), (few, ref[:3])):
+            assert got.dtype == torch.bfloat16 and got.shape == r.shape
+            assert (got.float() - r).abs().max().item() <= 1e-2 * r.abs().max().item()
+        # the kernel at the same rows: the two paths agree to bf16 rounding of the output
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, 32, m.scales_and_zeros)
+        torch.testing.assert_close(many.float(), kernel.float(), atol=2e-2 * ref.abs().max().item(), rtol=0)
+        assert torch.equal(int4_matmul(x, m.packed, 32, m.scales_and_zeros, dense_from=10**9), kernel)
 
 
 def test_int4_kernel_float32_reference_path_agrees_too():

@@ -398,6 +398,8 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
     atol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     eager = make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off")
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 3, 6)], atol=atol)
+    if (weights_dtype, dtype) == ("int4", torch.bfloat16):
+        _assert_int4_rows_pick_the_kernel_at_run_time(runner, eager)
     package = max((p for p in kc.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     own = read_own_constants(package)
     if (weights_dtype, dtype) == ("int4", torch.bfloat16):
@@ -407,6 +409,38 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
     assert_compiled_matches_eager(hit, make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off"),
                                   [(2, 2, 5)], atol=atol)
+
+
+def _assert_int4_rows_pick_the_kernel_at_run_time(compiled: ModelRunner, eager: ModelRunner) -> None:
+    """The compiled prefill calls ``warmserve::int4_linear`` for each int4 matrix, whose kernel
+    picks by the rows of the call (dense from ``INT4_DENSE_MIN_ROWS``) as eager steps do, and
+    gives the eager prefill's logits on both sides of the threshold; the compiled decode calls
+    the int4 kernel itself (no op)."""
+    import model_families.custom_ops as ops
+    from model_families.quantized_weights import INT4_DENSE_MIN_ROWS, int4_matmul
+
+    rows: list[int] = []
+
+    def counting(x, *args, **kw):
+        rows.append(x.shape[0])
+        return int4_matmul(x, *args, **kw)
+
+    ops.int4_matmul = counting
+    try:
+        for chunks in ([(7, 0, 7)], [(30, 0, 30), (30, 0, 30), (25, 0, 25)]):
+            batch = prefill_batch(chunks, compiled.args.vocab_size, compiled.block_size, seed=len(chunks))
+            padded = len(chunks) * max(n for _, _, n in chunks)
+            rows.clear()
+            got, want = compiled.run_prefill(batch), eager.run_prefill(batch)
+            assert rows == [padded] * 4 * compiled.args.num_hidden_layers, rows  # qkv, o, gate_up, down
+            assert (padded >= INT4_DENSE_MIN_ROWS) == (len(chunks) == 3)
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=0)
+        rows.clear()
+        with torch.inference_mode():
+            compiled.decode(*decode_inputs(compiled, 2, 2, 3, seed=5))
+        assert rows == []
+    finally:
+        ops.int4_matmul = int4_matmul
 
 
 def _entry_files(kc: Path, fingerprint: str) -> list[Path]:
