@@ -1,7 +1,8 @@
 """The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
 on the oneDNN prepacked copy, :mod:`model_families.prepack`), ``warmserve::int4_linear``
-(PyTorch's int4 weight-only kernel, opaque to Inductor) and ``warmserve::grouped_experts`` (the
-routed experts of an MoE layer), and :func:`tracing`, which picks the traced path. The KV
+(PyTorch's int4 weight-only kernel, opaque to Inductor), ``warmserve::grouped_experts`` (the
+routed experts of an MoE layer) and ``warmserve::index_topk`` (DeepSeek V4's indexer picks, each
+row cut to its own length), and :func:`tracing`, which picks the traced path. The KV
 write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
 needs them registered: import this module first. See ``docs/architecture.md`` §7, §9.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_families.custom_ops import index_topk
 from model_families.deepseek_v4.cache_layout import Step
 from model_families.deepseek_v4.norm_rope import rms_norm_f32_scale, rope_interleaved_partial
 from model_families.family import FamilyModel
@@ -115,11 +116,8 @@ def csa(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int
     scores = F.relu(torch.einsum("bshd,bed->bshe", qi.float(), keys.float())) * idim ** -0.5
     weights = float_linear(x, model.csa_idx_weights[j]).float() * ih ** -0.5    # [B, S, ih]
     scores = (scores * weights.unsqueeze(-1)).sum(dim=2)                     # [B, S, E]
-    ready = step.closed(m)
-    scores = scores.masked_fill(~ready, float("-inf"))
-    top = scores.topk(min(c.index_topk, scores.shape[-1]), dim=-1).indices
-    picked = torch.zeros_like(ready).scatter(-1, top, True) & ready
-    return comp, picked
+    lengths, closed = step.index_rows(m)
+    return comp, index_topk(scores, lengths, closed, c.index_topk)
 
 
 def hca(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int, x: torch.Tensor
