@@ -90,8 +90,10 @@ def _compress(model: FamilyModel, ext: torch.Tensor, span: int, ape: torch.Tenso
 def csa(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int, x: torch.Tensor,
         q_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CSA layer rank ``j``: this step's entries and indexer keys, then the entries of the
-    table [B, E, hd] and which each query sees [B, S, E] (the indexer's top ``index_topk``
-    among the entries closed by its position; M: ``DeepseekV4Indexer``)."""
+    table [B, E, hd] and which each query sees [B, S, E] bool (the indexer's top ``index_topk``
+    among the entries closed by its position, float32 scores over a row of exactly those
+    entries, ties broken as transformers' cached decode breaks them:
+    :func:`~model_families.custom_ops.index_topk`; M: ``DeepseekV4Indexer``)."""
     c = model.config
     B, S, _ = x.shape
     hd, idim, m = c.head_dim, c.index_head_dim, c.csa_compress_rate
