@@ -1,7 +1,8 @@
 """The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
 on the oneDNN prepacked copy, :mod:`model_families.prepack`), ``warmserve::int4_linear``
-(PyTorch's int4 weight-only kernel, opaque to Inductor) and ``warmserve::grouped_experts`` (the
-routed experts of an MoE layer), and :func:`tracing`, which picks the traced path. The KV
+(PyTorch's int4 weight-only kernel, opaque to Inductor), ``warmserve::grouped_experts`` (the
+routed experts of an MoE layer) and ``warmserve::index_topk`` (DeepSeek V4's indexer picks, each
+row cut to its own length), and :func:`tracing`, which picks the traced path. The KV
 write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
 needs them registered: import this module first. See ``docs/architecture.md`` §7, §9.
 """
@@ -126,3 +127,60 @@ def grouped_experts(x: torch.Tensor, picks: torch.Tensor, weights: torch.Tensor,
         return torch.ops.warmserve.grouped_experts(x, picks, weights, gate_up, down, float(limit))
     return _grouped_experts_kernel(x, picks, weights, gate_up, down, float(limit))
 
+
+
+_LIB.define("index_topk(Tensor scores, Tensor lengths, Tensor closed, int k) -> Tensor")
+
+
+def _index_topk_kernel(scores: torch.Tensor, lengths: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
+    """Which entries each query of a sparse-attention indexer picks, as transformers'
+    ``DeepseekV4Indexer`` picks them: ``topk(min(k, n))`` over the query's row cut to exactly
+    ``n = lengths`` entries, those at or past ``closed`` set to ``-inf``, picks past ``closed``
+    dropped (transformers scores the ``n`` entries its cache holds, masks those past the query's
+    causal threshold and marks picks past it invalid).
+
+    ``scores`` [..., E] float (E: the table's capacity, >= every length; entries past a row's
+    length may hold anything); ``lengths``, ``closed`` [...] int64 (``closed <= lengths``);
+    ``k`` >= 1. Returns bool [..., E].
+
+    ``torch.topk`` (CPU: ``nth_element`` or ``partial_sort``) orders equal scores by the row's
+    length and content, and the indexer's scores (sums of ReLUs) tie at exactly 0 with few
+    indexer heads. Only a tie across the boundary (the k-th and the (k+1)-th largest closed
+    scores equal) makes the picked *set* depend on that order, so: one batched top-``k + 1``
+    over the capacity with unclosed entries masked (what a step did before), and the rows with
+    such a tie redone on their exact length, one ``topk`` per distinct length among them."""
+    E = scores.shape[-1]
+    flat = scores.reshape(-1, E)
+    lengths, closed = lengths.reshape(-1), closed.reshape(-1)
+    ids = torch.arange(E, device=scores.device)
+    ready = ids < closed[:, None]
+    if E <= k:
+        return ready.view(scores.shape)
+    values, top = flat.masked_fill(~ready, float("-inf")).topk(k + 1, dim=-1)
+    out = torch.zeros_like(ready).scatter_(-1, top[:, :k], True) & ready
+    tied = (values[:, k - 1] == values[:, k]) & (closed > k)
+    if not bool(tied.any()):
+        return out.view(scores.shape)
+    for n in torch.unique(lengths[tied]).tolist():
+        rows = (tied & (lengths == n)).nonzero().squeeze(1)
+        c = closed[rows, None]
+        exact = flat[rows, :n].masked_fill(ids[:n] >= c, float("-inf")).topk(k, dim=-1).indices
+        out[rows] = torch.zeros(rows.shape[0], E, dtype=torch.bool, device=scores.device).scatter_(-1, exact, exact < c)
+    return out.view(scores.shape)
+
+
+_LIB.impl("index_topk", _index_topk_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmserve::index_topk", lib=_LIB)
+def _index_topk_fake(scores: torch.Tensor, lengths: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
+    return scores.new_empty(scores.shape, dtype=torch.bool)
+
+
+def index_topk(scores: torch.Tensor, lengths: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's picks, bool [..., E] (:func:`_index_topk_kernel`: shapes, rule). Traced, the
+    custom op ``torch.ops.warmserve.index_topk`` (grouping rows by a run-time length cannot be
+    expressed in a graph); eagerly, the kernel itself."""
+    if tracing(scores):
+        return torch.ops.warmserve.index_topk(scores, lengths, closed, int(k))
+    return _index_topk_kernel(scores, lengths, closed, int(k))

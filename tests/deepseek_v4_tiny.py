@@ -24,10 +24,12 @@ import torch
 from safetensors.torch import save_file
 from weights_tiny import write_word_tokenizer
 
-#: 16 indexer heads, not fewer: an indexer score is a sum of ReLUs, exactly 0 when every head's
-#: is negative (probability 2^-heads per entry); two entries tied at 0 across the top-k boundary
-#: make the pick depend on ``torch.topk``'s tie order, which no reference fixes (with 2 heads it
-#: happened within 40 tokens).
+#: 16 indexer heads: an indexer score is a sum of ReLUs, exactly 0 when every head's is negative
+#: (probability 2^-heads per entry), and two entries tied at 0 across the top-k boundary make the
+#: pick depend on ``torch.topk``'s tie order, which depends on the row's length. warmserve breaks
+#: such ties as transformers' cached decode does (``custom_ops.index_topk``; tested with
+#: ``index_n_heads=4``), but transformers' ``use_cache=False`` forward, the reference of most
+#: tests, rescores earlier positions over longer rows and breaks them otherwise.
 _COMMON = dict(
     vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, q_lora_rank=32,
     partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4, sliding_window=8, o_groups=2,

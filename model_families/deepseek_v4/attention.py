@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_families.custom_ops import index_topk
 from model_families.deepseek_v4.cache_layout import Step
 from model_families.deepseek_v4.norm_rope import rms_norm_f32_scale, rope_interleaved_partial
 from model_families.family import FamilyModel
@@ -89,8 +90,10 @@ def _compress(model: FamilyModel, ext: torch.Tensor, span: int, ape: torch.Tenso
 def csa(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int, x: torch.Tensor,
         q_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CSA layer rank ``j``: this step's entries and indexer keys, then the entries of the
-    table [B, E, hd] and which each query sees [B, S, E] (the indexer's top ``index_topk``
-    among the entries closed by its position; M: ``DeepseekV4Indexer``)."""
+    table [B, E, hd] and which each query sees [B, S, E] bool (the indexer's top ``index_topk``
+    among the entries closed by its position, float32 scores over a row of exactly those
+    entries, ties broken as transformers' cached decode breaks them:
+    :func:`~model_families.custom_ops.index_topk`; M: ``DeepseekV4Indexer``)."""
     c = model.config
     B, S, _ = x.shape
     hd, idim, m = c.head_dim, c.index_head_dim, c.csa_compress_rate
@@ -115,11 +118,8 @@ def csa(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int
     scores = F.relu(torch.einsum("bshd,bed->bshe", qi.float(), keys.float())) * idim ** -0.5
     weights = float_linear(x, model.csa_idx_weights[j]).float() * ih ** -0.5    # [B, S, ih]
     scores = (scores * weights.unsqueeze(-1)).sum(dim=2)                     # [B, S, E]
-    ready = step.closed(m)
-    scores = scores.masked_fill(~ready, float("-inf"))
-    top = scores.topk(min(c.index_topk, scores.shape[-1]), dim=-1).indices
-    picked = torch.zeros_like(ready).scatter(-1, top, True) & ready
-    return comp, picked
+    lengths, closed = step.index_rows(m)
+    return comp, index_topk(scores, lengths, closed, c.index_topk)
 
 
 def hca(model: FamilyModel, step: Step, caches: tuple[torch.Tensor, ...], j: int, x: torch.Tensor

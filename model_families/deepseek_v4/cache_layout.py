@@ -161,6 +161,17 @@ class Step:
         """[B, S, E]: entry ``e`` is closed by query position ``p`` (``e < (p + 1) // rate``)."""
         return self.entry_ids[None, None, :] < torch.div(self.pos + 1, rate, rounding_mode="floor")[:, :, None]
 
+    def index_rows(self, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lengths, closed)`` [B, S] int64 for :func:`~model_families.custom_ops.index_topk`:
+        each query's indexer row is exactly the entries its position has closed, ``(p + 1) //
+        rate`` (0 for padding), in every step: transformers' decode rows (its cache holds just
+        those). Its single-forward prefill instead gives every query of the call the call's
+        entries, the later ones at ``-inf``, which ``torch.topk`` may order differently among
+        tied scores; rows of each query's own length keep a chunk's picks independent of the
+        chunking, recompute after preemption exact and a verify step equal to plain decoding."""
+        closed = torch.where(self.valid, torch.div(self.pos + 1, rate, rounding_mode="floor"), 0)
+        return closed, closed
+
     def write(self, pool: torch.Tensor, name: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Pool ``name``'s layer-``layer`` rows [B, S, width] at ``slots`` [B*S]: written in place,
         or (``collect``) kept for :meth:`DeepseekV4Model.decode` to return."""

@@ -168,6 +168,40 @@ def test_engine_greedy_batched_equals_transformers_alone(packed):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def _reference_greedy_cached(reference, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens as its ``generate`` makes them: the prompt in one cached
+    forward, then one token per forward on the cache. (With ``use_cache=False`` every forward
+    rescores the earlier positions over longer indexer rows, whose ``torch.topk`` may break an
+    exact tie otherwise: with few indexer heads that text differs from its own cached text.)"""
+    out = list(ids)
+    with torch.no_grad():
+        step = reference(torch.tensor([ids]), use_cache=True)
+        out.append(int(step.logits[0, -1].argmax()))
+        for _ in range(n - 1):
+            step = reference(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True,
+                             position_ids=torch.tensor([[len(out) - 1]]))
+            out.append(int(step.logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("preset, seed", [("hc4_2layers", 0), ("all_kinds_hc2", 1)])
+def test_engine_greedy_with_tied_indexer_scores_equals_transformers(tmp_path, preset, seed):
+    """4 indexer heads: a score (a sum of 4 ReLUs) is exactly 0 for about one entry in 16, so
+    ties straddle the top-k boundary within a few dozen tokens, and ``torch.topk`` breaks them
+    by the row's length. The indexer's rows are each query's closed entries, as transformers'
+    cached decode scores them (``custom_ops.index_topk``), so 64 greedy tokens of each prompt,
+    alone and 4 together, equal transformers' token for token. (Top-k over the table's capacity
+    with the rest masked, as before: these prompts diverged after 7, 17, 36 and 60 tokens.)"""
+    reference = write_tiny_deepseek_v4(tmp_path / "ckpt", PRESETS[preset], seed=seed, index_n_heads=4)
+    path = prepare(str(tmp_path / "ckpt"), root=tmp_path / "sidecars").path
+    prompts = [_prompt(n, 100 + n) for n in (3, 9, 17, 30)]
+    want = [_reference_greedy_cached(reference, p, 64) for p in prompts]
+    assert _greedy(_engine(path), prompts, 64) == want
+    engine = _engine(path)
+    assert [_greedy(engine, [p], 64)[0] for p in prompts] == want
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("chunk", [1, 3, 7])
 def test_engine_chunked_prefill_equals_whole(packed, chunk):
@@ -246,11 +280,13 @@ def _runner(config, weights, compile_mode: str, seed: int = 5):
 def test_aoti_decode_program_equals_eager(tmp_path):
     """The decode step compiled by AOTInductor through the kernel cache (weights kept out of the
     package) gives eager's logits and cache writes within 1e-4, at several batch sizes, block
-    widths and positions (windows closing and not)."""
+    widths and positions (windows closing and not; rows at different positions, whose indexer
+    rows differ in length: ``warmserve::index_topk`` groups them at run time). 4 indexer heads,
+    so indexer scores tie at 0."""
     from kernel_cache_service.client import KernelCacheClient
     from runner_service.programs.load import load_programs
 
-    write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, seed=2)
+    write_tiny_deepseek_v4(tmp_path / "ckpt", TINY_ALL_KINDS, seed=2, index_n_heads=4)
     config, weights = _weights(prepare(str(tmp_path / "ckpt"), root=tmp_path / "sidecars").path)
     compiled, eager = _runner(config, weights, "aoti"), _runner(config, weights, "off")
     report = load_programs(compiled.program_spec(), compiled.install_program, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work")
@@ -264,9 +300,9 @@ def test_aoti_decode_program_equals_eager(tmp_path):
     again = load_programs(hit.program_spec(), hit.install_program, kernel_cache=str(tmp_path / "kc"), work_dir=tmp_path / "work2")
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
     g = torch.Generator().manual_seed(9)
-    for batch, nb, position in ((1, 3, 9), (4, 5, 19), (2, 12, 47), (4, 12, 31)):
+    for batch, nb, position in ((1, 3, 9), (4, 5, 19), (2, 12, 47), (4, 12, 31), (4, 12, (23, 47, 31, 39))):
         ids = torch.randint(0, config.vocab_size, (batch,), generator=g)
-        pos = torch.full((batch,), position)
+        pos = torch.tensor(position) if isinstance(position, tuple) else torch.full((batch,), position)
         tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
         inputs = (ids, pos, torch.zeros(batch, dtype=torch.int64), tables, pos + 1)
         with torch.inference_mode():
@@ -284,14 +320,15 @@ def test_aoti_decode_program_equals_eager(tmp_path):
 def test_aoti_verify_program_equals_eager_and_is_built_for_ngram_only(tmp_path):
     """The speculative verify step (1 + k tokens a row, written in place) compiled by AOTInductor
     gives eager's logits of every position and cache writes within 1e-4, across window and
-    compression boundaries; with ``mtp`` (which verifies through the eager streams path) no
+    compression boundaries (rows 3 positions apart, 4 indexer heads: indexer rows of several
+    lengths a step, ties at 0); with ``mtp`` (which verifies through the eager streams path) no
     verify program is built."""
     import dataclasses
 
     from runner_service.model_runner import ModelRunner
     from runner_service.programs.aoti import AotiProgram, compile_program
 
-    config = FAMILY.config_from_hf(TINY_HC4)
+    config = FAMILY.config_from_hf(dict(TINY_HC4, index_n_heads=4))
     weights = FAMILY.random_weights(config, seed=4)
 
     def runner(compile_mode):
@@ -313,7 +350,7 @@ def test_aoti_verify_program_equals_eager_and_is_built_for_ngram_only(tmp_path):
     g = torch.Generator().manual_seed(9)
     for batch, S, nb, start in ((1, 2, 3, 6), (3, 4, 8, 13), (2, 3, 12, 29), (4, 4, 12, 44)):
         ids = torch.randint(0, config.vocab_size, (batch, S), generator=g)
-        pos = torch.arange(start, start + S).repeat(batch, 1)
+        pos = torch.arange(start, start + S) + 3 * torch.arange(batch)[:, None]
         tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
         inputs = (ids, pos, torch.zeros(batch, S, dtype=torch.int64), tables, pos[:, -1] + 1)
         with torch.inference_mode():

@@ -185,3 +185,24 @@ def test_a_sequence_still_in_prefill_gets_no_mtp_drafts(model):
     want = plain.add_request(params, token_ids=prompt)
     plain.run_until_done()
     assert stream.result(timeout=0).token_ids == want.result(timeout=0).token_ids
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tied_indexer_scores_verify_as_plain_decoding_does(preset):
+    """4 indexer heads, so indexer scores tie at exactly 0 across the top-k boundary: a verify
+    step's queries pick from rows of their own closed entries, as a decode step's do, so
+    forced drafts (three in ten wrong) under preemption and MTP drafts give plain decoding's
+    text. (With the top-k over the table's capacity, the rows' length followed the block
+    table, and these runs differed from plain decoding.)"""
+    config = FAMILY.config_from_hf(dict(PRESETS[preset], index_n_heads=4))
+    model = (config, FAMILY.random_weights(config, seed=3))
+    prompts = _prompts()
+    plain, _ = _run(_engine(model), prompts)
+    outputs = {tuple(p): o for p, o in zip(prompts, plain, strict=True)}
+    per_block = sum(s.bytes_per_block(torch.float32) for s in FAMILY.cache_specs(config, 4))
+    blocks = FAMILY.block_layout(config, 4, 256, 3).blocks_needed(140) * 3
+    engine = _engine(model, speculative="ngram", num_speculative_tokens=3, kv_cache_bytes=per_block * blocks)
+    engine.drafter = ScriptedDrafter(3, outputs, 128, wrong=0.3)
+    assert _run(engine, prompts)[0] == plain
+    assert engine.scheduler.num_preemptions > 0
+    assert _run(_engine(model, speculative="mtp", num_speculative_tokens=2), prompts)[0] == plain
