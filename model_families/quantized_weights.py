@@ -35,7 +35,7 @@ from services.errors import InvalidArgument
 #: Rows from which :func:`int4_matmul` dequantizes the int4 matrix and runs a dense matmul (the
 #: crossover of ``python bench/bounds.py --rows``: the int4 kernel's time grows with ``M``,
 #: dequantize-then-matmul costs one pass over the matrix plus a dense matmul).
-INT4_DENSE_MIN_ROWS = 64
+INT4_DENSE_MIN_ROWS = 96
 
 
 @functools.cache

@@ -427,13 +427,13 @@ def _assert_int4_rows_pick_the_kernel_at_run_time(compiled: ModelRunner, eager: 
 
     ops.int4_matmul = counting
     try:
-        for chunks in ([(7, 0, 7)], [(30, 0, 30), (30, 0, 30), (25, 0, 25)]):
+        for chunks in ([(7, 0, 7)], [(30, 0, 30), (30, 0, 30), (25, 0, 25), (12, 0, 12)]):
             batch = prefill_batch(chunks, compiled.args.vocab_size, compiled.block_size, seed=len(chunks))
             padded = len(chunks) * max(n for _, _, n in chunks)
             rows.clear()
             got, want = compiled.run_prefill(batch), eager.run_prefill(batch)
             assert rows == [padded] * 4 * compiled.args.num_hidden_layers, rows  # qkv, o, gate_up, down
-            assert (padded >= INT4_DENSE_MIN_ROWS) == (len(chunks) == 3)
+            assert (padded >= INT4_DENSE_MIN_ROWS) == (len(chunks) == 4)
             torch.testing.assert_close(got, want, atol=3e-2, rtol=0)
         rows.clear()
         with torch.inference_mode():
