@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import statistics
@@ -458,9 +459,15 @@ def print_tls_table(tls: dict) -> None:
 
 # --- 6. Stream rates through the OpenAI door vs the runner alone (issue 25) -------------------
 
+#: Numbers the rate prompts: each differs from every earlier one in its first block.
+_PROMPT_SERIAL = itertools.count()
+
+
 def _rate_prompt(i: int) -> str:
-    """A distinct prompt per stream (no prefix-cache sharing between streams), about 100 tokens."""
-    return f"Request {i}. " + " ".join([PROMPT] * 12)
+    """A prompt of about 100 tokens that no earlier request shares a KV block with (its first
+    words are a serial number), so every stream prefills its whole prompt, in every round, as a
+    client's new prompts do (``i``, the stream's index, is kept in it for reading logs)."""
+    return f"Request {next(_PROMPT_SERIAL)} (stream {i}). " + " ".join([PROMPT] * 12)
 
 
 def _direct_stream(stub, prompt: str, tokens: int, t0: float) -> dict:
