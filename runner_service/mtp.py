@@ -133,6 +133,22 @@ class MtpBuffers:
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.num_active = 0
 
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._dev["input_ids"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._dev["positions"]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self._dev["seq_lens"]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self._dev["block_tables"]
+
     def reset(self) -> None:
         """Recreate the buffers and clear the block-table cache and the views together."""
         self._allocate()
