@@ -61,7 +61,7 @@ class MtpState:
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
 _PADDING_KEY: list[int] = []
 #: The int64 buffers (host mirrors on an accelerator); ``top`` holds a step's argmax tokens.
-_GRIDS = ("input_ids", "positions", "sources")
+_GRIDS = ("input_ids", "positions", "sources", "padding")
 _ROWS = ("seq_lens", "block_tables")
 
 
@@ -84,6 +84,7 @@ class MtpBuffers:
     ``seq_lens``      [max_num_seqs] (int64)                  [B]: ``start + count``
     ``block_tables``  [max_num_seqs, max_blocks_per_seq]      [B, nb]: its block ids, then scratch (0)
     ``sources``       [max_num_seqs * width] (int64)          the source rows the streams are gathered from
+    ``padding``       [max_num_seqs * width] (int64)          the padding entries (their streams zeroed)
     ``top``           [max_num_seqs * width] (int64)          the argmax of the step's logits (:meth:`argmax`)
     ================  =====================================  ======================================
 
@@ -118,7 +119,7 @@ class MtpBuffers:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         self._host = {name: host(n * w) for name in _GRIDS}
-        self._host.update(seq_lens=host(n), block_tables=host(n, m), padding=host(n * w, dtype=torch.bool))
+        self._host.update(seq_lens=host(n), block_tables=host(n, m))
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self._dev = self._host if on_host else {name: torch.zeros_like(t, device=self.device)
                                                 for name, t in self._host.items()}
@@ -126,8 +127,11 @@ class MtpBuffers:
         self.top = torch.zeros(n * w, dtype=torch.int64, device=self.device)
         self._top_host = self.top if on_host else host(n * w)
         self._top_np = self._top_host.numpy()
-        #: Per step scratch: the rows' starts, counts, source rows and columns; a column index.
+        #: Per step scratch: the rows' starts, counts, source rows and columns; a column index; an
+        #: entry index and the padding entries' mask (``padding`` above: their indices).
         self._cols = np.arange(w, dtype=np.int64)
+        self._entries = np.arange(n * w, dtype=np.int64)
+        self._pad_mask = np.zeros(n * w, dtype=bool)
         self._scratch = np.zeros((4, n), dtype=np.int64)
         self._row_keys: list[list[int]] = [_PADDING_KEY] * n
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -187,7 +191,7 @@ class MtpBuffers:
         if not 0 < B <= self.max_num_seqs:
             raise ValueError(f"an MTP step needs 1 to {self.max_num_seqs} rows (max_num_seqs), not {B}")
         counts = [len(t) for t in ids]
-        S = max(counts)
+        S, total = max(counts), sum(counts)
         if min(counts) < 1 or S > self.width:
             raise ValueError(f"an MTP step's rows need 1 to {self.width} positions each, not {min(counts)} .. {S}")
         if source.dim() != 4 or tuple(source.shape[2:]) != self.stream_shape or source.dtype != self.dtype \
@@ -221,7 +225,7 @@ class MtpBuffers:
         cnt[:] = counts
         src[:] = rows
         col[:] = cols
-        tok, pos, srcs = (np_[name][:B * S].reshape(B, S) for name in _GRIDS)
+        tok, pos, srcs = (np_[name][:B * S].reshape(B, S) for name in ("input_ids", "positions", "sources"))
         if S == 1:
             tok[:, 0] = [t[0] for t in ids]
         else:
@@ -236,9 +240,11 @@ class MtpBuffers:
         cnt -= 1
         np.minimum(cols_[None, :], cnt[:, None], out=srcs)
         srcs += src[:, None]
-        padded = S > 1 and int(cnt.min()) < S - 1
-        if padded:
-            np.greater(cols_[None, :], cnt[:, None], out=np_["padding"][:B * S].reshape(B, S))
+        pads = B * S - total
+        if pads:
+            mask = self._pad_mask[:B * S]
+            np.greater(cols_[None, :], cnt[:, None], out=mask.reshape(B, S))
+            np.compress(mask, self._entries[:B * S], out=np_["padding"][:pads])
         for r in changed:
             self._build_row(r, block_tables[r])
         if B < self.num_active:
@@ -254,11 +260,11 @@ class MtpBuffers:
             d, n = self._dev, B * S
             views = self._views[key] = (self.hidden[:n].view(B, S, *self.stream_shape), d["input_ids"][:n].view(B, S),
                                         d["positions"][:n].view(B, S), d["block_tables"][:B, :nb], d["seq_lens"][:B],
-                                        d["sources"][:n], d["padding"][:n].view(n, 1, 1), self.hidden[:n])
-        flat = views[7]
+                                        d["sources"][:n], self.hidden[:n])
+        flat = views[6]
         torch.index_select(source.reshape(Bs * Ss, *self.stream_shape), 0, views[5], out=flat)
-        if padded:
-            flat.masked_fill_(views[6], 0)
+        if pads:
+            flat.index_fill_(0, self._dev["padding"][:pads], 0)
         return views[:5]
 
     def argmax(self, logits: torch.Tensor) -> np.ndarray:
@@ -292,7 +298,7 @@ class MtpBuffers:
         if self._dev is self._host:
             return
         n = rows * width
-        for name in (*_GRIDS, "padding"):
+        for name in _GRIDS:
             self._dev[name][:n].copy_(self._host[name][:n], non_blocking=True)
         for name in _ROWS:
             self._dev[name][:table_rows].copy_(self._host[name][:table_rows], non_blocking=True)
