@@ -60,7 +60,8 @@ class MtpState:
 
 #: The block-table cache key of a padding row (no blocks: every entry is the scratch block).
 _PADDING_KEY: list[int] = []
-#: The int64 buffers (host mirrors on an accelerator); ``top`` holds a step's argmax tokens.
+#: The flat int64 buffers of ``max_num_seqs * width`` entries, and the per-row ones (host
+#: mirrors on an accelerator).
 _GRIDS = ("input_ids", "positions", "sources", "padding")
 _ROWS = ("seq_lens", "block_tables")
 
@@ -75,18 +76,18 @@ class MtpBuffers:
     prefix and returns views of the buffers (made once per shape), so their storage
     (``data_ptr``) is the same at every step:
 
-    ================  =====================================  ======================================
-    buffer            shape (dtype)                           a step's view, row ``r``
-    ================  =====================================  ======================================
-    ``hidden``        [max_num_seqs * width, n, H] (``dtype``)  [B, S, n, H]: its streams, then 0
-    ``input_ids``     [max_num_seqs * width] (int64)          [B, S]: the token after each position, then 0
-    ``positions``     [max_num_seqs * width] (int64)          [B, S]: ``start .. start + S - 1``
-    ``seq_lens``      [max_num_seqs] (int64)                  [B]: ``start + count``
-    ``block_tables``  [max_num_seqs, max_blocks_per_seq]      [B, nb]: its block ids, then scratch (0)
-    ``sources``       [max_num_seqs * width] (int64)          the source rows the streams are gathered from
-    ``padding``       [max_num_seqs * width] (int64)          the padding entries (their streams zeroed)
-    ``top``           [max_num_seqs * width] (int64)          the argmax of the step's logits (:meth:`argmax`)
-    ================  =====================================  ======================================
+    ================  ==========================================  ==================================================
+    buffer            shape (dtype)                               a step's view, row ``r``
+    ================  ==========================================  ==================================================
+    ``hidden``        [max_num_seqs * width, n, H] (``dtype``)    [B, S, n, H]: its streams, then 0
+    ``input_ids``     [max_num_seqs * width] (int64)              [B, S]: the token after each position, then 0
+    ``positions``     [max_num_seqs * width] (int64)              [B, S]: ``start .. start + S - 1``
+    ``seq_lens``      [max_num_seqs] (int64)                      [B]: ``start + count``
+    ``block_tables``  [max_num_seqs, max_blocks_per_seq] (int64)  [B, nb]: its block ids, then scratch (0)
+    ``sources``       [max_num_seqs * width] (int64)              the flat source row of each entry's streams
+    ``padding``       [max_num_seqs * width] (int64)              the padding entries' indices (streams zeroed)
+    ``top``           [max_num_seqs * width] (int64)              the argmax of the step's logits (:meth:`argmax`)
+    ================  ==========================================  ==================================================
 
     The ``* width`` buffers are flat, as the verify grids of
     :class:`~runner_service.decode_buffers.DecodeBuffers`: a step uses its first ``B * S``
