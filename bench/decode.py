@@ -68,7 +68,9 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    With ``--model deepseek-v4``: decode tokens/s (prefill excluded) of eager plain decoding vs
    ``--speculative mtp`` with the checkpoint's own MTP block and with forced-accept drafts (the
    block still runs; its drafts replaced by the plain run's next tokens), batch 1 / 8 / 32
-   (:func:`dsv4_speculative_report`); then the long identity run (:func:`dsv4_long_identity`).
+   (:func:`dsv4_speculative_report`); then the long identity run (:func:`dsv4_long_identity`), and
+   the host time per decode step of the MTP drafter's staging: persistent buffers vs tensors
+   rebuilt each step (:func:`host_mtp_prepare_us`).
 
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
 [--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
@@ -299,6 +301,68 @@ def host_verify_prepare_us(batch: int, k: int = 3, steps: int = 512, block_size:
     p, r = statistics.median(persistent), statistics.median(rebuilt)
     return {"batch": batch, "draft_tokens": k, "persistent_us": round(p, 1), "rebuild_us": round(r, 1),
             "ratio": round(r / p, 2)}
+
+
+def _rebuild_mtp(hidden, ids, starts, tables, layout: BlockLayout, dtype: torch.dtype):
+    """One MTP block step's inputs rebuilt from Python lists, as ``MtpDrafter`` staged them before
+    its buffers (and still stages a long catch-up after a prefill chunk): streams [B, S, n, H]
+    padded with zeros, ids, positions [B, S], tables [B, nb] (scratch past a row's blocks), lens [B]."""
+    B, S = len(ids), max(len(t) for t in ids)
+    h = torch.zeros((B, S, *hidden[0].shape[1:]), dtype=dtype)
+    tok = torch.zeros((B, S), dtype=torch.int64)
+    start = torch.tensor(starts, dtype=torch.int64)
+    lens = start + torch.tensor([len(t) for t in ids])
+    nb = max(max(len(t) for t in tables), layout.blocks_needed(int(lens.max())))
+    bt = torch.zeros((B, nb), dtype=torch.int64)
+    for r in range(B):
+        n = len(ids[r])
+        h[r, :n] = hidden[r]
+        tok[r, :n] = torch.tensor(ids[r])
+        bt[r, :len(tables[r])] = torch.tensor(tables[r])
+    return h, tok, start[:, None] + torch.arange(S), bt, lens
+
+
+def host_mtp_prepare_us(batch: int, k: int = 3, steps: int = 256, stream_shape: tuple[int, int] = (4, 256),
+                        layout: BlockLayout | None = None) -> dict:
+    """Figure 8c: median microseconds per decode step of the MTP drafter's staging (the ``1 + (k
+    - 1)`` block steps of one decode step: the catch-up of each row's accepted drafts and bonus
+    token, 1 .. ``1 + k`` positions from the verify step's streams [B, 1 + k, n, H], seeded; then
+    ``k - 1`` one-position draft steps from the block's own output streams), in
+    :class:`~runner_service.mtp.MtpBuffers` (:meth:`~runner_service.mtp.MtpBuffers.fill`) vs
+    rebuilt each step (:func:`_rebuild_mtp`), over the :func:`_trajectory` of figure 2 (paged
+    layout of 16 by default), float32 streams of ``stream_shape`` ``(n, H)``; the model is not run."""
+    from runner_service.mtp import MtpBuffers
+
+    layout = layout or BlockLayout(16)
+    g = torch.Generator().manual_seed(0)
+    max_blocks = layout.blocks_needed(2048 + k)
+    buf = MtpBuffers(batch, 1 + k, stream_shape, max_blocks, num_blocks=1 << 20, layout=layout)
+    streams = torch.randn(batch, 1 + k, *stream_shape, generator=g)
+    out = torch.randn(batch, 1, *stream_shape, generator=g)
+    rows, zeros = list(range(batch)), [0] * batch
+    persistent, rebuilt = [], []
+    with torch.inference_mode():
+        for seqs in _trajectory(batch, steps, layout):
+            counts = torch.randint(1, k + 2, (batch,), generator=g).tolist()
+            ids = [list(range(100, 100 + n)) for n in counts]
+            starts = [s.length - 1 - n for s, n in zip(seqs, counts, strict=True)]
+            tables = [s.blocks for s in seqs]
+            draft_ids, draft_starts = [[7] for _ in seqs], [s.length - 1 for s in seqs]
+            t0 = time.perf_counter()
+            buf.fill(streams, rows, zeros, ids, starts, tables)
+            for j in range(1, k):
+                buf.fill(out, rows, zeros, draft_ids, [p + j for p in draft_starts], tables)
+            t1 = time.perf_counter()
+            _rebuild_mtp([streams[i, :n] for i, n in enumerate(counts)], ids, starts, tables, layout, streams.dtype)
+            for j in range(1, k):
+                _rebuild_mtp([out[i, 0][None] for i in rows], draft_ids, [p + j for p in draft_starts], tables,
+                             layout, out.dtype)
+            t2 = time.perf_counter()
+            persistent.append((t1 - t0) * 1e6)
+            rebuilt.append((t2 - t1) * 1e6)
+    p, r = statistics.median(persistent), statistics.median(rebuilt)
+    return {"batch": batch, "draft_tokens": k, "stream_shape": list(stream_shape), "persistent_us": round(p, 1),
+            "rebuild_us": round(r, 1), "ratio": round(r / p, 2)}
 
 
 # -- 8. speculative decoding ------------------------------------------------------------------
@@ -563,6 +627,9 @@ def dsv4_speculative_report(sidecar: Path, args) -> dict:
         out["identical"] &= s.result(timeout=0).token_ids == reference
     for e in engines.values():
         e.close()
+    out["host_mtp_prepare"] = [host_mtp_prepare_us(b, k, stream_shape=(DSV4_CONFIG["hc_mult"],
+                                                                        DSV4_CONFIG["hidden_size"]))
+                               for b in (8, 32)]
     out["long_identity"] = dsv4_long_identity(sidecar, args.dsv4_identity_tokens)
     return out
 
@@ -800,6 +867,11 @@ def main() -> int:
         print(f"\nacceptance: {json.dumps(spec['acceptance'])}\noutputs identical: {spec['identical']}")
         print(f"long identity run ({spec['long_identity']['requests']} requests x {spec['long_identity']['tokens']} "
               f"tokens, mtp vs plain): {spec['long_identity']['identical']}")
+        print("\n| MTP staging per decode step (host) | persistent buffers (us) | rebuild each step (us) | ratio |")
+        print("|---|---:|---:|---:|")
+        for h in spec["host_mtp_prepare"]:
+            print(f"| batch {h['batch']}, K={h['draft_tokens']} (1 + {h['draft_tokens'] - 1} block steps) | "
+                  f"{h['persistent_us']} | {h['rebuild_us']} | {h['ratio']}x |")
         tmp.cleanup()
         return 0
     if args.model == "deepseek-v4":

@@ -203,7 +203,9 @@ class LLMEngine:
 
         if config.speculative == "mtp":
             self.drafter = MtpDrafter(config.num_speculative_tokens, self.runner.model, self.draft_kv,
-                                      self.block_layout, lock=self.runner.forward_lock)
+                                      self.block_layout, lock=self.runner.forward_lock,
+                                      max_num_seqs=config.max_num_seqs,
+                                      max_blocks_per_seq=self.runner.max_blocks_per_seq)
 
         t0 = time.perf_counter()
         #: The compiled programs and their state (``ModelInfo.program_state``).
@@ -541,7 +543,8 @@ class LLMEngine:
                     self._finish(seq, FinishReason.ABORTED)
 
     def close(self) -> None:
-        """Stop the loop and a background build, abort what is in flight (ABORTED), free the buffers."""
+        """Stop the loop and a background build, abort what is in flight (ABORTED), free the buffers
+        (the runner's and the drafter's)."""
         self.programs.close()
         with self._lock:
             self._stopping = True
@@ -553,6 +556,9 @@ class LLMEngine:
         for seq in self.output.seqs():
             self._finish(seq, FinishReason.ABORTED)
         self.runner.close()
+        close = getattr(self.drafter, "close", None)  # its staging buffers go with the runner's
+        if close is not None:
+            close()
 
     def __enter__(self) -> LLMEngine:
         return self
