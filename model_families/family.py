@@ -340,13 +340,21 @@ class VerifyStep(DecodeStep):
         forward(caches, input_ids[B, S], positions[B, S], slot_mapping[B, S], block_tables[B, nb],
                 seq_lens[B]) -> (logits[B, S, V] float32,)
 
-    The caches are written in place (every position, drafts included). A :class:`DecodeStep`
-    over the same model, for its other step.
+    With ``with_streams`` (a drafter that reads the main model's residual streams: MTP) it is
+    the model's ``streams`` step instead, ``-> (logits[B, S, V] float32, streams[B, S, ...])``
+    (the family's shape and the model's dtype). The caches are written in place (every position,
+    drafts included). A :class:`DecodeStep` over the same model, for its other step.
     """
+
+    def __init__(self, model: FamilyModel, with_streams: bool = False) -> None:
+        super().__init__(model)
+        self.with_streams = with_streams
 
     def forward(self, caches: tuple[torch.Tensor, ...], input_ids: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
+        if self.with_streams:
+            return tuple(self.model.streams(caches, input_ids, positions, slot_mapping, block_tables, seq_lens))
         return (self.model.verify(caches, input_ids, positions, slot_mapping, block_tables, seq_lens),)
 
 

@@ -30,7 +30,9 @@ A speculative verify step (:meth:`ModelRunner.run_verify`) runs the family's
 :class:`~model_families.family.VerifyStep` eagerly or its compiled program, both called as
 ``(caches, input_ids[n, S], positions[n, S], slot_mapping[n, S], block_tables[n, nb],
 seq_lens[n]) -> (logits[n, S, V] float32,)`` on the active rows of the persistent verify grids
-(contiguous prefixes; the program gets a contiguous copy of the block table, as decode's).
+(contiguous prefixes; the program gets a contiguous copy of the block table, as decode's); with
+a drafter that reads the residual streams (:data:`~runner_service.options.STREAMS_METHODS`:
+``mtp``) the step returns ``(logits, streams[n, S, ...])``, compiled alike.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
 from runner_service.kv_cache import SCRATCH_BLOCK, KVCache
+from runner_service.options import STREAMS_METHODS
 from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
 from runner_service.scheduler import ScheduledBatch
 from runner_service.sequence import Sequence
@@ -154,7 +157,8 @@ class ModelRunner:
         #: The compiled prefill (``program(caches, *forward inputs) -> (logits,)``), or None: eager.
         self.prefill_program: Program | None = None
         #: The verify step (speculative decoding; ``None`` when off) and its compiled program.
-        self.verify_module = VerifyStep(self.model).eval() if config.num_draft_tokens else None
+        self.verify_module = (VerifyStep(self.model, with_streams=config.speculative in STREAMS_METHODS).eval()
+                              if config.num_draft_tokens else None)
         self.verify_program: Program | None = None
         #: Programs installed (or removed) so far: changes with every :meth:`install_program`.
         self.installs = 0
@@ -331,10 +335,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run ``batch``; returns the logits [n, V] float32 of its
         :meth:`ScheduledBatch.sampling_rows`, in that order ([n, S, V] for a speculative batch:
-        :meth:`run_verify`). ``with_streams`` (the ``mtp`` drafter's need): eagerly, through the
-        model's ``forward_streams`` / ``streams`` (a decode batch as a verify step, drafts or
-        not), returning ``(logits, streams [B, S, ...])`` with the streams of every row of the
-        batch, in its order."""
+        :meth:`run_verify`). ``with_streams`` (the ``mtp`` drafter's need): a prefill eagerly
+        through the model's ``forward_streams``, a decode batch as a verify step (drafts or not,
+        :meth:`run_verify`), returning ``(logits, streams [B, S, ...])`` with the streams of
+        every row of the batch, in its order."""
         with self.forward_lock:
             if batch.is_prefill:
                 if with_streams:
@@ -394,16 +398,15 @@ class ModelRunner:
         the inputs in the persistent buffers (:meth:`DecodeBuffers.fill_verify`, the rows kept
         as in decode). Returns logits [n, S, V] f32 in the order of ``seqs``, ``S = 1 +
         max(k_i)``; position ``j`` of row ``i`` predicts the token after its ``j``-th draft.
-        ``with_streams``: eagerly through the model's ``streams``, returning ``(logits,
-        streams [n, S, ...])``."""
+        ``with_streams`` (a verify module built with them, ``--speculative mtp``): ``(logits,
+        streams [n, S, ...])``. ``ValueError`` when ``with_streams`` disagrees with the module."""
+        if with_streams != self.verify_module.with_streams:
+            raise ValueError(f"this runner's verify step {'returns' if with_streams else 'does not return'} "
+                             "the residual streams; with_streams must match it")
         rows = self._assign_rows(seqs)
         self.buffers.fill_verify([s.last_token for s in rows], [s.num_tokens - 1 for s in rows],
                                  [s.block_table for s in rows], [s.draft_token_ids for s in rows])
-        if with_streams:
-            with self._kernels():
-                out = self.model.streams(self.kv.tensors, *self.buffers.verify_views())
-        else:
-            out = (self.verify(*self.buffers.verify_views()),)
+        out = self.verify_outputs(*self.buffers.verify_views())
         order = self._row_order(rows, seqs)
         out = out if order is None else tuple(t[order] for t in out)
         return out if with_streams else out[0]
@@ -413,12 +416,17 @@ class ModelRunner:
         """One verify step (:class:`~model_families.family.VerifyStep`'s inputs, ``S`` tokens a
         row) through the installed program where ``S >= 2``, else eagerly; returns logits
         [B, S, V] f32, the KV cache written at every position."""
+        return self.verify_outputs(input_ids, positions, slot_mapping, block_tables, seq_lens)[0]
+
+    def verify_outputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`verify` returning every output of the verify step: ``(logits,)``, or
+        ``(logits, streams)`` for a module built with the streams."""
         if self.verify_program is None or input_ids.shape[1] < 2:
             with self._kernels():
-                return self.verify_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables,
-                                          seq_lens)[0]
+                return self.verify_module(self.kv.tensors, input_ids, positions, slot_mapping, block_tables, seq_lens)
         tables = block_tables.clone(memory_format=torch.contiguous_format)  # as decode: see :meth:`decode`
-        return self.verify_program(self.kv.tensors, input_ids, positions, slot_mapping, tables, seq_lens)[0]
+        return tuple(self.verify_program(self.kv.tensors, input_ids, positions, slot_mapping, tables, seq_lens))
 
     @torch.inference_mode()
     def run_prefill(self, batch: ScheduledBatch, with_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:

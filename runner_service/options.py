@@ -32,8 +32,8 @@ MAX_PROGRAM_BATCH = 256
 #: block drafts: :mod:`runner_service.mtp`), the drafts verified by one step of ``1 + K`` tokens per
 #: sequence.
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
-#: The methods whose drafter needs every step's residual streams: their steps run eager (the
-#: ``verify`` program returns logits only, so it is not built for them).
+#: The methods whose drafter needs every step's residual streams: their verify step (eager or
+#: the ``verify`` program) returns them beside the logits, and every decode step is a verify step.
 STREAMS_METHODS = ("mtp",)
 #: The most draft tokens per sequence and step (``--num-speculative-tokens``).
 MAX_SPECULATIVE_TOKENS = 4

@@ -184,9 +184,7 @@ def _load_step(spec: ProgramSpec, kind: str, cache: KernelCacheClient | None, wo
     if spec.mode != "aoti":
         return "eager", f"{kind} eager"
     if kind not in spec.kinds():
-        why = (f"--speculative {spec.speculative} verifies through the eager streams path" if kind == "verify"
-               and spec.family.compiled_verify else f"the {spec.family.name} family does not compile its {kind} step")
-        return "eager", f"{kind} eager ({why})"
+        return "eager", f"{kind} eager (the {spec.family.name} family does not compile its {kind} step)"
     try:
         name, fp = program_key(spec, spec.mode, sources=sources, kind=kind)
         record_wanted(work, name, fp)

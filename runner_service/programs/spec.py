@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from model_families.family import CacheSpec, ModelFamily
-from runner_service.options import COMPILE_MODES, STREAMS_METHODS
+from runner_service.options import COMPILE_MODES
 
 #: The compiling modes of :data:`runner_service.options.COMPILE_MODES` (all but ``off``).
 MODES = tuple(m for m in COMPILE_MODES if m != "off")
 #: The programs a runner can install: ``decode`` (every mode), ``prefill`` (AOTI only, for a
 #: family with :attr:`~model_families.family.ModelFamily.compiled_prefill`) and ``verify`` (the
-#: speculative verify step: AOTI only, for a family with ``compiled_verify``, while speculating
-#: with a method not in :data:`~runner_service.options.STREAMS_METHODS`).
+#: speculative verify step: AOTI only, for a family with ``compiled_verify``, while speculating;
+#: with a method of :data:`~runner_service.options.STREAMS_METHODS` it returns the streams too).
 PROGRAM_KINDS = ("decode", "prefill", "verify")
 #: How a program holds the model's layers: ``loop`` (the layer body once, looped over the stacked
 #: weights: compiles in a fraction of the time, for a family that can,
@@ -95,14 +95,14 @@ class ProgramSpec:
     def kinds(self) -> tuple[str, ...]:
         """The :data:`PROGRAM_KINDS` a runner of this spec installs, in order: ``decode``; in
         ``aoti`` mode ``prefill`` where the family compiles it, and ``verify`` where it compiles
-        that, while speculating with a method that verifies through the program (not one of
-        :data:`~runner_service.options.STREAMS_METHODS`). The other steps run eager."""
+        that, while speculating (for a method of ``STREAMS_METHODS`` the verify program returns
+        the residual streams too). The other steps run eager."""
         if self.mode != "aoti":
             return ("decode",)
         kinds = ["decode"]
         if self.family.compiled_prefill:
             kinds.append("prefill")
-        if self.verify_module is not None and self.family.compiled_verify and self.speculative not in STREAMS_METHODS:
+        if self.verify_module is not None and self.family.compiled_verify:
             kinds.append("verify")
         return tuple(kinds)
 

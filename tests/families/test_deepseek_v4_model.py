@@ -317,33 +317,37 @@ def test_aoti_decode_program_equals_eager(tmp_path):
 
 @pytest.mark.slow  # builds an AOTInductor program
 @pytest.mark.usefixtures("one_torch_thread")
-def test_aoti_verify_program_equals_eager_and_is_built_for_ngram_only(tmp_path):
+def test_aoti_verify_program_equals_eager_and_returns_the_streams_for_mtp(tmp_path):
     """The speculative verify step (1 + k tokens a row, written in place) compiled by AOTInductor
     gives eager's logits of every position and cache writes within 1e-4, across window and
     compression boundaries (rows 3 positions apart, 4 indexer heads: indexer rows of several
-    lengths a step, ties at 0); with ``mtp`` (which verifies through the eager streams path) no
-    verify program is built."""
+    lengths a step, ties at 0). Built for ``mtp`` it also returns the residual streams the MTP
+    drafter reads, equal to eager's; ``ngram``'s verify step is the same step without them (its
+    own program key: the method is in it)."""
     import dataclasses
 
     from runner_service.model_runner import ModelRunner
     from runner_service.programs.aoti import AotiProgram, compile_program
+    from runner_service.programs.key import program_key
 
     config = FAMILY.config_from_hf(dict(TINY_HC4, index_n_heads=4))
     weights = FAMILY.random_weights(config, seed=4)
 
-    def runner(compile_mode):
+    def runner(compile_mode, method="mtp"):
         cfg = tiny_config(max_num_seqs=4, block_size=4, max_model_len=128, compile=compile_mode, device="cpu",
-                          speculative="ngram", num_speculative_tokens=3)
+                          speculative=method, num_speculative_tokens=3)
         kv = KVCache(FAMILY.cache_specs(config, 4), 64, 4, torch.float32, torch.device("cpu"))
         g = torch.Generator().manual_seed(6)
         for pool in kv.tensors:
             pool.copy_(torch.randn(pool.shape, generator=g))
         return ModelRunner(config, weights, kv, cfg, 128, torch.device("cpu"))
 
-    compiled, eager = runner("aoti"), runner("off")
+    compiled, eager, ngram = runner("aoti"), runner("off"), runner("off", "ngram")
     spec = compiled.program_spec()
     assert spec.kinds() == ("decode", "verify")  # prefill stays eager for this family
-    assert dataclasses.replace(spec, speculative="mtp").kinds() == ("decode",)
+    assert compiled.verify_module.with_streams and not ngram.verify_module.with_streams
+    assert program_key(spec, "aoti", kind="verify") != program_key(
+        dataclasses.replace(spec, speculative="ngram"), "aoti", kind="verify")
     program = AotiProgram(compile_program(spec, "verify", tmp_path / "verify.pt2"), compiled.verify_module,
                           compiled.device)
     compiled.install_program("verify", program)
@@ -354,9 +358,13 @@ def test_aoti_verify_program_equals_eager_and_is_built_for_ngram_only(tmp_path):
         tables = torch.stack([torch.randperm(63, generator=g)[:nb] + 1 for _ in range(batch)])
         inputs = (ids, pos, torch.zeros(batch, S, dtype=torch.int64), tables, pos[:, -1] + 1)
         with torch.inference_mode():
-            got, want = compiled.verify(*inputs), eager.verify(*inputs)
+            (got, got_streams), (want, want_streams) = compiled.verify_outputs(*inputs), eager.verify_outputs(*inputs)
+            plain = ngram.verify_outputs(*inputs)
         assert got.shape == (batch, S, config.vocab_size)
+        assert got_streams.shape == want_streams.shape == (batch, S, config.hc_mult, config.hidden_size)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got_streams, want_streams, atol=1e-4, rtol=0)
+        assert len(plain) == 1 and torch.equal(plain[0], want)
         for a, b in zip(compiled.kv.tensors, eager.kv.tensors, strict=True):
             torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=0)
 
