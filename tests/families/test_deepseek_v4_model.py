@@ -369,6 +369,34 @@ def test_aoti_verify_program_equals_eager_and_returns_the_streams_for_mtp(tmp_pa
             torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=0)
 
 
+def test_the_number_of_speculative_tokens_and_the_method_are_in_every_key_they_change():
+    """K sizes the window ring's spare slots (the block layout, rounded up to whole blocks), so
+    the decode key changes with the ring's size, and a verify program is keyed by its method and K: a program built for K = 2 is never
+    loaded for K = 3, nor an ngram verify for mtp. Without speculation no verify key exists."""
+    from model_families.deepseek_v4.cache_layout import ring_tokens
+    from runner_service.model_runner import ModelRunner
+    from runner_service.programs.key import program_key
+
+    config = FAMILY.config_from_hf(TINY_HC4)
+    weights = FAMILY.random_weights(config, seed=2)
+
+    def keys(method: str, k: int) -> dict[str, str]:
+        cfg = tiny_config(max_num_seqs=4, block_size=4, max_model_len=128, compile="aoti", device="cpu",
+                          speculative=method, num_speculative_tokens=k)
+        kv = KVCache(FAMILY.cache_specs(config, 4), 64, 4, torch.float32, torch.device("cpu"))
+        spec = ModelRunner(config, weights, kv, cfg, 128, torch.device("cpu")).program_spec()
+        return {kind: program_key(spec, "aoti", kind=kind)[1] for kind in spec.kinds()}
+
+    off, k2, k3, mtp3 = keys("off", 1), keys("ngram", 2), keys("ngram", 3), keys("mtp", 3)
+    assert set(off) == {"decode"} and set(k2) == set(k3) == set(mtp3) == {"decode", "verify"}
+    rings = {k: ring_tokens(config, 4, k) for k in (0, 2, 3)}
+    assert rings[0] != rings[2]  # K's spare slots rounded up to whole blocks
+    assert off["decode"] != k2["decode"] and (k2["decode"] == k3["decode"]) == (rings[2] == rings[3])
+    assert k3["decode"] == mtp3["decode"]  # the layout depends on K, not on the method
+    assert len({k2["verify"], k3["verify"], mtp3["verify"]}) == 3
+    assert keys("ngram", 3) == k3
+
+
 def test_program_fingerprint_covers_the_layout_dims():
     """Window, compress rates, top-k, experts, hc_mult and layer kinds each change the decode
     program's fingerprint; the same config gives the same one."""

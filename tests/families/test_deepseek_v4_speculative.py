@@ -21,6 +21,7 @@ from model_families.deepseek_v4.cache_layout import ring_span, ring_tokens
 from runner_service.engine import LLMEngine
 from runner_service.kv_cache import KVCache
 from runner_service.sampling_params import SamplingParams
+from runner_service.sequence import FinishReason
 from services.errors import InvalidArgument
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -113,6 +114,29 @@ def test_preemption_in_the_middle_of_speculation_keeps_outputs_and_blocks_exact(
     got, _ = _run(engine, prompts)
     assert got == plain
     assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_cancelling_in_the_middle_of_speculation_frees_every_block_and_keeps_the_others_exact(model, plain, method):
+    """Half the requests cancelled after a few speculative steps: they end CANCELLED, the others
+    still give plain decoding's tokens, and every KV block (main pools and the MTP ring alike) is
+    free at the end."""
+    engine = _engine(model, speculative=method, num_speculative_tokens=3)
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=GENERATED, temperature=0, ignore_eos=True)
+    streams = [engine.add_request(params, token_ids=p) for p in prompts]
+    for _ in range(40):  # until some drafts were verified, and a few steps more
+        engine.step()
+        if engine.stats()["spec_decode_num_drafts"] >= 8:
+            break
+    assert engine.block_manager.num_used_blocks > 0 and engine.stats()["spec_decode_num_drafts"] >= 8
+    for s in streams[::2]:
+        s.cancel()
+    engine.run_until_done()
+    results = [s.result(timeout=0) for s in streams]
+    assert [r.finish_reason for r in results[::2]] == [FinishReason.CANCELLED] * 4
+    assert [r.token_ids for r in results[1::2]] == plain[1::2]
     assert engine.block_manager.num_used_blocks == 0
 
 

@@ -219,7 +219,7 @@ def test_model_info_metrics_and_the_wire_opt_out_report_speculation():
     from services.bootstrap import ServerConfig, ServiceServer
     from services.proto import generation_pb2 as pb
     from services.proto import generation_pb2_grpc
-    from warmserve.stack_report import speculative_summary
+    from warmserve.stack_report import format_startup_report, speculative_summary
 
     engine = _engine(**SPEC)
     engine.start()
@@ -248,6 +248,9 @@ def test_model_info_metrics_and_the_wire_opt_out_report_speculation():
             assert spec.num_accepted_tokens == stats["spec_decode_num_accepted_tokens"]
             assert spec.mean_acceptance_length == pytest.approx(1 + spec.num_accepted_tokens / spec.num_drafts)
             assert speculative_summary(spec).startswith("ngram x3: acceptance ")
+            report = format_startup_report(stub.ModelInfo(pb.ModelInfoRequest()))
+            rate = f"acceptance {spec.num_accepted_tokens / spec.num_draft_tokens:.2f}"
+            assert f"  speculative decoding ngram x3: {rate}, {spec.mean_acceptance_length:.2f} tokens/step" in report
         text = generate_latest(server.registry).decode()
         assert f"warmserve_runner_spec_decode_num_accepted_tokens_total {float(spec.num_accepted_tokens)}" in text
     finally:
