@@ -65,10 +65,11 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    interleaved in each run, medians over ``--runs``; the acceptance rate and the tokens a drafted
    row emits per step; whether every output was identical. Then the host time per verify step of
    the staging: persistent buffers vs tensors rebuilt each step (:func:`host_verify_prepare_us`).
-   With ``--model deepseek-v4``: decode tokens/s (prefill excluded) of eager plain decoding vs
+   With ``--model deepseek-v4``: decode tokens/s (prefill excluded) of plain decoding vs
    ``--speculative mtp`` with the checkpoint's own MTP block and with forced-accept drafts (the
-   block still runs; its drafts replaced by the plain run's next tokens), batch 1 / 8 / 32
-   (:func:`dsv4_speculative_report`); then the long identity run (:func:`dsv4_long_identity`), and
+   block still runs; its drafts replaced by the plain run's next tokens), batch 1 / 8 / 32, eager
+   and (unless ``--no-compiled``) compiled with ``--compile-mode`` (the decode program for plain
+   decoding, the verify program returning the streams for ``mtp``) (:func:`dsv4_speculative_report`); then the long identity run (:func:`dsv4_long_identity`), and
    the host time per decode step of the MTP drafter's staging: persistent buffers vs tensors
    rebuilt each step (:func:`host_mtp_prepare_us`).
 
@@ -584,34 +585,49 @@ class _ForcedDrafts:
                 seq.draft_token_ids = self.output[done:done + len(seq.draft_token_ids)]
 
 
-def dsv4_speculative_report(sidecar: Path, args) -> dict:
-    """Figure 8 on DeepSeek V4: decode tokens/s (prefill excluded) of eager plain decoding vs
+def dsv4_speculative_report(sidecar: Path, args, kernel_cache: str | None = None) -> dict:
+    """Figure 8 on DeepSeek V4: decode tokens/s (prefill excluded) of plain decoding vs
     ``--speculative mtp`` (K = ``--num-speculative-tokens``) with the checkpoint's own (random)
-    MTP block and with forced-accept drafts, at batch 1 / 8 / 32, interleaved per run, medians;
-    the acceptance of each MTP engine; whether the greedy outputs were identical."""
+    MTP block and with forced-accept drafts, at batch 1 / 8 / 32, eager and, with
+    ``kernel_cache``, compiled (``--compile-mode``; names suffixed with the mode), every engine
+    interleaved per run, medians; the acceptance of each MTP engine; whether the greedy outputs
+    were identical."""
     k = args.num_speculative_tokens
-    engines = {"off": _dsv4_engine(sidecar, "off", None),
-               "mtp": _dsv4_engine(sidecar, "off", None, speculative="mtp", num_speculative_tokens=k),
-               "mtp_forced_accept": _dsv4_engine(sidecar, "off", None, speculative="mtp", num_speculative_tokens=k)}
+    modes = {"": ("off", None)} | ({f"_{args.compile_mode}": (args.compile_mode, kernel_cache)} if kernel_cache else {})
+    engines = {}
+    for suffix, (mode, kc) in modes.items():
+        engines[f"off{suffix}"] = _dsv4_engine(sidecar, mode, kc)
+        for name in ("mtp", "mtp_forced_accept"):
+            engines[f"{name}{suffix}"] = _dsv4_engine(sidecar, mode, kc, speculative="mtp", num_speculative_tokens=k)
+    if kernel_cache:
+        for name, e in engines.items():
+            if name.endswith(f"_{args.compile_mode}") and e.runner.decode_program is None:
+                raise RuntimeError(f"{name}: no compiled programs ({e.startup_report.line()})")
     prompt = dsv4_prompts(1, args.dsv4_prompt_tokens, seed=1)[0]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     stream = engines["off"].add_request(params, token_ids=prompt)
     engines["off"].run_until_done()
     reference = stream.result(timeout=0).token_ids
-    engines["mtp_forced_accept"].drafter = _ForcedDrafts(engines["mtp_forced_accept"].drafter, reference)
-    out: dict = {"num_speculative_tokens": k, "tps": {}, "acceptance": {}, "identical": True}
+    for suffix in modes:
+        forced = engines[f"mtp_forced_accept{suffix}"]
+        forced.drafter = _ForcedDrafts(forced.drafter, reference)
+    out: dict = {"num_speculative_tokens": k, "modes": [m for m, _ in modes.values()], "tps": {}, "acceptance": {},
+                 "identical": True, "verify_program": {
+                     n: e.runner.verify_program is not None for n, e in engines.items() if n.startswith("mtp")}}
     for b in BATCHES:
         prompts = [prompt] * b
         for e in engines.values():
             warmserve_decode_tps(e, b, 4, prompts)
-        before = {n: e.spec_stats() for n, e in engines.items() if n != "off"}
+        before = {n: e.spec_stats() for n, e in engines.items() if n.startswith("mtp")}
         samples: dict[str, list[float]] = {n: [] for n in engines}
         for r in range(args.runs):
             names = list(engines)
             for name in names[r % len(names):] + names[:r % len(names)]:
                 samples[name].append(warmserve_decode_tps(engines[name], b, args.tokens, prompts))
         row = {n: round(statistics.median(v), 1) for n, v in samples.items()}
-        row.update({f"{n}_ratio": round(row[n] / row["off"], 2) for n in engines if n != "off"})
+        for suffix in modes:
+            row.update({f"{n}{suffix}_ratio": round(row[f"{n}{suffix}"] / row[f"off{suffix}"], 2)
+                        for n in ("mtp", "mtp_forced_accept")})
         out["tps"][f"batch {b}"] = row
         for n, was in before.items():
             now = engines[n].spec_stats()
@@ -621,9 +637,9 @@ def dsv4_speculative_report(sidecar: Path, args) -> dict:
             out["acceptance"].setdefault(n, {})[f"batch {b}"] = {
                 "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
                 "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 0.0}
-    for name in ("mtp", "mtp_forced_accept"):
-        s = engines[name].add_request(params, token_ids=prompt)
-        engines[name].run_until_done()
+    for e in engines.values():
+        s = e.add_request(params, token_ids=prompt)
+        e.run_until_done()
         out["identical"] &= s.result(timeout=0).token_ids == reference
     for e in engines.values():
         e.close()
@@ -855,15 +871,20 @@ def main() -> int:
         sidecar = prepare(str(hf_dir), root=Path(args.sidecar_dir or Path(tmp.name) / "sidecars")).path
         report = {"model": "DeepSeek V4 (tiny, random weights)", "tokens": args.tokens, "runs": args.runs,
                   "prompt_tokens": args.dsv4_prompt_tokens, "torch_threads": torch.get_num_threads(),
-                  "speculative": dsv4_speculative_report(sidecar, args)}
+                  "speculative": dsv4_speculative_report(
+                      sidecar, args, None if args.no_compiled else (args.kernel_cache_dir or
+                                                                    str(Path(tmp.name) / "kernel-cache")))}
         print(json.dumps(report, indent=2))
         spec = report["speculative"]
-        print(f"\n| DeepSeek V4 decode tokens/s (eager, K={spec['num_speculative_tokens']}) | off | mtp | ratio | "
+        print(f"\n| DeepSeek V4 decode tokens/s (K={spec['num_speculative_tokens']}) | steps | off | mtp | ratio | "
               "mtp, forced-accept drafts | ratio |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("|---|---|---:|---:|---:|---:|---:|")
         for name, row in spec["tps"].items():
-            print(f"| {name} | {row['off']} | {row['mtp']} | {row['mtp_ratio']}x | {row['mtp_forced_accept']} | "
-                  f"{row['mtp_forced_accept_ratio']}x |")
+            for mode in spec["modes"]:
+                sfx = "" if mode == "off" else f"_{mode}"
+                print(f"| {name} | {'eager' if mode == 'off' else mode} | {row[f'off{sfx}']} | {row[f'mtp{sfx}']} | "
+                      f"{row[f'mtp{sfx}_ratio']}x | {row[f'mtp_forced_accept{sfx}']} | "
+                      f"{row[f'mtp_forced_accept{sfx}_ratio']}x |")
         print(f"\nacceptance: {json.dumps(spec['acceptance'])}\noutputs identical: {spec['identical']}")
         print(f"long identity run ({spec['long_identity']['requests']} requests x {spec['long_identity']['tokens']} "
               f"tokens, mtp vs plain): {spec['long_identity']['identical']}")
