@@ -68,6 +68,19 @@ _PADDING_KEY: list[int] = []
 _PYTHON_SLOT_ROWS = 40
 
 
+
+def write_block_table_row(row: np.ndarray, old: Seq[int], blocks: Seq[int]) -> None:
+    """Rewrite the block-table row ``row`` (int64 ``[max_blocks_per_seq]``, holding ``old`` then
+    scratch entries) to hold ``blocks`` then scratch entries: only the new entries when
+    ``blocks`` extends ``old`` (a sequence grew a block), else ``blocks`` and the scratch block
+    over what is left of ``old``."""
+    n, n_old = len(blocks), len(old)
+    if n >= n_old and blocks[:n_old] == old:
+        row[n_old:n] = blocks[n_old:]
+    else:
+        row[:n] = blocks
+        row[n:n_old] = SCRATCH_BLOCK
+
 class DecodeBuffers:
     """The persistent decode inputs for up to ``max_num_seqs`` rows (see the module docstring);
     with ``max_draft_tokens`` > 0 also the verify step's."""
@@ -358,13 +371,8 @@ class DecodeBuffers:
         ``blocks`` extends it (a sequence grew a block), and a periodic layout's slot table only
         when the blocks it reaches changed."""
         self.row_builds += 1
-        bt = self._np["block_tables"][row]
-        old, n, n_old = self._row_keys[row], len(blocks), len(self._row_keys[row])
-        if n >= n_old and blocks[:n_old] == old:
-            bt[n_old:n] = blocks[n_old:]  # the row held ``old`` then scratch entries
-        else:
-            bt[:n] = blocks
-            bt[n:n_old] = SCRATCH_BLOCK
+        old, n, bt = self._row_keys[row], len(blocks), self._np["block_tables"][row]
+        write_block_table_row(bt, old, blocks)
         self._row_keys[row] = list(blocks)
         self._row_limits[row] = self._max_tokens(n) if limit is None else limit
         period = self.layout.slot_period

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from model_families.block_layout import BlockLayout
-from runner_service.kv_cache import SCRATCH_BLOCK, KVCache
+from runner_service.decode_buffers import write_block_table_row
+from runner_service.kv_cache import KVCache
 
 
 @dataclass
@@ -285,14 +286,7 @@ class MtpBuffers:
         """Rewrite block-table row ``row`` as ``blocks`` then scratch entries; only the entries
         past the old key's are written when ``blocks`` extends it (the sequence grew a block)."""
         self.row_builds += 1
-        bt = self._np["block_tables"][row]
-        old, n = self._row_keys[row], len(blocks)
-        n_old = len(old)
-        if n >= n_old and blocks[:n_old] == old:
-            bt[n_old:n] = blocks[n_old:]
-        else:
-            bt[:n] = blocks
-            bt[n:n_old] = SCRATCH_BLOCK
+        write_block_table_row(self._np["block_tables"][row], self._row_keys[row], blocks)
         self._row_keys[row] = list(blocks) if blocks else _PADDING_KEY
 
     def _copy_to_device(self, rows: int, width: int, table_rows: int) -> None:
