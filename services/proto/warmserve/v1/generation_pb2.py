@@ -24,45 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dwarmserve/v1/generation.proto\x12\x0cwarmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.warmserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe4\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\n \x01(\x05H\x05\x88\x01\x01\x12$\n\x1c\x64isable_speculative_decoding\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_default_max_tokens\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.warmserve.v1.ChatPromptH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.warmserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.warmserve.v1.SamplingParams\x12,\n\x07routing\x18\x06 \x01(\x0e\x32\x1b.warmserve.v1.RoutingPolicy\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.warmserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.warmserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.warmserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.warmserve.v1.Usage\x12\x11\n\trunner_id\x18\x07 \x01(\t\"\x12\n\x10ModelInfoRequest\"=\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"R\n\rStartupReport\x12*\n\x06phases\x18\x01 \x03(\x0b\x32\x1a.warmserve.v1.StartupPhase\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\"\xdb\x05\n\x11ModelInfoResponse\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x14\n\x0c\x63ompile_mode\x18\x0b \x01(\t\x12\x1b\n\x13sidecar_fingerprint\x18\x0c \x01(\t\x12,\n\x07startup\x18\r \x01(\x0b\x32\x1b.warmserve.v1.StartupReport\x12\x15\n\rweights_dtype\x18\x0e \x01(\t\x12\x15\n\rprogram_state\x18\x0f \x01(\t\x12\x16\n\x0eprogram_detail\x18\x10 \x01(\t\x12\x1f\n\x17programs_installed_at_s\x18\x11 \x01(\x01\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x36\n\x10\x64\x65\x66\x61ult_sampling\x18\x13 \x01(\x0b\x32\x1c.warmserve.v1.SamplingParams\x12\x0f\n\x07running\x18\x14 \x01(\r\x12\x0f\n\x07waiting\x18\x15 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x16 \x01(\r\x12\x18\n\x10kv_blocks_usable\x18\x17 \x01(\r\x12\x13\n\x0blayer_types\x18\x18 \x03(\t\x12\x16\n\x0eprogram_layers\x18\x19 \x01(\t\x12\x1e\n\x16programs_unrolled_at_s\x18\x1a \x01(\x01\x12\x19\n\x11programs_building\x18\x1b \x01(\x08\x12\x36\n\x0bspeculative\x18\x1c \x01(\x0b\x32!.warmserve.v1.SpeculativeDecoding\"\xc9\x01\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x01*\x99\x01\n\rRoutingPolicy\x12\x1e\n\x1aROUTING_POLICY_UNSPECIFIED\x10\x00\x12$\n ROUTING_POLICY_LEAST_OUTSTANDING\x10\x01\x12\x1e\n\x1aROUTING_POLICY_ROUND_ROBIN\x10\x02\x12\"\n\x1eROUTING_POLICY_PREFIX_AFFINITY\x10\x03*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xa7\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.warmserve.v1.GenerateRequest\x1a\x1e.warmserve.v1.GenerateResponse0\x01\x12L\n\tModelInfo\x12\x1e.warmserve.v1.ModelInfoRequest\x1a\x1f.warmserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dwarmserve/v1/generation.proto\x12\x0cwarmserve.v1\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.warmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\\\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.warmserve.v1.ChatMessage\x12!\n\x05tools\x18\x02 \x03(\x0b\x32\x12.warmserve.v1.Tool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\n \x01(\x05H\x05\x88\x01\x01\x12$\n\x1c\x64isable_speculative_decoding\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.warmserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\t\n\x01n\x18\x11 \x01(\r\x12\x32\n\nstructured\x18\x12 \x01(\x0b\x32\x1e.warmserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_default_max_tokensB\x15\n\x13_repetition_penalty\"\x98\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.warmserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.warmserve.v1.ChatPromptH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.warmserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.warmserve.v1.SamplingParams\x12,\n\x07routing\x18\x06 \x01(\x0e\x32\x1b.warmserve.v1.RoutingPolicy\x12\x1c\n\x14\x61llow_special_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.warmserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.warmserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.warmserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.warmserve.v1.Usage\x12\x11\n\trunner_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\"\x12\n\x10ModelInfoRequest\"=\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"R\n\rStartupReport\x12*\n\x06phases\x18\x01 \x03(\x0b\x32\x1a.warmserve.v1.StartupPhase\x12\x15\n\rtotal_seconds\x18\x02 \x01(\x01\"\xdb\x05\n\x11ModelInfoResponse\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x14\n\x0c\x63ompile_mode\x18\x0b \x01(\t\x12\x1b\n\x13sidecar_fingerprint\x18\x0c \x01(\t\x12,\n\x07startup\x18\r \x01(\x0b\x32\x1b.warmserve.v1.StartupReport\x12\x15\n\rweights_dtype\x18\x0e \x01(\t\x12\x15\n\rprogram_state\x18\x0f \x01(\t\x12\x16\n\x0eprogram_detail\x18\x10 \x01(\t\x12\x1f\n\x17programs_installed_at_s\x18\x11 \x01(\x01\x12\x15\n\reos_token_ids\x18\x12 \x03(\x05\x12\x36\n\x10\x64\x65\x66\x61ult_sampling\x18\x13 \x01(\x0b\x32\x1c.warmserve.v1.SamplingParams\x12\x0f\n\x07running\x18\x14 \x01(\r\x12\x0f\n\x07waiting\x18\x15 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x16 \x01(\r\x12\x18\n\x10kv_blocks_usable\x18\x17 \x01(\r\x12\x13\n\x0blayer_types\x18\x18 \x03(\t\x12\x16\n\x0eprogram_layers\x18\x19 \x01(\t\x12\x1e\n\x16programs_unrolled_at_s\x18\x1a \x01(\x01\x12\x19\n\x11programs_building\x18\x1b \x01(\x08\x12\x36\n\x0bspeculative\x18\x1c \x01(\x0b\x32!.warmserve.v1.SpeculativeDecoding\"\xc9\x01\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x01*\x99\x01\n\rRoutingPolicy\x12\x1e\n\x1aROUTING_POLICY_UNSPECIFIED\x10\x00\x12$\n ROUTING_POLICY_LEAST_OUTSTANDING\x10\x01\x12\x1e\n\x1aROUTING_POLICY_ROUND_ROBIN\x10\x02\x12\"\n\x1eROUTING_POLICY_PREFIX_AFFINITY\x10\x03*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xa7\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.warmserve.v1.GenerateRequest\x1a\x1e.warmserve.v1.GenerateResponse0\x01\x12L\n\tModelInfo\x12\x1e.warmserve.v1.ModelInfoRequest\x1a\x1f.warmserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'warmserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTINGPOLICY']._serialized_start=2373
-  _globals['_ROUTINGPOLICY']._serialized_end=2526
-  _globals['_FINISHREASON']._serialized_start=2529
-  _globals['_FINISHREASON']._serialized_end=2680
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_ROUTINGPOLICY']._serialized_start=3116
+  _globals['_ROUTINGPOLICY']._serialized_end=3269
+  _globals['_FINISHREASON']._serialized_start=3272
+  _globals['_FINISHREASON']._serialized_end=3423
   _globals['_CHATMESSAGE']._serialized_start=47
-  _globals['_CHATMESSAGE']._serialized_end=91
-  _globals['_CHATPROMPT']._serialized_start=93
-  _globals['_CHATPROMPT']._serialized_end=150
-  _globals['_TOKENIDS']._serialized_start=152
-  _globals['_TOKENIDS']._serialized_end=175
-  _globals['_SAMPLINGPARAMS']._serialized_start=178
-  _globals['_SAMPLINGPARAMS']._serialized_end=534
-  _globals['_GENERATEREQUEST']._serialized_start=537
-  _globals['_GENERATEREQUEST']._serialized_end=811
-  _globals['_TOPLOGPROB']._serialized_start=813
-  _globals['_TOPLOGPROB']._serialized_end=875
-  _globals['_TOKENLOGPROB']._serialized_start=877
-  _globals['_TOKENLOGPROB']._serialized_end=980
-  _globals['_USAGE']._serialized_start=982
-  _globals['_USAGE']._serialized_end=1039
-  _globals['_GENERATERESPONSE']._serialized_start=1042
-  _globals['_GENERATERESPONSE']._serialized_end=1265
-  _globals['_MODELINFOREQUEST']._serialized_start=1267
-  _globals['_MODELINFOREQUEST']._serialized_end=1285
-  _globals['_STARTUPPHASE']._serialized_start=1287
-  _globals['_STARTUPPHASE']._serialized_end=1348
-  _globals['_STARTUPREPORT']._serialized_start=1350
-  _globals['_STARTUPREPORT']._serialized_end=1432
-  _globals['_MODELINFORESPONSE']._serialized_start=1435
-  _globals['_MODELINFORESPONSE']._serialized_end=2166
-  _globals['_SPECULATIVEDECODING']._serialized_start=2169
-  _globals['_SPECULATIVEDECODING']._serialized_end=2370
-  _globals['_GENERATION']._serialized_start=2683
-  _globals['_GENERATION']._serialized_end=2850
+  _globals['_CHATMESSAGE']._serialized_end=171
+  _globals['_TOOLCALL']._serialized_start=173
+  _globals['_TOOLCALL']._serialized_end=228
+  _globals['_TOOL']._serialized_start=230
+  _globals['_TOOL']._serialized_end=291
+  _globals['_CHATPROMPT']._serialized_start=293
+  _globals['_CHATPROMPT']._serialized_end=385
+  _globals['_TOKENIDS']._serialized_start=387
+  _globals['_TOKENIDS']._serialized_end=410
+  _globals['_SAMPLINGPARAMS']._serialized_start=413
+  _globals['_SAMPLINGPARAMS']._serialized_end=1076
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=922
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=970
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1079
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1231
+  _globals['_CHOICELIST']._serialized_start=1233
+  _globals['_CHOICELIST']._serialized_end=1262
+  _globals['_GENERATEREQUEST']._serialized_start=1265
+  _globals['_GENERATEREQUEST']._serialized_end=1539
+  _globals['_TOPLOGPROB']._serialized_start=1541
+  _globals['_TOPLOGPROB']._serialized_end=1603
+  _globals['_TOKENLOGPROB']._serialized_start=1605
+  _globals['_TOKENLOGPROB']._serialized_end=1708
+  _globals['_USAGE']._serialized_start=1710
+  _globals['_USAGE']._serialized_end=1767
+  _globals['_GENERATERESPONSE']._serialized_start=1770
+  _globals['_GENERATERESPONSE']._serialized_end=2008
+  _globals['_MODELINFOREQUEST']._serialized_start=2010
+  _globals['_MODELINFOREQUEST']._serialized_end=2028
+  _globals['_STARTUPPHASE']._serialized_start=2030
+  _globals['_STARTUPPHASE']._serialized_end=2091
+  _globals['_STARTUPREPORT']._serialized_start=2093
+  _globals['_STARTUPREPORT']._serialized_end=2175
+  _globals['_MODELINFORESPONSE']._serialized_start=2178
+  _globals['_MODELINFORESPONSE']._serialized_end=2909
+  _globals['_SPECULATIVEDECODING']._serialized_start=2912
+  _globals['_SPECULATIVEDECODING']._serialized_end=3113
+  _globals['_GENERATION']._serialized_start=3426
+  _globals['_GENERATION']._serialized_end=3593
 # @@protoc_insertion_point(module_scope)
