@@ -323,14 +323,17 @@ def test_aoti_verify_program_equals_eager_and_returns_the_streams_for_mtp(tmp_pa
     compression boundaries (rows 3 positions apart, 4 indexer heads: indexer rows of several
     lengths a step, ties at 0). Built for ``mtp`` it also returns the residual streams the MTP
     drafter reads, equal to eager's; ``ngram``'s verify step is the same step without them (its
-    own program key: the method is in it)."""
+    own program key: the method is in it). One CSA layer, hc_mult 4: the layer kind with a window,
+    compression and the indexer (compile time grows with the layers; the decode program's test
+    above compiles every kind)."""
     import dataclasses
 
     from runner_service.model_runner import ModelRunner
     from runner_service.programs.aoti import AotiProgram, compile_program
     from runner_service.programs.key import program_key
 
-    config = FAMILY.config_from_hf(dict(TINY_HC4, index_n_heads=4))
+    config = FAMILY.config_from_hf(dict(TINY_HC4, index_n_heads=4, num_hidden_layers=1,
+                                        layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"]))
     weights = FAMILY.random_weights(config, seed=4)
 
     def runner(compile_mode, method="mtp"):
