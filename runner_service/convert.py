@@ -47,13 +47,31 @@ def sampling_defaults_to_proto(defaults: SamplingDefaults) -> generation_pb2.Sam
                                          top_k=defaults.top_k, top_p=defaults.top_p)
 
 
+def message_from_proto(m: generation_pb2.ChatMessage) -> dict:
+    """A ``ChatMessage`` as the tokenizer's message dict: ``role`` and ``content``, plus
+    ``tool_calls`` (``[{"id", "name", "arguments"}]``), ``tool_call_id`` and ``name`` when set
+    (:func:`runner_service.tokenizer.template_messages` shapes them for the template)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
 def prompt_from_proto(request: generation_pb2.GenerateRequest) -> dict:
     """``text=`` / ``messages=`` / ``token_ids=`` keyword for :meth:`LLMEngine.add_request`."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return {"text": request.text, "allow_special_tokens": request.allow_special_tokens}
     if kind == "chat":
-        return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+        out: dict = {"messages": [message_from_proto(m) for m in request.chat.messages]}
+        if request.chat.tools:
+            out["tools"] = [{"name": t.name, "description": t.description, "parameters": t.parameters}
+                            for t in request.chat.tools]
+        return out
     if kind == "token_ids":
         return {"token_ids": list(request.token_ids.ids)}
     raise InvalidArgument("the request has no prompt (set text, chat or token_ids)")

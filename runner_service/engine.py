@@ -301,8 +301,10 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def tokenize(self, *, text: str | None = None, messages: Sequence[dict] | None = None,
-                 token_ids: Sequence[int] | None = None, allow_special_tokens: bool = False) -> list[int]:
-        """Prompt token ids from exactly one of ``text``, chat ``messages`` or ``token_ids``.
+                 token_ids: Sequence[int] | None = None, allow_special_tokens: bool = False,
+                 tools: Sequence[dict] | None = None) -> list[int]:
+        """Prompt token ids from exactly one of ``text``, chat ``messages`` (with the ``tools``
+        the chat template receives) or ``token_ids``.
         Text and message content are plain text: special-token text in them is encoded as its
         characters (``allow_special_tokens`` lets raw ``text`` name control tokens; chat content
         stays plain, see :mod:`runner_service.tokenizer`). Raises ``InvalidArgument`` for none/several, an empty prompt, ids outside
@@ -316,11 +318,11 @@ class LLMEngine:
         else:
             if self.tokenizer is None:
                 raise InvalidArgument("this engine has no tokenizer; send token ids")
-            check_prompt_bytes(self.config.max_prompt_bytes, text=text, messages=messages)
+            check_prompt_bytes(self.config.max_prompt_bytes, text=text, messages=messages, tools=tools)
             if text is not None:
                 ids = self.tokenizer.encode(text, allow_special_tokens=allow_special_tokens) if text else []
             else:
-                ids = self.tokenizer.encode_chat(messages)
+                ids = self.tokenizer.encode_chat(messages, tools=tools)
         if not ids:
             raise InvalidArgument("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
@@ -333,13 +335,14 @@ class LLMEngine:
 
     def add_request(self, params: SamplingParams, *, text: str | None = None,
                     messages: Sequence[dict] | None = None, token_ids: Sequence[int] | None = None,
-                    request_id: str | None = None, allow_special_tokens: bool = False) -> RequestStream:
+                    request_id: str | None = None, allow_special_tokens: bool = False,
+                    tools: Sequence[dict] | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
         :meth:`tokenize`, a ``max_tokens`` above what the context leaves (unset: the default,
         capped), bad stop token ids, a request id already in flight) or
         ``ResourceExhausted`` (the request can never fit the KV cache)."""
         ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
-                            allow_special_tokens=allow_special_tokens)
+                            allow_special_tokens=allow_special_tokens, tools=tools)
         params = self.sampling_defaults.resolve(params, len(ids), self.max_model_len)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
         if bad:

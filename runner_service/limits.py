@@ -45,15 +45,28 @@ def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int]) -> None:
                               f"allowed", reason="stop_token_ids")
 
 
-def check_prompt_bytes(limit: int, *, text: str | None = None, messages: Sequence[dict] | None = None) -> None:
+def _strings_size(value, where: str) -> int:
+    """UTF-8 bytes of every string in ``value`` (dicts' values, lists, strings)."""
+    if isinstance(value, str):
+        return utf8_size(value, where)
+    if isinstance(value, dict):
+        return sum(_strings_size(v, f"{where}'s {k}") for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(_strings_size(v, where) for v in value)
+    return 0
+
+
+def check_prompt_bytes(limit: int, *, text: str | None = None, messages: Sequence[dict] | None = None,
+                       tools: Sequence[dict] | None = None) -> None:
     """Raise ``InvalidArgument`` when the prompt is more than ``limit`` bytes of UTF-8 (reason
-    ``prompt_bytes``; a chat prompt: its messages' roles and contents together) or is not valid
-    Unicode (``unicode``). Token-id prompts are bounded by the context length instead."""
+    ``prompt_bytes``; a chat prompt: every string of its messages and tools together: roles,
+    contents, tool calls, tool schemas) or is not valid Unicode (``unicode``). Token-id prompts
+    are bounded by the context length instead."""
     if text is not None:
         size = utf8_size(text, "the prompt")
     elif messages is not None:
-        size = sum(utf8_size(str(m.get(key) or ""), f"message {i}'s {key}")
-                   for i, m in enumerate(messages) for key in ("role", "content"))
+        size = sum(_strings_size(m, f"message {i}") for i, m in enumerate(messages))
+        size += sum(_strings_size(t, f"tool {i}") for i, t in enumerate(tools or ()))
     else:
         return
     if size > limit:

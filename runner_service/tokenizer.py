@@ -33,8 +33,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from services.errors import InvalidArgument
 
-#: Chat roles a request may use; anything else is ``InvalidArgument``.
-CHAT_ROLES = ("system", "user", "assistant")
+#: Chat roles a request may use; anything else is ``InvalidArgument``. ``tool`` messages carry a
+#: tool call's result (OpenAI's role ``tool``).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 #: First code point of the guards that stand for special-token text found in message content
 #: while the template renders (Supplementary Private Use Area-A, one code point per special token).
@@ -108,13 +109,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages`` (``[{"role", "content"}]``). Raises
-        ``InvalidArgument`` for an unknown role, no messages, only empty messages (an empty
-        prompt), a model without a template, or a template that rejects the conversation."""
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` and ``tools``, in the shapes
+        :func:`template_messages` and :func:`template_tools` give (transformers'
+        ``apply_chat_template`` inputs). Raises ``InvalidArgument`` for an unknown role, no
+        messages, only empty messages (an empty prompt), tool-call arguments or tool parameters
+        that are not a JSON object, a model without a template, or a template that rejects the
+        conversation. A template that does not read ``tools`` renders without them."""
         if not messages:
             raise InvalidArgument("the chat prompt has no messages")
-        if all(not str(m.get("content") or "").strip() for m in messages):
+        if all(not str(m.get("content") or "").strip() and not m.get("tool_calls") for m in messages):
             raise InvalidArgument("the chat prompt is empty: every message has empty content")
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
@@ -123,30 +128,23 @@ class Tokenizer:
             raise InvalidArgument("this model has no chat template; send text or token ids")
         special = {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **special)
+            return self._template.render(messages=template_messages(messages), tools=template_tools(tools),
+                                         add_generation_prompt=add_generation_prompt, **special)
         except jinja2.exceptions.TemplateError as e:
             raise InvalidArgument(f"the chat template rejected the messages: {e}") from e
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat (no extra special tokens, as ``apply_chat_template``),
-        with message content tokenized as plain text: the only control ids are those of the
-        template's own markup. Raises ``InvalidArgument`` as :meth:`render_chat`, and for content
-        holding the private-use code points this method reserves as guards (U+F0000 onwards, one
-        per special token: 17 for SmolLM2)."""
+        with every string of the messages and tools (content, tool-call names and arguments,
+        tool descriptions and schemas) tokenized as plain text: the only control ids are those of
+        the template's own markup. Raises ``InvalidArgument`` as :meth:`render_chat`, and for a
+        string holding the private-use code points this method reserves as guards (U+F0000
+        onwards, one per special token: 17 for SmolLM2)."""
         if self._special_re is None:
-            return self.encode(self.render_chat(messages), add_special_tokens=False)
-        guard_of, text_of = self._guard_of, self._text_of
-        guarded = []
-        for i, m in enumerate(messages):
-            content = m.get("content")
-            if isinstance(content, str):
-                if any(ch in text_of for ch in content):
-                    raise InvalidArgument(f"message {i} holds a reserved private-use character "
-                                          f"(U+{_GUARD_BASE:X}..U+{_GUARD_BASE + len(text_of) - 1:X})")
-                m = {**m, "content": self._special_re.sub(lambda hit: guard_of[hit.group()], content)}
-            guarded.append(m)
-        rendered = self.render_chat(guarded)
+            return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        guarded = [self._guard(m, f"message {i}") for i, m in enumerate(messages)]
+        guarded_tools = [self._guard(t, f"tool {i}") for i, t in enumerate(tools)] if tools else None
+        rendered = self.render_chat(guarded, tools=guarded_tools)
         ids: list[int] = []
         pos, strip_next = 0, False
         for hit in self._special_re.finditer(rendered):
@@ -163,6 +161,21 @@ class Tokenizer:
         ids += self._encode_piece(tail.lstrip() if strip_next else tail)
         return ids
 
+    def _guard(self, value, where: str):
+        """``value`` (a message or tool: dicts, lists and strings) with the special-token text in
+        every string replaced by its guard. Raises ``InvalidArgument`` for a string already
+        holding a guard code point."""
+        if isinstance(value, str):
+            if any(ch in self._text_of for ch in value):
+                raise InvalidArgument(f"{where} holds a reserved private-use character "
+                                      f"(U+{_GUARD_BASE:X}..U+{_GUARD_BASE + len(self._text_of) - 1:X})")
+            return self._special_re.sub(lambda hit: self._guard_of[hit.group()], value)
+        if isinstance(value, dict):
+            return {k: self._guard(v, where) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._guard(v, where) for v in value]
+        return value
+
     def _encode_piece(self, piece: str) -> list[int]:
         """Plain-text ids of a stretch of rendered chat between two control tokens, its guards
         turned back into the special-token text the content held."""
@@ -171,6 +184,51 @@ class Tokenizer:
         text_of = self._text_of
         piece = "".join(text_of.get(ch, ch) for ch in piece) if any(ch in text_of for ch in piece) else piece
         return _ids(self._plain, piece, False)
+
+
+def _json_object(text: str, what: str) -> dict:
+    """``text`` parsed as a JSON object (empty: ``{}``); ``InvalidArgument`` naming ``what`` otherwise."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"{what} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def template_messages(messages: Sequence[dict]) -> list[dict]:
+    """Messages as chat templates read them (transformers' convention): an assistant message's
+    ``tool_calls`` (``[{"id", "name", "arguments"}]``, arguments JSON text) become
+    ``[{"id", "type": "function", "function": {"name", "arguments": <object>}}]``; ``tool_call_id``
+    and ``name`` are kept on tool messages. Raises ``InvalidArgument`` for arguments that are not
+    a JSON object."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                                "function": {"name": c.get("name", ""),
+                                             "arguments": _json_object(c.get("arguments", ""),
+                                                                       f"message {i}'s tool call {j} arguments")}}
+                               for j, c in enumerate(m["tool_calls"])]
+        out.append(m)
+    return out
+
+
+def template_tools(tools: Sequence[dict] | None) -> list[dict] | None:
+    """Tools (``[{"name", "description", "parameters"}]``, parameters JSON Schema text) as chat
+    templates read them: ``[{"type": "function", "function": {"name", "description",
+    "parameters": <object>}}]``; ``None`` when there are none. Raises ``InvalidArgument`` for
+    parameters that are not a JSON object."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.get("name", ""), "description": t.get("description", ""),
+                                              "parameters": _json_object(t.get("parameters", ""),
+                                                                         f"tool {i} ({t.get('name', '')!r}) parameters")}}
+            for i, t in enumerate(tools)]
 
 
 def _ids(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
