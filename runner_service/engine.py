@@ -243,11 +243,13 @@ class LLMEngine:
         device = select_device(config.device)
         dtype = torch_dtype(resolve_dtype(config.dtype, device))
         weights = family.load_weights(args, sidecar.tensors, dtype, device, sidecar.weights_dtype)
+        released = sidecar.release_unused(weights.tensors().values())  # what was read once to convert
         tokenizer = Tokenizer.from_dir(path)
         generation_config = GenerationConfig.from_dir(path, vocab_size=args.vocab_size)
         fingerprint = sidecar.metadata.get("warmserve.fingerprint", "")
         phases = [*startup, StartupPhase("weights", time.perf_counter() - t0, (detail or (
             f"sidecar {Path(path).name} ({sidecar.weights_dtype}), {weights.nbytes() / 2**20:.0f} MiB"))
+            + (f", {released / 2**20:.0f} MiB of its mapping released after conversion" if released >> 20 else "")
             + f"; {sidecar.trust}")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
                    family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,29 @@ class LoadedSidecar:
     weights_dtype: str = "f32"
     trust: str = "artifacts not verified"
     _mapping: mmap.mmap | None = field(default=None, repr=False)
+
+    def release_unused(self, keep: Iterable[torch.Tensor]) -> int:
+        """Drop from this process's resident set every whole page of the mapping that no tensor
+        of ``keep`` lies on (``madvise(MADV_DONTNEED)``): the bytes a runner read once to
+        convert (int4 codes into the kernel's layout, f32 into bf16) stop counting in its RSS.
+        The file and the page cache are untouched, so a page read again faults back in with the
+        same bytes. Returns the bytes released (0 when nothing is mapped or the platform has no
+        ``madvise``)."""
+        if self._mapping is None or not hasattr(self._mapping, "madvise"):
+            return 0
+        size = len(self._mapping)
+        base = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1).data_ptr()
+        spans = sorted((max(st.data_ptr() - base, 0), min(st.data_ptr() - base + st.nbytes(), size))
+                       for st in (t.untyped_storage() for t in keep)
+                       if st.data_ptr() - base < size and st.data_ptr() - base + st.nbytes() > 0)
+        page, released, pos = mmap.PAGESIZE, 0, 0
+        for begin, end in [*spans, (size, size)]:
+            lo, hi = -(-pos // page) * page, begin // page * page  # whole pages strictly between kept spans
+            if hi > lo:
+                self._mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                released += hi - lo
+            pos = max(pos, end)
+        return released
 
     def close(self) -> None:
         """Drop the tensor views and unmap. If the caller still holds a view, the mapping stays

@@ -140,3 +140,47 @@ def test_exported_tokenizer_config_renders_the_same_chat_prompt(smollm2_sidecar,
     assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ours_tok = Tokenizer.from_file(str(smollm2_sidecar / "tokenizer.json"))
     assert ours_tok.token_to_id("<|im_start|>") == 1 and ours_tok.token_to_id("<|im_end|>") == 2
+
+
+def _mapping_rss(path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps`` ``Rss``)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = len(head) >= 6 and head[5] == str(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_an_int4_runner_drops_the_pages_it_read_once_to_convert(smollm2_int4_sidecar):
+    """After the int4 codes are converted into the kernel's layout, the sidecar pages only they
+    lie on leave the runner's resident set; the tensors still read back the file's bytes
+    (safetensors' own reader is the reference)."""
+    import mmap
+
+    from safetensors import safe_open
+
+    from model_families.llama import FAMILY
+
+    path = (smollm2_int4_sidecar / "model.safetensors").resolve()
+    with load_sidecar(smollm2_int4_sidecar) as sc:
+        for t in sc.tensors.values():
+            t.sum()  # every page resident in this mapping
+        size = path.stat().st_size
+        assert _mapping_rss(path) >= size - mmap.PAGESIZE
+        args = FAMILY.config_from_dict(sc.config)
+        weights = FAMILY.load_weights(args, sc.tensors, torch.bfloat16, torch.device("cpu"), sc.weights_dtype)
+        kept = [t for t in weights.tensors().values()]
+        released = sc.release_unused(kept)
+        kept_ptrs = {t.untyped_storage().data_ptr() for t in kept}
+        unkept = {n: t.nbytes for n, t in sc.tensors.items() if t.untyped_storage().data_ptr() not in kept_ptrs}
+        assert {n for n in sc.tensors if n.endswith(".qweight")} <= set(unkept)  # converted, never read again
+        assert "embed_tokens" not in unkept  # bf16 in the sidecar: used in place
+        whole = sum(unkept.values())  # less at most a page at each edge of each run of unkept tensors
+        assert whole > 50 * 2**20 and whole - 2 * len(unkept) * mmap.PAGESIZE <= released <= whole
+        assert _mapping_rss(path) <= size - released + mmap.PAGESIZE  # the last page is partly the file
+        with safe_open(str(path), framework="pt") as ref:
+            name = "layers.gate_up_proj.qweight"
+            assert torch.equal(sc.tensors[name], ref.get_tensor(name))  # faults back the same bytes
