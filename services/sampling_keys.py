@@ -24,6 +24,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 #: The largest int32: the proto's token counts, token ids and ``top_k``.
 INT32_MAX = 2**31 - 1
 
+#: ``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_MAX, PENALTY_MAX]`` (OpenAI's and
+#: vLLM's range; 0 = off).
+PENALTY_MAX = 2.0
+#: ``repetition_penalty`` lies in ``(0, REPETITION_PENALTY_MAX]`` (1 = off).
+REPETITION_PENALTY_MAX = 2.0
+#: Most ``logit_bias`` entries a request may give (the OpenAI API's limit).
+MAX_LOGIT_BIAS_ENTRIES = 300
+#: Each ``logit_bias`` value lies in ``[-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]`` (the OpenAI API's range).
+LOGIT_BIAS_MAX = 100.0
+
 #: vLLM sampling keys warmserve accepts only at the value that changes nothing (vLLM's default).
 NEUTRAL_SAMPLING: Mapping[str, object] = {
     "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
