@@ -201,8 +201,8 @@ class SamplingDefaults:
         if params.min_tokens > max_tokens:
             raise InvalidArgument(
                 f"min_tokens {params.min_tokens} is more than max_tokens {max_tokens}"
-                + (f" (unset: the default {default}, capped to the {left} tokens the context leaves)"
-                   if params.max_tokens is None else ""))
+                + ("" if params.max_tokens is not None else f" (unset: the default, {default})" if default <= left
+                   else f" (unset: the default {default}, capped to the {left} tokens the context leaves)"))
         return replace(params, max_tokens=max_tokens,
                        temperature=self.temperature if params.temperature is None else params.temperature,
                        top_k=self.top_k if params.top_k is None else params.top_k,
