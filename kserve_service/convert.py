@@ -35,7 +35,8 @@ FINISH_REASON_NAMES = {
 
 
 #: The largest ``sampling_parameters`` JSON text, in UTF-8 bytes: every key at its limit (16 stop
-#: strings of 256 bytes, each character \u-escaped: 24 KiB; 64 stop token ids) fits with room.
+#: strings of 256 bytes, each character \u-escaped: 24 KiB; 64 stop token ids; 300 ``logit_bias``
+#: entries of about 36 bytes: 11 KiB) fits with room.
 MAX_SAMPLING_JSON_BYTES = 64 << 10
 
 

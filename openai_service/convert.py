@@ -9,10 +9,14 @@ message's content a string or its text parts joined with ``"\\n"`` (as vLLM join
 ``developer`` sent as ``system``. Sampling fields left out (or null) stay unset on the wire, so
 the runner applies the model's defaults (its ``generation_config.json``); a completion's unset
 ``max_tokens`` is sent as ``default_max_tokens`` 16 (OpenAI's default), which the runner caps to
-what the context leaves like its own default. Parameters warmserve does not implement (``n``
-other than 1, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``, tools, non-text
-``response_format``) are refused with an HTTP 400 naming them, as are an empty prompt, empty
-stop strings and unknown chat roles.
+what the context leaves like its own default. ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` (token id strings -> bias) and vLLM's extra ``repetition_penalty`` and
+``min_tokens`` are sent as the runner's fields (their ranges checked by
+:mod:`openai_service.protocol`; token ids outside the vocabulary and a ``min_tokens`` above
+``max_tokens`` by the runner, a 400 either way). Parameters warmserve does not implement (``n``
+other than 1, ``echo``, ``best_of``, ``suffix``, tools, non-text ``response_format``) are
+refused with an HTTP 400 naming them, as are an empty prompt, empty stop strings and unknown
+chat roles.
 
 Responses: finish reasons STOP and LENGTH become ``"stop"`` and ``"length"``; a stream the
 runner ended as ABORTED or CANCELLED is an error (HTTP 500, as vLLM answers a request whose
@@ -62,9 +66,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise bad_request(f"n must be 1: warmserve returns one choice per request (got n={req.n})", param="n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
-    _refuse(bool(req.presence_penalty), "presence_penalty", "is not supported by warmserve (leave it 0)")
-    _refuse(bool(req.frequency_penalty), "frequency_penalty", "is not supported by warmserve (leave it 0)")
-    _refuse(bool(req.logit_bias), "logit_bias")
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -86,7 +87,9 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
     Raises :class:`OpenAIError` (400) for an empty stop string."""
     keys = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
             "seed": req.seed, "stop": _stop_list(req.stop), "stop_token_ids": list(req.stop_token_ids or ()),
-            "ignore_eos": req.ignore_eos}
+            "ignore_eos": req.ignore_eos, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+            "min_tokens": req.min_tokens, "logit_bias": req.logit_bias}
     try:
         out = sampling_from_dict(keys)
     except InvalidArgument as e:  # pydantic has checked the ranges already; a stray value is still a 400

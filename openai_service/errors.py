@@ -115,6 +115,8 @@ def model_not_found(name: str) -> OpenAIError:
 RUNNER_PARAMS = (
     ("max_tokens ", "max_tokens"),            # "max_tokens 40 is more than the context leaves: ..."
     ("stop token id ", "stop_token_ids"),     # "stop token id 99 is outside the vocabulary ..."
+    ("logit_bias ", "logit_bias"),            # "logit_bias token id 99 is outside the vocabulary ..."
+    ("min_tokens ", "min_tokens"),            # "min_tokens 9 is more than max_tokens 8"
     ("token id ", "prompt"),                  # "token id 99 is outside the vocabulary ..."
     ("the prompt ", "prompt"),                # "the prompt has 2000 tokens but the context holds ..."
     ("the chat ", "prompt"),                  # "the chat template rejected the messages: ..."
@@ -185,7 +187,8 @@ def from_validation_error(errors: list[dict], content_type: str | None = None) -
     for e in errors:
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         # pydantic names union branches in the path ("str", "list[int]", "function-after[...]")
-        field = ".".join(p for p in loc if not (p[:1].isalpha() and ("[" in p or p in ("str", "int", "float", "bool"))))
+        field = ".".join(p for p in loc if not (p[:1].isalpha() and ("[" in p or p in ("str", "int", "float", "bool")))
+                         and p != "[key]")  # pydantic's mark of a dict key's error
         if field:
             params.append(field)
         clauses.append(f"{field}: {e.get('msg', 'invalid')}" if field else str(e.get("msg", "invalid")))

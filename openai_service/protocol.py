@@ -7,7 +7,8 @@ mode: ``"16"`` is not an integer nor ``0`` a boolean; an integer is a number), a
 says and as OpenAI's API refuses them. Parameters warmserve does not implement are
 declared, so that a value other than their default is refused with a sentence
 (:mod:`openai_service.convert`) instead of being silently ignored. Range checks that pydantic
-can state (``max_tokens >= 1``, ``0 <= top_logprobs <= 20``) live here; a failed one is an HTTP
+can state (``max_tokens >= 1``, ``0 <= top_logprobs <= 20``, the penalties' ranges, ``logit_bias``'s
+keys, values and size, from :mod:`services.sampling_keys`' constants) live here; a failed one is an HTTP
 400 in OpenAI's error shape (:mod:`openai_service.errors`).
 
 The JSON schema of each request (``GET /openapi.json`` with ``--enable-docs``) states what the
@@ -39,13 +40,34 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.sampling_keys import FLOAT32_MAX
+from services.sampling_keys import (
+    FLOAT32_MAX,
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MAX,
+)
 
 #: Exclusive bound of the wire's 32-bit integers (token counts, token ids, top-k).
 INT32_END = 2**31
 #: The most top-n logprobs a request may ask for per token (the runner's limit, and vLLM's
 #: default ``--max-logprobs``).
 MAX_LOGPROBS = 20
+
+#: A ``logit_bias`` key: a token id as OpenAI sends it, a string of decimal digits, no leading zero,
+#: below 10**9 (within the wire's int32; no vocabulary comes near it).
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,8})$"
+
+#: ``logit_bias``: token id -> bias, at most :data:`MAX_LOGIT_BIAS_ENTRIES` entries.
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)],
+                           Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]],
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+                      WithJsonSchema({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                                      "propertyNames": {"pattern": TOKEN_ID_KEY},
+                                      "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX,
+                                                               "maximum": LOGIT_BIAS_MAX}})]
+#: ``presence_penalty``/``frequency_penalty``: in [-2, 2].
+Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
 
 #: What a completion's ``max_tokens`` left out (or null) means: OpenAI's default for
 #: ``/v1/completions`` (and vLLM's), capped to what the context leaves after the prompt.
@@ -162,14 +184,16 @@ class _SamplingFields(_Request):
     temperature: Annotated[float, Field(ge=0, le=FLOAT32_MAX)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: _int(ge=0, lt=2**64) | None = None
-    presence_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
-    frequency_penalty: float | None = Field(0.0, json_schema_extra={"enum": [0, None]})
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM's sampling extras that the runner implements.
     top_k: _int(ge=-1, lt=INT32_END) | None = None
     ignore_eos: bool = False
     stop_token_ids: list[_int(ge=0, lt=INT32_END)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=REPETITION_PENALTY_MAX)] | None = None
+    min_tokens: _int(ge=0, lt=INT32_END) | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,8 +17,8 @@ from services.proto import generation_pb2
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
     """Map the proto's conventions and validate: ``max_tokens``, ``temperature``, ``top_k`` and
     ``top_p`` left unset stay ``None`` (the engine's defaults, :meth:`SamplingDefaults.resolve`);
-    a field set is used as given, except ``max_tokens`` 0 (unset) and ``top_p`` 0 (1.0, off).
-    Raises ``InvalidArgument``."""
+    a field set is used as given, except ``max_tokens`` 0 (unset) and ``top_p`` 0 (1.0, off);
+    ``repetition_penalty`` unset is ``None`` (off). Raises ``InvalidArgument``."""
     max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 0
     if max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0 (0: the default), got {max_tokens}")
@@ -38,6 +38,11 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=sp.ignore_eos,
         default_max_tokens=sp.default_max_tokens if sp.HasField("default_max_tokens") else None,
         disable_speculative_decoding=sp.disable_speculative_decoding,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
+        logit_bias=dict(sp.logit_bias),
+        min_tokens=sp.min_tokens,
     )
 
 

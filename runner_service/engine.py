@@ -34,6 +34,7 @@ from runner_service.mtp import MtpDrafter
 from runner_service.ngram import NgramDrafter, SpeculationGate
 from runner_service.options import STREAMS_METHODS
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
+from runner_service.penalties import PenaltyState
 from runner_service.program_installer import ProgramInstaller
 from runner_service.sampler import Sampler
 from runner_service.sampling_params import SamplingParams
@@ -186,6 +187,8 @@ class LLMEngine:
                                           layout=self.block_layout)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolved_max_num_batched_tokens(self.max_model_len), self.eos_token_ids)
+        #: Penalties, ``logit_bias`` and ``min_tokens`` (:mod:`runner_service.penalties`).
+        self.penalties = PenaltyState(config.max_num_seqs, args.vocab_size, self.eos_token_ids, self.device)
         touched = self.kv.touched_bytes()
         usable = self.block_manager.num_usable_blocks
         self._phase("kv_cache", t0, f"{num_blocks} blocks x {config.block_size} tokens ({usable} usable, "
@@ -341,7 +344,8 @@ class LLMEngine:
                     tools: Sequence[dict] | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
         :meth:`tokenize`, a ``max_tokens`` above what the context leaves (unset: the default,
-        capped), bad stop token ids, a request id already in flight) or
+        capped), a ``min_tokens`` above it, bad stop token ids or ``logit_bias`` ids, a request id
+        already in flight) or
         ``ResourceExhausted`` (the request can never fit the KV cache)."""
         ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
                             allow_special_tokens=allow_special_tokens, tools=tools)
@@ -349,6 +353,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.args.vocab_size]
         if bad:
             raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise InvalidArgument(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
         rid = request_id or uuid.uuid4().hex
         gen = None
         if not params.greedy:
@@ -429,7 +436,9 @@ class LLMEngine:
         rows = batch.sampling_rows()
         sampling = [batch.seqs[i] for i in rows]
         if rows:
-            tokens, logprobs = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            processed = self.penalties.process(logits, sampling)
+            tokens, logprobs = self.sampler(processed, [s.params for s in sampling], [s.generator for s in sampling],
+                                            raw=logits)
             self.scheduler.postprocess(batch, tokens)
             self.generated_tokens_total += len(tokens)
             self._emit(sampling, self.output.process(sampling, logprobs))
@@ -446,7 +455,8 @@ class LLMEngine:
         streams = self._with_streams
         out = self.runner.run(batch, with_streams=True) if streams else (self.runner.run(batch),)
         logits = out[0]
-        emitted, logprobs = self.sampler.verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs])
+        emitted, logprobs = self.sampler.verify(self.penalties.process_verify(logits, seqs), drafts,
+                                                [s.params for s in seqs], [s.generator for s in seqs], raw=logits)
         for d, e in zip(drafts, emitted, strict=True):
             if d:
                 self.spec_num_drafts += 1
@@ -476,6 +486,7 @@ class LLMEngine:
     def _finish(self, seq: Seq, reason: FinishReason, out: RequestOutput | None = None) -> None:
         """Free ``seq``'s blocks (no-op when the scheduler did already), then queue its final delta."""
         self.scheduler.finish(seq, reason)
+        self.penalties.release(seq)
         self.output.finish(seq, reason, out)
         with self._lock:
             self._ids.discard(seq.request_id)

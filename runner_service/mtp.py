@@ -349,7 +349,7 @@ class MtpDrafter:
         rows = []
         for i, seq in enumerate(seqs):
             seq.draft_token_ids = []
-            if seq.is_finished or seq.params.disable_speculative_decoding:
+            if seq.is_finished or not seq.params.may_speculate:
                 continue
             a = starts[i]
             state = seq.drafter_state

@@ -73,12 +73,13 @@ class NgramDrafter:
     def propose(self, seqs) -> None:
         """Set ``seq.draft_token_ids`` of each running, unfinished sequence of ``seqs``
         (:class:`~runner_service.sequence.Sequence`); ``[]`` for one whose request opted out
-        (``disable_speculative_decoding``), that has no room, or whose suffix matches nothing."""
+        (``disable_speculative_decoding``, a penalty or ``min_tokens``: ``SamplingParams.may_speculate``),
+        that has no room, or whose suffix matches nothing."""
         for seq in seqs:
             if seq.is_finished:
                 continue
             room = min(self.k, seq.max_total_tokens - seq.num_tokens - 1)
-            if room <= 0 or seq.params.disable_speculative_decoding:
+            if room <= 0 or not seq.params.may_speculate:
                 seq.draft_token_ids = []
                 continue
             index = seq.drafter_state

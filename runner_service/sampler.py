@@ -8,7 +8,9 @@ uniform number from the request's own ``torch.Generator``. A request's samples t
 only on its seed and its logits, never on the other rows of the batch.
 
 Log-probabilities are those of the model's distribution (``log_softmax`` of the raw logits,
-before temperature and filtering), natural log.
+before temperature and filtering, and before the penalties, ``logit_bias`` and ``min_tokens``
+of :mod:`runner_service.penalties`, as vLLM returns them by default: the ``raw`` argument),
+natural log.
 """
 
 from __future__ import annotations
@@ -80,10 +82,14 @@ class Sampler:
     generators live with the sequences)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
+                 generators: list[torch.Generator | None],
+                 raw: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` [n, V] float32 on any device; ``params``/``generators`` one per row (a
         generator is needed only for non-greedy rows; CPU generators). Returns the n sampled
-        token ids and, per row, :class:`TokenLogprobs` when ``params[i].logprobs > 0``."""
+        token ids and, per row, :class:`TokenLogprobs` when ``params[i].logprobs > 0``, those of
+        ``raw`` [n, V] (the logits before :mod:`runner_service.penalties` processed them into
+        ``logits``; default ``logits``)."""
+        raw = logits if raw is None else raw
         n = logits.shape[0]
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i in range(n) if not params[i].greedy]
@@ -97,13 +103,13 @@ class Sampler:
         want = [i for i in range(n) if params[i].logprobs > 0]
         logprobs: list[TokenLogprobs | None] = [None] * n
         if want:
-            for i, lp in zip(want, token_logprobs(logits[want], [token_list[i] for i in want],
+            for i, lp in zip(want, token_logprobs(raw[want], [token_list[i] for i in want],
                                                   [params[i].logprobs for i in want]), strict=True):
                 logprobs[i] = lp
         return token_list, logprobs
 
     def verify(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-               generators: list[torch.Generator | None]
+               generators: list[torch.Generator | None], raw: torch.Tensor | None = None
                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Verify draft tokens: ``logits`` [n, S, V] float32, row ``i``'s position ``j`` the
         next-token logits after its last token and its first ``j`` drafts ``drafts[i]`` (``k_i
@@ -118,7 +124,10 @@ class Sampler:
         ``p_j(d)`` (``p`` the temperature/top-k/top-p filtered distribution :func:`filter_logits`
         gives), else the token is drawn from ``p_j`` with ``d`` removed (the normalised
         ``max(p - q, 0)``) and the row stops; after all drafts the bonus token is drawn from
-        ``p_k``. Each emitted token is thus distributed as sampling from ``p`` would give."""
+        ``p_k``. Each emitted token is thus distributed as sampling from ``p`` would give.
+        ``raw`` [n, S, V]: the logits the logprobs are of (default ``logits``), as in
+        :meth:`__call__`."""
+        raw = logits if raw is None else raw
         n = logits.shape[0]
         out: list[list[int]] = []
         greedy = [i for i in range(n) if params[i].greedy]
@@ -138,7 +147,7 @@ class Sampler:
         for i in range(n):
             if params[i].logprobs > 0:
                 m = len(out[i])
-                logprobs[i] = token_logprobs(logits[i, :m], out[i], [params[i].logprobs] * m)
+                logprobs[i] = token_logprobs(raw[i, :m], out[i], [params[i].logprobs] * m)
         return out, logprobs
 
     @staticmethod

@@ -3,10 +3,13 @@ defaults that resolve their unset fields (``docs/architecture.md`` §8)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from runner_service.limits import check_stops
 from services.errors import InvalidArgument
+from services.sampling_keys import LOGIT_BIAS_MAX, MAX_LOGIT_BIAS_ENTRIES, PENALTY_MAX, REPETITION_PENALTY_MAX
 
 #: Most top-n logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -48,6 +51,26 @@ class SamplingParams:
     - ``disable_speculative_decoding``: decode this request one token per step even when the
       runner speculates (``--speculative``); its output is the same either way (greedy) or
       distributed the same (sampled).
+    - ``presence_penalty``, ``frequency_penalty``: in ``[-2, 2]`` (0 = off), vLLM's and OpenAI's
+      definitions: a token's logit loses ``presence_penalty`` once if it was generated so far,
+      and ``frequency_penalty`` times the number of times it was.
+    - ``repetition_penalty``: in ``(0, 2]`` (``None`` or 1 = off): the logit of every token of the
+      prompt or generated so far is divided by it when positive, multiplied by it otherwise.
+    - ``logit_bias``: token id -> bias in ``[-100, 100]`` added to its logit (at most 300 entries;
+      a mapping or ``(id, bias)`` pairs, kept as pairs sorted by id; the ids are checked against
+      the vocabulary by :meth:`LLMEngine.add_request <runner_service.engine.LLMEngine.add_request>`).
+    - ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled until
+      this many tokens were generated (>= 0, at most ``max_tokens``). Stop strings are still
+      matched before then.
+
+    The logits are processed as vLLM does (:mod:`runner_service.penalties`): ``min_tokens``'
+    mask, then ``logit_bias``, then repetition, frequency and presence penalties, on the raw
+    logits before temperature, top-k and top-p (and before greedy's argmax). Returned logprobs
+    are those of the raw logits (vLLM's default), not of the processed ones.
+
+    Speculative decoding: a request with a penalty or ``min_tokens`` is never drafted
+    (:attr:`may_speculate` is false: each of its tokens changes the next one's logits); one with
+    ``logit_bias`` alone is, the bias added at every verified position (it does not depend on it).
     """
 
     max_tokens: int | None = None
@@ -61,6 +84,11 @@ class SamplingParams:
     ignore_eos: bool = False
     default_max_tokens: int | None = None
     disable_speculative_decoding: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -79,10 +107,62 @@ class SamplingParams:
         check_stops(self.stop, self.stop_token_ids)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_MAX <= value <= PENALTY_MAX:  # also rejects NaN
+                raise InvalidArgument(f"{name} must be in [{-PENALTY_MAX:g}, {PENALTY_MAX:g}] (0 turns it off), "
+                                      f"got {value}")
+        rp = self.repetition_penalty
+        if rp is not None and not 0 < rp <= REPETITION_PENALTY_MAX:
+            raise InvalidArgument(f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX:g}] (1 or unset turns "
+                                  f"it off), got {rp}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidArgument(f"min_tokens {self.min_tokens} is more than max_tokens {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is on: the request needs its token
+        counts (a :class:`runner_service.penalties.PenaltyState` slot)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or (self.repetition_penalty is not None and self.repetition_penalty != 1))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are processed before sampling (a penalty, ``logit_bias`` or
+        ``min_tokens``); a batch where no row does skips the processing entirely."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether a drafter may propose draft tokens for this request: not when it opted out
+        (``disable_speculative_decoding``), has a penalty or ``min_tokens`` (see the class
+        docstring)."""
+        return not (self.disable_speculative_decoding or self.penalized or self.min_tokens > 0)
+
+
+def check_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """``bias`` (a mapping or ``(token id, bias)`` pairs; a repeated id keeps its last bias) as
+    ``(id, bias)`` pairs sorted by id. Raises ``InvalidArgument`` for more than
+    :data:`~services.sampling_keys.MAX_LOGIT_BIAS_ENTRIES` entries or a bias that is not a
+    finite number in ``[-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]``. The ids are the engine's to check
+    against its vocabulary."""
+    pairs = dict(bias.items() if isinstance(bias, Mapping) else bias)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out = []
+    for token, value in sorted((int(t), v) for t, v in pairs.items()):
+        if not (math.isfinite(value) and -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX):
+            raise InvalidArgument(f"logit_bias of token {token} must be a finite number in [{-LOGIT_BIAS_MAX:g}, "
+                                  f"{LOGIT_BIAS_MAX:g}], got {value}")
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -108,7 +188,8 @@ class SamplingDefaults:
         these defaults; ``max_tokens`` ``None`` becomes the request's ``default_max_tokens``, else
         :attr:`max_tokens`, capped to the ``max_model_len - prompt_tokens`` tokens the context
         leaves. A ``max_tokens`` above that raises ``InvalidArgument`` (as vLLM and the OpenAI API
-        refuse it, rather than silently generating fewer tokens than asked)."""
+        refuse it, rather than silently generating fewer tokens than asked), and so does a
+        ``min_tokens`` above the resolved ``max_tokens``."""
         left = max_model_len - prompt_tokens
         default = params.default_max_tokens or self.max_tokens
         if params.max_tokens is not None and params.max_tokens > left:
@@ -116,7 +197,13 @@ class SamplingDefaults:
                 f"max_tokens {params.max_tokens} is more than the context leaves: the prompt has {prompt_tokens} "
                 f"of the {max_model_len}-token context, so at most {left} can be generated; ask for at most "
                 f"{left}, or leave max_tokens unset (the default, {default}, is capped to what the context leaves)")
-        return replace(params, max_tokens=min(default, left) if params.max_tokens is None else params.max_tokens,
+        max_tokens = min(default, left) if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > max_tokens:
+            raise InvalidArgument(
+                f"min_tokens {params.min_tokens} is more than max_tokens {max_tokens}"
+                + ("" if params.max_tokens is not None else f" (unset: the default, {default})" if default <= left
+                   else f" (unset: the default {default}, capped to the {left} tokens the context leaves)"))
+        return replace(params, max_tokens=max_tokens,
                        temperature=self.temperature if params.temperature is None else params.temperature,
                        top_k=self.top_k if params.top_k is None else params.top_k,
                        top_p=self.top_p if params.top_p is None else params.top_p)

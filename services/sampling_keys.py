@@ -3,8 +3,12 @@ Triton's vLLM backend's ``sampling_parameters`` JSON (:mod:`kserve_service.conve
 OpenAI body's sampling fields (:mod:`openai_service.convert`). See ``docs/architecture.md`` §10.
 
 Keys: ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 = off, as vLLM), ``seed``,
-``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``; a vLLM key warmserve
-has no use for is accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). Numbers may be
+``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``, ``presence_penalty``
+and ``frequency_penalty`` (in [-2, 2]), ``repetition_penalty`` (in (0, 2]), ``min_tokens`` (>= 0),
+``logit_bias`` (an object of token id -> bias in [-100, 100], at most 300 entries; the ids as
+integers or as strings of digits, as OpenAI's API sends them); a vLLM key warmserve has no use
+for is accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). The ranges are the named
+constants below, which the runner's ``SamplingParams`` and the OpenAI door's schema import. Numbers may be
 JSON numbers or strings (``"0.1"``, ``"100"``), as the vLLM backend converts each value with the
 field's type. Every function raises :class:`services.errors.InvalidArgument` naming the key.
 """
@@ -24,12 +28,25 @@ FLOAT32_MAX = 3.4028234663852886e38
 #: The largest int32: the proto's token counts, token ids and ``top_k``.
 INT32_MAX = 2**31 - 1
 
+#: ``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_MAX, PENALTY_MAX]`` (OpenAI's and
+#: vLLM's range; 0 = off).
+PENALTY_MAX = 2.0
+#: ``repetition_penalty`` lies in ``(0, REPETITION_PENALTY_MAX]`` (1 = off).
+REPETITION_PENALTY_MAX = 2.0
+#: Most ``logit_bias`` entries a request may give (the OpenAI API's limit).
+MAX_LOGIT_BIAS_ENTRIES = 300
+#: Each ``logit_bias`` value lies in ``[-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]`` (the OpenAI API's range).
+LOGIT_BIAS_MAX = 100.0
+
 #: vLLM sampling keys warmserve accepts only at the value that changes nothing (vLLM's default).
 NEUTRAL_SAMPLING: Mapping[str, object] = {
-    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_p": 0.0, "min_tokens": 0, "detokenize": True, "include_stop_str_in_output": False,
+    "n": 1, "best_of": 1, "min_p": 0.0, "detokenize": True, "include_stop_str_in_output": False,
     "logprobs": None, "prompt_logprobs": None,
 }
+
+#: The keys :func:`sampling_from_dict` maps (besides :data:`NEUTRAL_SAMPLING`'s), for its sentences.
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 
 def _int(key: str, value: object) -> int:
     if isinstance(value, bool):
@@ -68,10 +85,29 @@ def _bool(key: str, value: object) -> bool:
     raise InvalidArgument(f"sampling parameter '{key}' must be true or false, got {json.dumps(value)}")
 
 
-def _in_range(key: str, value: int, low: int, high: int) -> int:
+def _in_range(key: str, value: int | float, low: int | float, high: int | float) -> int | float:
     if not low <= value <= high:
-        raise InvalidArgument(f"sampling parameter '{key}' must be in [{low}, {high}], got {value}")
+        def text(v: int | float) -> str:
+            return f"{v:g}" if isinstance(v, float) else str(v)
+        raise InvalidArgument(f"sampling parameter '{key}' must be in [{text(low)}, {text(high)}], got {text(value)}")
     return value
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``logit_bias``: an object of token id (an integer, or a string of one) -> bias."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"sampling parameter 'logit_bias' must be an object of token id -> bias, "
+                              f"got {json.dumps(value)[:80]}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"sampling parameter 'logit_bias' has {len(value)} entries; at most "
+                              f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out = {}
+    for token, bias in value.items():
+        if isinstance(token, str) and not token.strip().isdigit():
+            raise InvalidArgument(f"sampling parameter 'logit_bias' keys must be token ids, got {json.dumps(token)}")
+        out[_in_range("logit_bias", _int("logit_bias", token), 0, INT32_MAX)] = _in_range(
+            f"logit_bias[{token}]", _float("logit_bias", bias), -LOGIT_BIAS_MAX, LOGIT_BIAS_MAX)
+    return out
 
 
 def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingParams:
@@ -83,8 +119,7 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
     (:mod:`runner_service.limits`)."""
     out = generation_pb2.SamplingParams()
     for key, value in params.items():
-        if value is None and key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                     "stop_token_ids", "ignore_eos", *NEUTRAL_SAMPLING):
+        if value is None and key in (*SAMPLING_KEYS, *NEUTRAL_SAMPLING):
             continue
         if key == "max_tokens":
             out.max_tokens = _in_range(key, _int(key, value), 1, INT32_MAX)
@@ -112,14 +147,25 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
             out.stop_token_ids.extend(_in_range(key, _int(key, v), 0, INT32_MAX) for v in value)
         elif key == "ignore_eos":
             out.ignore_eos = _bool(key, value)
+        elif key in ("presence_penalty", "frequency_penalty"):
+            setattr(out, key, _in_range(key, _float(key, value), -PENALTY_MAX, PENALTY_MAX))
+        elif key == "repetition_penalty":
+            penalty = _float(key, value)
+            if not 0 < penalty <= REPETITION_PENALTY_MAX:
+                raise InvalidArgument(f"sampling parameter 'repetition_penalty' must be in "
+                                      f"(0, {REPETITION_PENALTY_MAX:g}], got {penalty:g}")
+            out.repetition_penalty = penalty
+        elif key == "min_tokens":
+            out.min_tokens = _in_range(key, _int(key, value), 0, INT32_MAX)
+        elif key == "logit_bias":
+            out.logit_bias.update(_logit_bias(value))
         elif key == "lora_name":
             raise InvalidArgument("sampling parameter 'lora_name': LoRA adapters are not supported")
         elif key in NEUTRAL_SAMPLING:
             _check_neutral(key, value)
         else:
-            raise InvalidArgument(f"unknown sampling parameter '{key}' (supported: max_tokens, temperature, top_p, "
-                                  f"top_k, seed, stop, stop_token_ids, ignore_eos, and at their defaults "
-                                  f"{', '.join(NEUTRAL_SAMPLING)})")
+            raise InvalidArgument(f"unknown sampling parameter '{key}' (supported: {', '.join(SAMPLING_KEYS)}, "
+                                  f"and at their defaults {', '.join(NEUTRAL_SAMPLING)})")
     return out
 
 

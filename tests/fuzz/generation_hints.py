@@ -22,5 +22,11 @@ GENERATION_HINTS = {
     "warmserve.v1.SamplingParams.stop": st.sampled_from(("w2", "", "w", " ")),
     "warmserve.v1.SamplingParams.stop_token_ids": st.integers(-1, 130),
     "warmserve.v1.SamplingParams.logprobs": st.integers(-1, 25),
+    "warmserve.v1.SamplingParams.presence_penalty": st.sampled_from((0.0, 1.5, -2.0, 2.5, float("nan"))),
+    "warmserve.v1.SamplingParams.frequency_penalty": st.sampled_from((0.0, -1.0, 2.0, -2.5)),
+    "warmserve.v1.SamplingParams.repetition_penalty": st.sampled_from((1.0, 1.3, 0.0, 2.5)),
+    "warmserve.v1.SamplingParams.LogitBiasEntry.key": st.integers(-1, 130),
+    "warmserve.v1.SamplingParams.LogitBiasEntry.value": st.sampled_from((100.0, -100.0, 1.5, 100.5)),
+    "warmserve.v1.SamplingParams.min_tokens": st.integers(0, 70),
     "warmserve.v1.GenerateRequest.routing": st.integers(-1, 4),
 }

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SERVICE = kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 NAMES = st.sampled_from((MODEL_DIR, "", "other", MODEL_DIR.upper()))
 VERSIONS = st.sampled_from(("", "1", "2", "-1", "x"))
-JSON_VALUES = st.one_of(st.integers(-2, 40), st.sampled_from((0.0, 0.5, 1e308, "x", None, [], {}, True)))
+JSON_VALUES = st.one_of(st.integers(-2, 40), st.sampled_from((0.0, 0.5, 1e308, "x", None, [], {}, True,
+                                                            {"3": 100}, {"-1": 1}, {"7": 101.0})))
 
 
 @st.composite
@@ -57,7 +58,9 @@ def infer_requests(draw) -> bytes:
         flag.contents.bool_contents.extend(draw(st.lists(st.booleans(), max_size=2)))
     if draw(st.booleans()):
         params = r.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
-        keys = st.sampled_from(("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "bogus", "ignore_eos"))
+        keys = st.sampled_from(("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "bogus", "ignore_eos",
+                                "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                "logit_bias"))
         body = json.dumps(draw(st.dictionaries(keys, JSON_VALUES, max_size=3)))
         params.contents.bytes_contents.append(draw(st.sampled_from((body, body, "{", "[]", "null"))).encode())
     if draw(st.booleans()):

@@ -61,9 +61,10 @@ def runner(tmp_path_factory):
 
 
 def idle(engine: LLMEngine, blocks_used: int) -> bool:
-    """No sequence running or waiting, and ``blocks_used`` KV blocks in use."""
+    """No sequence running or waiting, ``blocks_used`` KV blocks in use, every penalty slot free."""
     s = engine.stats()
-    return s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == blocks_used
+    return (s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == blocks_used
+            and engine.penalties.num_free_slots == engine.config.max_num_seqs)
 
 
 @given(batch=batches(cases(SERVICE, GENERATION_HINTS)))

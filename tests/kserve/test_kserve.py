@@ -285,8 +285,8 @@ def test_requests_on_one_stream_run_together_and_are_told_apart_by_id(stack, stu
 
 @pytest.mark.parametrize(("request_", "code", "says"), [
     (infer_request(None, sampling=GREEDY_8), grpc.StatusCode.INVALID_ARGUMENT, "missing required input 'text_input'"),
-    (infer_request(form="contents", sampling={"max_tokens": 4, "presence_penalty": 0.5}),
-     grpc.StatusCode.INVALID_ARGUMENT, "'presence_penalty'"),
+    (infer_request(form="contents", sampling={"max_tokens": 4, "presence_penalty": 2.5}),
+     grpc.StatusCode.INVALID_ARGUMENT, "'presence_penalty' must be in [-2, 2], got 2.5"),
     (infer_request(sampling={"max_tokens": 4, "frobnicate": 1}), grpc.StatusCode.INVALID_ARGUMENT, "'frobnicate'"),
     (infer_request(sampling={"max_tokens": 4, "temperature": "hot"}), grpc.StatusCode.INVALID_ARGUMENT,
      "'temperature'"),
@@ -473,8 +473,14 @@ def test_sampling_parameters_map_to_warmserve_sampling_params() -> None:
         "stop_token_ids": [4, "5"], "ignore_eos": "true", "n": 1, "repetition_penalty": "1.0", "logprobs": None,
         "min_tokens": 0}))
     want = generation_pb2.SamplingParams(temperature=0.1, top_p=0.95, max_tokens=100, top_k=0, seed=7, stop=["w9"],
-                                         stop_token_ids=[4, 5], ignore_eos=True)
+                                         stop_token_ids=[4, 5], ignore_eos=True, repetition_penalty=1.0)
     assert got == want
+    # the Triton vLLM backend's penalties, min_tokens and logit_bias (ids as integers or digit strings)
+    got = kserve_convert.sampling_from_json(json.dumps({
+        "presence_penalty": "0.5", "frequency_penalty": -1.5, "repetition_penalty": 1.25, "min_tokens": "3",
+        "logit_bias": {"7": -100, "12": 2.5}}))
+    assert got == generation_pb2.SamplingParams(presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.25,
+                                                min_tokens=3, logit_bias={7: -100.0, 12: 2.5})
     assert kserve_convert.sampling_from_json('{"stop": ["a", "b"], "top_k": 5}') == generation_pb2.SamplingParams(
         stop=["a", "b"], top_k=5)
     unset = kserve_convert.sampling_from_json('{"max_tokens": null}')
@@ -482,7 +488,12 @@ def test_sampling_parameters_map_to_warmserve_sampling_params() -> None:
     for bad, key in [('{"top_k": -2}', "top_k"), ('{"seed": -1}', "seed"), ('{"max_tokens": true}', "max_tokens"),
                      ('{"stop": [1]}', "stop"), ('{"ignore_eos": "yes"}', "ignore_eos"), ('{"n": 2}', "n"),
                      ('{"lora_name": "x"}', "lora_name"), ('{"temperature": "nan"}', "temperature"),
-                     ('{"max_tokens": 4294967296}', "max_tokens"), ('{"best_of": 3}', "best_of")]:
+                     ('{"max_tokens": 4294967296}', "max_tokens"), ('{"best_of": 3}', "best_of"),
+                     ('{"presence_penalty": -2.1}', "presence_penalty"), ('{"frequency_penalty": "x"}', "frequency_penalty"),
+                     ('{"repetition_penalty": 0}', "repetition_penalty"), ('{"repetition_penalty": 2.5}', "repetition_penalty"),
+                     ('{"min_tokens": -1}', "min_tokens"), ('{"logit_bias": [1]}', "logit_bias"),
+                     ('{"logit_bias": {"a": 1}}', "logit_bias"), ('{"logit_bias": {"5": 100.5}}', r"logit_bias\[5\]"),
+                     (json.dumps({"logit_bias": {str(i): 1 for i in range(301)}}), "logit_bias")]:
         with pytest.raises(InvalidArgument, match=f"'{key}'"):
             kserve_convert.sampling_from_json(bad)
     with pytest.raises(InvalidArgument, match="JSON object"):

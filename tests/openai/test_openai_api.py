@@ -356,7 +356,10 @@ def test_invalid_bodies_are_400s_in_openai_error_shape(door) -> None:
         ({**base, "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"model": MODEL}, "prompt", "Field required"),
         ({**base, "stream_options": {"include_usage": True}}, "stream_options", "only be defined when `stream=True`"),
-        ({**base, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({**base, "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({**base, "logit_bias": {"7": -101}}, "logit_bias.7", "greater than or equal to -100"),
+        ({**base, "logit_bias": {"100000": 1}}, "logit_bias", "logit_bias token id 100000 is outside the vocabulary"),
+        ({**base, "max_tokens": 2, "min_tokens": 3}, "min_tokens", "min_tokens 3 is more than max_tokens 2"),
         ({**base, "echo": True}, "echo", "not supported"),
         ({**base, "prompt": ["w5", "w6"]}, "prompt", "one prompt per request"),
     ]

@@ -104,9 +104,6 @@ def test_chat_messages_become_a_chat_prompt() -> None:
     (completion, {"n": 2}, "n", "n must be 1: warmserve returns one choice per request (got n=2)"),
     (chat, {"n": 3}, "n", "got n=3"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options", "`stream=True`"),
-    (completion, {"presence_penalty": 0.1}, "presence_penalty", "not supported"),
-    (completion, {"frequency_penalty": -0.1}, "frequency_penalty", "not supported"),
-    (completion, {"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     (completion, {"echo": True}, "echo", "not supported"),
     (completion, {"best_of": 2}, "best_of", "must be 1"),
     (completion, {"suffix": "x"}, "suffix", "not supported"),
@@ -127,6 +124,31 @@ def test_what_warmserve_does_not_implement_is_a_400_naming_the_parameter(make, k
         make(**kw)
     assert (e.value.status, e.value.type, e.value.param, e.value.code) == (400, "BadRequestError", param, 400)
     assert words in e.value.message
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_wire() -> None:
+    for make in (completion, chat):
+        got = make(presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2, min_tokens=3,
+                   logit_bias={"50256": -100, "0": 2.5}).sampling
+        assert (got.presence_penalty, got.frequency_penalty, got.min_tokens) == (-2.0, 1.5, 3)
+        assert got.HasField("repetition_penalty") and got.repetition_penalty == pytest.approx(1.2)
+        assert dict(got.logit_bias) == {50256: -100.0, 0: 2.5}
+    unset = completion().sampling
+    assert not unset.HasField("repetition_penalty") and not unset.logit_bias and unset.presence_penalty == 0
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"presence_penalty": 2.01}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"min_tokens": -1}, "min_tokens"), ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"x": 1}}, "logit_bias.x"), ({"logit_bias": {"05": 1}}, "logit_bias.05"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+])
+def test_penalty_and_logit_bias_values_out_of_range_are_a_400_naming_the_field(kw, param) -> None:
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(prompt="w1", **kw)
+    err = from_validation_error(e.value.errors())
+    assert (err.status, err.param) == (400, param)
 
 
 def test_defaults_of_refused_parameters_pass() -> None:

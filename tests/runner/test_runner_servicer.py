@@ -150,6 +150,12 @@ BAD = {
     "no chat messages": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[])),
     "only empty chat messages": pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=" ")])),
     "unknown routing value": pb.GenerateRequest(text="hi", routing=99, sampling=_greedy(2)),
+    "presence_penalty > 2": pb.GenerateRequest(text="hi", sampling=_greedy(2, presence_penalty=2.5)),
+    "frequency_penalty NaN": pb.GenerateRequest(text="hi", sampling=_greedy(2, frequency_penalty=float("nan"))),
+    "repetition_penalty 0": pb.GenerateRequest(text="hi", sampling=_greedy(2, repetition_penalty=0.0)),
+    "logit_bias id = vocab": pb.GenerateRequest(text="hi", sampling=_greedy(2, logit_bias={ARGS.vocab_size: 1.0})),
+    "logit_bias > 100": pb.GenerateRequest(text="hi", sampling=_greedy(2, logit_bias={5: 101.0})),
+    "min_tokens > max_tokens": pb.GenerateRequest(text="hi", sampling=_greedy(2, min_tokens=3)),
 }
 
 
@@ -163,6 +169,16 @@ def test_bad_input_is_invalid_argument_and_the_runner_keeps_serving(served, case
     ok = list(stub.Generate(pb.GenerateRequest(text="still here", sampling=_greedy(2))))
     assert ok[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert _wait_for(lambda: engine.block_manager.num_used_blocks == 0)
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine_from_the_wire(served):
+    stub, engine, _, _ = served
+    eos = ARGS.eos_token_ids[0]
+    forced = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(
+        max_tokens=6, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=3, presence_penalty=0.5))))
+    tokens = [t for m in forced for t in m.token_ids]
+    assert tokens[3] == eos and eos not in tokens[:3] and forced[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert _wait_for(lambda: engine.penalties.num_free_slots == engine.config.max_num_seqs)
 
 
 def test_a_request_that_can_never_fit_is_resource_exhausted(served):
