@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from runner_service.limits import check_stops
 from services.errors import InvalidArgument
+from services.sampling_keys import MAX_N
 
 #: Most top-n logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -48,6 +49,9 @@ class SamplingParams:
     - ``disable_speculative_decoding``: decode this request one token per step even when the
       runner speculates (``--speculative``); its output is the same either way (greedy) or
       distributed the same (sampled).
+    - ``n``: choices to generate for the prompt, 1..:data:`~services.sampling_keys.MAX_N`
+      (:meth:`LLMEngine.add_request <runner_service.engine.LLMEngine.add_request>` fans them out;
+      with a ``seed`` s choice i samples with seed s + i, mod 2^64).
     """
 
     max_tokens: int | None = None
@@ -61,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     default_max_tokens: int | None = None
     disable_speculative_decoding: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -76,6 +81,8 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be in [0, 2^64), got {self.seed}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidArgument(f"n must be in [1, {MAX_N}] (choices per request), got {self.n}")
         check_stops(self.stop, self.stop_token_ids)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
