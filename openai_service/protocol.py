@@ -39,7 +39,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.sampling_keys import FLOAT32_MAX
+from services.sampling_keys import FLOAT32_MAX, MAX_N
 
 #: Exclusive bound of the wire's 32-bit integers (token counts, token ids, top-k).
 INT32_END = 2**31
@@ -148,12 +148,13 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions. Token counts are tokens."""
+    """Fields shared by completions and chat completions. Token counts are tokens. ``n``:
+    choices to generate, 1..:data:`~services.sampling_keys.MAX_N`."""
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     model: str | None = None
-    n: Int = Field(1, json_schema_extra={"enum": [1]})
+    n: _int(ge=1, le=MAX_N) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
