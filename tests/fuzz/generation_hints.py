@@ -22,5 +22,6 @@ GENERATION_HINTS = {
     "warmserve.v1.SamplingParams.stop": st.sampled_from(("w2", "", "w", " ")),
     "warmserve.v1.SamplingParams.stop_token_ids": st.integers(-1, 130),
     "warmserve.v1.SamplingParams.logprobs": st.integers(-1, 25),
+    "warmserve.v1.SamplingParams.n": st.integers(0, 6),  # 5, 6: above the fuzz runner's max_num_seqs
     "warmserve.v1.GenerateRequest.routing": st.integers(-1, 4),
 }
