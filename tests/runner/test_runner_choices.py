@@ -72,6 +72,15 @@ def test_greedy_choices_are_equal():
         a, b = stream.results(timeout=0)
         assert a.token_ids == b.token_ids == single.result(timeout=0).token_ids
         assert (a.index, b.index) == (0, 1)
+        # Choice 0 finishes in the step that computes the prompt: the others still find its blocks cached.
+        bm = eng.block_manager
+        saved = bm.prefix_hit_tokens
+        one = eng.add_request(SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, n=3), token_ids=ids)
+        eng.run_until_done()
+        outs = one.results(timeout=0)
+        assert [o.token_ids for o in outs] == [a.token_ids[:1]] * 3
+        assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+        assert bm.prefix_hit_tokens - saved >= 2 * ((len(ids) - 1) // BS * BS)
 
 
 @pytest.mark.parametrize("caching", [True, False])
