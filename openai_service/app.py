@@ -15,13 +15,17 @@ route                                  answer
                                        ``body_bytes``, ``unicode``, ``overloaded``); open, as vLLM's
 =====================================  ============================================================
 
-Each generation request is one ``Generate`` call to the router. Non-streaming, the call is
-read to its end and answered with the text, logprobs, finish reason and usage of the final
-message. Streaming, the first message is awaited before the HTTP status is sent, so a request
-the runner refuses (e.g. a prompt over the context length) is an HTTP error as with vLLM, not a
-stream; then each message becomes one chunk, a chat stream starting with the assistant role's
-chunk, ``stream_options.include_usage`` adding a last chunk with ``choices: []`` and the usage,
-and ``data: [DONE]`` ending it. An error after the first chunk is sent as one
+Each generation request is one ``Generate`` call to the router, ``n`` choices included (the
+runner streams them interleaved, each message naming its choice in ``index``). Non-streaming,
+the call is read to its end and answered with each choice's text, logprobs and finish reason
+(``choices`` in index order) and the usage: the prompt's tokens once, the completion tokens
+summed over the choices (as OpenAI counts them). Streaming, the first message is awaited before
+the HTTP status is sent, so a request the runner refuses (e.g. a prompt over the context length)
+is an HTTP error as with vLLM, not a stream; then each message becomes one chunk whose one
+choice has the message's ``index`` (each choice ends with its own ``finish_reason``), a chat
+stream starting with the assistant role's chunk for each choice, ``stream_options.include_usage``
+adding a last chunk with ``choices: []`` and the usage, and ``data: [DONE]`` ending it once every
+choice has finished. An error after the first chunk is sent as one
 ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does). A client that disconnects, while
 waiting or mid-stream, cancels its ``Generate`` call.
 
@@ -85,7 +89,7 @@ from openai_service.protocol import (
 from openai_service.router_client import RouterClient
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
-from services.deltas import merge_responses
+from services.deltas import merge_by_choice
 from services.healthcheck import PID_METADATA_KEY
 from services.proto import generation_pb2
 from services.refusals import Refusals
@@ -129,8 +133,8 @@ class _Call:
         return None if msg is grpc.aio.EOF else msg
 
     async def batches(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The messages from here to the end, each merged with those that arrived while the
-        consumer was busy with the one before (:func:`~services.deltas.merge_responses`): a
+        """The messages from here to the end, each merged with those of its choice that arrived
+        while the consumer was busy with the one before (:func:`~services.deltas.merge_by_choice`): a
         task reads the call as fast as the router sends, the consumer takes everything read so
         far whenever it asks, waiting only when nothing is. An error is raised after the
         messages read before it."""
@@ -154,7 +158,8 @@ class _Call:
                 if buffer:
                     msgs = list(buffer)
                     buffer.clear()
-                    yield merge_responses(msgs)
+                    for msg in merge_by_choice(msgs):
+                        yield msg
                 elif ended:
                     if ended[0] is not None:
                         raise ended[0]
@@ -180,10 +185,19 @@ class _Call:
         self.call.cancel()
 
 
-def _final(messages: list[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
-    if not messages or not messages[-1].finish_reason:
-        raise OpenAIError(502, "the router's stream ended without a final message")
-    return messages[-1]
+def _choices(messages: list[generation_pb2.GenerateResponse],
+             n: int) -> list[tuple[list[generation_pb2.GenerateResponse], generation_pb2.GenerateResponse]]:
+    """A whole stream's messages choice by choice: ``(its messages, its final message)`` for
+    choices 0..n-1. Raises :class:`OpenAIError` (502) when a choice has no final message, or a
+    message names a choice outside ``[0, n)``."""
+    by_index: list[list[generation_pb2.GenerateResponse]] = [[] for _ in range(n)]
+    for m in messages:
+        if m.index >= n:
+            raise OpenAIError(502, f"the router's stream has a message of choice {m.index} (n={n})")
+        by_index[m.index].append(m)
+    if not all(msgs and msgs[-1].finish_reason for msgs in by_index):
+        raise OpenAIError(502, "the router's stream ended without a final message for every choice")
+    return [(msgs, msgs[-1]) for msgs in by_index]
 
 
 #: Stands for a chunk's text in :func:`_text_event`'s template (ASCII: JSON leaves it as it is).
@@ -204,36 +218,48 @@ def _text_event(render: Callable[[str], str]) -> Callable[[str], str] | None:
 
 async def _events(call: _Call, first: generation_pb2.GenerateResponse, *, chunk: Callable[..., BaseModel],
                   choice: Callable[[generation_pb2.GenerateResponse, str | None], BaseModel], include_usage: bool,
-                  opening: list | None = None, plain: bool = True) -> AsyncIterator[str]:
-    """A stream's server-sent events, from its ``first`` message on: the ``opening`` choices'
-    chunk when given, one chunk per message with text, logprobs or a finish reason
-    (``chunk([choice(msg, reason)])``; the messages that arrived while the last chunk was being
-    sent as one, see :meth:`_Call.batches`), the usage chunk when ``include_usage``, an error
-    event for an :class:`OpenAIError` raised meanwhile, then ``[DONE]``. ``plain``: the request
-    asked for no logprobs, so a chunk with text only is the same but for its text
-    (:func:`_text_event`)."""
+                  n: int = 1, opening: Callable[[int], BaseModel] | None = None,
+                  plain: bool = True) -> AsyncIterator[str]:
+    """A stream's server-sent events, from its ``first`` message on: for each of the ``n``
+    choices the ``opening(index)`` choice's chunk when given, one chunk per message with text,
+    logprobs or a finish reason (``chunk([choice(msg, reason)])``, the choice of the message's
+    ``index``; the messages of a choice that arrived while the last chunk was being sent as one,
+    see :meth:`_Call.batches`), the usage chunk when ``include_usage`` (the prompt's tokens once,
+    the completion tokens of every choice), an error event for an :class:`OpenAIError` raised
+    meanwhile, then ``[DONE]``. ``plain``: the request asked for no logprobs, so a chunk with
+    text only is the same but for its text (:func:`_text_event`, one template per choice)."""
     skip = None if include_usage else {"usage"}
-    text_event = _text_event(lambda text: chunk([choice(generation_pb2.GenerateResponse(text=text), None)])
-                             .model_dump_json(exclude=skip)) if plain else None
-    final = None
+    templates: dict[int, Callable[[str], str] | None] = {}
+
+    def text_event(index: int) -> Callable[[str], str] | None:
+        if index not in templates:
+            templates[index] = _text_event(lambda text: chunk([choice(generation_pb2.GenerateResponse(
+                text=text, index=index), None)]).model_dump_json(exclude=skip))
+        return templates[index]
+
+    finals: list[generation_pb2.GenerateResponse] = []
     # The first message is sent alone, at once; the rest as they come.
-    messages = None if first.finish_reason else call.batches()
+    messages = None if first.finish_reason and n == 1 else call.batches()
     msg: generation_pb2.GenerateResponse | None = first
     try:
         if opening is not None:
-            yield event(chunk(opening).model_dump_json(exclude=skip))
+            for index in range(n):
+                yield event(chunk([opening(index)]).model_dump_json(exclude=skip))
         while msg is not None:
             reason = finish_reason(msg)
-            if text_event is not None and not reason and not msg.logprobs:
+            fast = text_event(msg.index) if plain and not reason and not msg.logprobs else None
+            if fast is not None:
                 if msg.text:
-                    yield text_event(msg.text)
+                    yield fast(msg.text)
             elif msg.text or msg.logprobs or reason:
                 yield event(chunk([choice(msg, reason)]).model_dump_json(exclude=skip))
             if reason:
-                final = msg
+                finals.append(msg)
             msg = None if messages is None else await anext(messages, None)
-        if include_usage and final is not None:
-            yield event(chunk([], usage=usage(final)).model_dump_json())
+        if len(finals) != n:
+            raise OpenAIError(502, "the router's stream ended without a final message for every choice")
+        if include_usage:
+            yield event(chunk([], usage=usage(*finals)).model_dump_json())
     except OpenAIError as e:
         yield event(e.body())
     finally:
@@ -351,28 +377,30 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             messages = await unless_disconnected(request, call.all())
             if messages is None:
                 return Response(status_code=CLIENT_CLOSED)
-            final = _final(messages)
-            reason = finish_reason(final)
-            logprobs = None
-            if top_n is not None:
-                logprobs, builder = CompletionLogprobs(), CompletionLogprobsBuilder(top_n)
-                for m in messages:
-                    builder.add(m.logprobs, logprobs)
-            return _json(chunk([CompletionChoice(text="".join(m.text for m in messages), logprobs=logprobs,
-                                                 finish_reason=reason)], usage=usage(final)))
+            choices, finals = [], []
+            for index, (msgs, final) in enumerate(_choices(messages, body.n)):
+                logprobs = None
+                if top_n is not None:
+                    logprobs, builder = CompletionLogprobs(), CompletionLogprobsBuilder(top_n)
+                    for m in msgs:
+                        builder.add(m.logprobs, logprobs)
+                choices.append(CompletionChoice(index=index, text="".join(m.text for m in msgs), logprobs=logprobs,
+                                                finish_reason=finish_reason(final)))
+                finals.append(final)
+            return _json(chunk(choices, usage=usage(*finals)))
 
         first = await _first(request, call)
         if first is None:
             return Response(status_code=CLIENT_CLOSED)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        builder = CompletionLogprobsBuilder(top_n) if top_n is not None else None
+        builders = {i: CompletionLogprobsBuilder(top_n) for i in range(body.n)} if top_n is not None else None
 
         def stream_choice(msg: generation_pb2.GenerateResponse, reason: str | None) -> CompletionChoice:
-            logprobs = builder.add(msg.logprobs) if builder is not None else None
-            return CompletionChoice(text=msg.text, logprobs=logprobs, finish_reason=reason)
+            logprobs = builders[msg.index].add(msg.logprobs) if builders is not None else None
+            return CompletionChoice(index=msg.index, text=msg.text, logprobs=logprobs, finish_reason=reason)
 
-        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage,
-                         plain=builder is None)
+        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage, n=body.n,
+                         plain=builders is None)
         return EventStream(events, on_close=call.cancel)
 
     @app.post("/v1/chat/completions", responses={**ok_response(ChatCompletion, chunk=ChatCompletionChunk), **v1_errors})
@@ -394,10 +422,11 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             messages = await unless_disconnected(request, call.all())
             if messages is None:
                 return Response(status_code=CLIENT_CLOSED)
-            final = _final(messages)
-            choice = ChatChoice(message=AssistantMessage(content="".join(m.text for m in messages)),
-                                logprobs=logprobs_of(messages), finish_reason=finish_reason(final))
-            return _json(ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage(final)))
+            choices = _choices(messages, body.n)
+            return _json(ChatCompletion(id=rid, created=created, model=model, choices=[
+                ChatChoice(index=index, message=AssistantMessage(content="".join(m.text for m in msgs)),
+                           logprobs=logprobs_of(msgs), finish_reason=finish_reason(final))
+                for index, (msgs, final) in enumerate(choices)], usage=usage(*(final for _, final in choices))))
 
         first = await _first(request, call)
         if first is None:
@@ -408,11 +437,12 @@ def create_app(config: OpenAIConfig) -> FastAPI:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **kw)
 
         def stream_choice(msg: generation_pb2.GenerateResponse, reason: str | None) -> ChatChunkChoice:
-            return ChatChunkChoice(delta=DeltaMessage(content=msg.text), logprobs=logprobs_of([msg]),
-                                   finish_reason=reason)
+            return ChatChunkChoice(index=msg.index, delta=DeltaMessage(content=msg.text),
+                                   logprobs=logprobs_of([msg]), finish_reason=reason)
 
-        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage,
-                         opening=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
+        events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage, n=body.n,
+                         opening=lambda index: ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                                               content="")),
                          plain=top_n is None)
         return EventStream(events, on_close=call.cancel)
 

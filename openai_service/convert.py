@@ -13,10 +13,10 @@ what the context leaves like its own default. ``presence_penalty``, ``frequency_
 ``logit_bias`` (token id strings -> bias) and vLLM's extra ``repetition_penalty`` and
 ``min_tokens`` are sent as the runner's fields (their ranges checked by
 :mod:`openai_service.protocol`; token ids outside the vocabulary and a ``min_tokens`` above
-``max_tokens`` by the runner, a 400 either way). Parameters warmserve does not implement (``n``
-other than 1, ``echo``, ``best_of``, ``suffix``, tools, non-text ``response_format``) are
-refused with an HTTP 400 naming them, as are an empty prompt, empty stop strings and unknown
-chat roles.
+``max_tokens`` by the runner, a 400 either way). ``n`` (1..:data:`~services.sampling_keys.MAX_N`
+choices) is sent as ``SamplingParams.n``. Parameters warmserve does not implement (``echo``,
+``best_of`` other than 1, ``suffix``, tools, non-text ``response_format``) are refused with an
+HTTP 400 naming them, as are an empty prompt, empty stop strings and unknown chat roles.
 
 Responses: finish reasons STOP and LENGTH become ``"stop"`` and ``"length"``; a stream the
 runner ended as ABORTED or CANCELLED is an error (HTTP 500, as vLLM answers a request whose
@@ -62,8 +62,6 @@ def _refuse(value_set: bool, param: str, why: str = "is not supported by warmser
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """The checks every request shares; raises :class:`OpenAIError` (HTTP 400)."""
-    if req.n != 1:
-        raise bad_request(f"n must be 1: warmserve returns one choice per request (got n={req.n})", param="n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
 
@@ -95,6 +93,7 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
     except InvalidArgument as e:  # pydantic has checked the ranges already; a stray value is still a 400
         raise bad_request(str(e)) from None
     out.logprobs = logprobs
+    out.n = req.n
     if default_max_tokens is not None:
         out.default_max_tokens = default_max_tokens
     return out
@@ -125,7 +124,8 @@ def completion_to_proto(req: CompletionRequest, request_id: str) -> generation_p
     Raises :class:`OpenAIError` (400) for what warmserve does not implement."""
     _check_common(req)
     _refuse(req.echo, "echo")
-    _refuse(req.best_of not in (None, 1), "best_of", "must be 1 (or left out): warmserve returns one choice")
+    _refuse(req.best_of not in (None, 1), "best_of", "must be 1 (or left out): warmserve does not rank choices "
+            "(ask for n choices instead)")
     _refuse(bool(req.suffix), "suffix")
     sampling = sampling_to_proto(req, max_tokens=req.max_tokens, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
                                  logprobs=0 if req.logprobs is None else max(req.logprobs, 1))
@@ -190,11 +190,13 @@ def finish_reason(resp: generation_pb2.GenerateResponse) -> str | None:
                            "without finishing it (see its log)")
 
 
-def usage(resp: generation_pb2.GenerateResponse) -> Usage:
-    """The final message's usage, as the runner counted it (tokens)."""
-    u = resp.usage
-    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                 total_tokens=u.prompt_tokens + u.completion_tokens)
+def usage(*finals: generation_pb2.GenerateResponse) -> Usage:
+    """The usage of a request from its choices' final messages (at least one), as the runner
+    counted them (tokens): the prompt's tokens once (every choice has the same prompt), the
+    completion tokens summed over the choices, as OpenAI counts ``n`` choices."""
+    prompt = finals[0].usage.prompt_tokens
+    completion = sum(f.usage.completion_tokens for f in finals)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _clip(logprob: float) -> float:

@@ -44,6 +44,7 @@ from services.sampling_keys import (
     FLOAT32_MAX,
     LOGIT_BIAS_MAX,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     PENALTY_MAX,
     REPETITION_PENALTY_MAX,
 )
@@ -170,12 +171,13 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions. Token counts are tokens."""
+    """Fields shared by completions and chat completions. Token counts are tokens. ``n``:
+    choices to generate, 1..:data:`~services.sampling_keys.MAX_N`."""
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     model: str | None = None
-    n: Int = Field(1, json_schema_extra={"enum": [1]})
+    n: _int(ge=1, le=MAX_N) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [

@@ -18,7 +18,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
     """Map the proto's conventions and validate: ``max_tokens``, ``temperature``, ``top_k`` and
     ``top_p`` left unset stay ``None`` (the engine's defaults, :meth:`SamplingDefaults.resolve`);
     a field set is used as given, except ``max_tokens`` 0 (unset) and ``top_p`` 0 (1.0, off);
-    ``repetition_penalty`` unset is ``None`` (off). Raises ``InvalidArgument``."""
+    ``repetition_penalty`` unset is ``None`` (off); ``n`` 0 is 1. Raises ``InvalidArgument``."""
     max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 0
     if max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0 (0: the default), got {max_tokens}")
@@ -43,6 +43,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
         logit_bias=dict(sp.logit_bias),
         min_tokens=sp.min_tokens,
+        n=sp.n or 1,
     )
 
 
@@ -104,14 +105,15 @@ def token_text_decoder(tokenizer) -> Callable[[int], str] | None:
 
 def output_to_proto(out: RequestOutput, runner_id: str,
                     token_text: Callable[[int], str] | None = None) -> generation_pb2.GenerateResponse:
-    """One streamed engine output as a ``GenerateResponse`` (usage only on the final one).
+    """One streamed engine output as a ``GenerateResponse`` (its choice in ``index``; usage only
+    on a choice's final one: the prompt's tokens and that choice's completion tokens).
     ``token_text`` (:func:`token_text_decoder`) fills each logprob's ``token``, the sampled one's
     and every top-n one's; without it they stay empty. Logprobs are present only when the
     request asked for them, so the decoding costs nothing otherwise."""
     piece = token_text or (lambda _id: "")
     top_logprob = generation_pb2.TopLogprob
     msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
-                                          runner_id=runner_id)
+                                          runner_id=runner_id, index=out.index)
     for lp in out.logprobs:
         msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=piece(lp.token_id),
                          top=[top_logprob(token_id=t, logprob=v, token=piece(t)) for t, v in lp.top])

@@ -345,8 +345,15 @@ class LLMEngine:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
         :meth:`tokenize`, a ``max_tokens`` above what the context leaves (unset: the default,
         capped), a ``min_tokens`` above it, bad stop token ids or ``logit_bias`` ids, a request id
-        already in flight) or
-        ``ResourceExhausted`` (the request can never fit the KV cache)."""
+        already in flight, ``n`` above ``max_num_seqs``) or ``ResourceExhausted`` (the request, or
+        its ``n`` choices together, can never fit the KV cache).
+
+        ``params.n`` > 1: the request is ``n`` sequences (ids ``f"{request_id}-{i}"``; aborting
+        ``request_id`` aborts them all), choice i sampling with seed ``seed + i`` (mod 2^64), or
+        its own random seed when unseeded; choices 1..n-1 start their prefill once choice 0 has
+        computed the prompt, and so share its full prompt blocks through the prefix cache
+        (:attr:`Sequence.prefill_after <runner_service.sequence.Sequence.prefill_after>`). They
+        stream on the one returned stream, each delta naming its choice (``index``)."""
         ids = self.tokenize(text=text, messages=messages, token_ids=token_ids,
                             allow_special_tokens=allow_special_tokens, tools=tools)
         params = self.sampling_defaults.resolve(params, len(ids), self.max_model_len)
@@ -357,24 +364,32 @@ class LLMEngine:
         if bad:
             raise InvalidArgument(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
         rid = request_id or uuid.uuid4().hex
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        seq = Seq(rid, ids, params, self.max_model_len, gen)
-        self.scheduler.check_fits(seq)
-        stream = RequestStream(rid, len(ids), self.abort)
+        n = params.n
+        seqs = []
+        for i in range(n):
+            gen = None
+            if not params.greedy:
+                gen = torch.Generator().manual_seed(secrets.randbits(63) if params.seed is None
+                                                    else (params.seed + i) % 2**64)
+            seqs.append(Seq(rid if n == 1 else f"{rid}-{i}", ids, params, self.max_model_len, gen))
+            if i:
+                seqs[i].prefill_after = seqs[0]
+        self.scheduler.check_fits(seqs[0], n)
+        stream = RequestStream(rid, len(ids), self.abort, n)
+        keys = {rid, *(s.request_id for s in seqs)}
         with self._lock:
             if self._stopping:
                 raise FailedPrecondition("the engine is shutting down")
-            if rid in self._ids:
-                raise InvalidArgument(f"request id {rid!r} is already in flight")
-            self._ids.add(rid)
-            self._inbox.append(("add", (seq, stream)))
+            if taken := sorted(keys & self._ids):
+                raise InvalidArgument(f"request id {taken[0]!r} is already in flight")
+            self._ids.update(keys)
+            self._inbox.append(("add", (seqs, stream)))
             self._wake.notify()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (no-op when unknown or finished): blocks freed, final delta CANCELLED."""
+        """Cancel a request, every choice of it (no-op when unknown or finished): blocks freed,
+        each choice's final delta CANCELLED."""
         with self._lock:
             self._inbox.append(("abort", request_id))
             self._wake.notify()
@@ -392,10 +407,13 @@ class LLMEngine:
             if kind == "call":
                 item()
             elif kind == "add":
-                self.output.add(*item)
-                self.scheduler.add(item[0])
-            elif (seq := self.output.seq(item)) is not None:
-                self._finish(seq, FinishReason.CANCELLED)
+                seqs, stream = item
+                for i, seq in enumerate(seqs):
+                    self.output.add(seq, stream, i)
+                    self.scheduler.add(seq)
+            else:
+                for seq in self.output.seqs_of(item):
+                    self._finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> int:
         """Apply queued adds/aborts and run one scheduler step. Returns the sequences stepped."""
@@ -477,7 +495,7 @@ class LLMEngine:
         propose the running ones' next drafts."""
         for seq, out in zip(seqs, outs, strict=True):
             if out.finish_reason is None:
-                self.output.publish(out)
+                self.output.publish(seq, out)
             else:
                 self._finish(seq, out.finish_reason, out)
         if self.drafter is not None:
@@ -487,9 +505,11 @@ class LLMEngine:
         """Free ``seq``'s blocks (no-op when the scheduler did already), then queue its final delta."""
         self.scheduler.finish(seq, reason)
         self.penalties.release(seq)
-        self.output.finish(seq, reason, out)
+        done = self.output.finish(seq, reason, out)  # the request's id once its last choice finished
         with self._lock:
             self._ids.discard(seq.request_id)
+            if done is not None:
+                self._ids.discard(done)
 
     def run_until_done(self, max_steps: int | None = None) -> int:
         """Step (in this thread) until no work is left; returns the steps taken. For tests and

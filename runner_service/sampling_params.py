@@ -9,7 +9,13 @@ from dataclasses import dataclass, replace
 
 from runner_service.limits import check_stops
 from services.errors import InvalidArgument
-from services.sampling_keys import LOGIT_BIAS_MAX, MAX_LOGIT_BIAS_ENTRIES, PENALTY_MAX, REPETITION_PENALTY_MAX
+from services.sampling_keys import (
+    LOGIT_BIAS_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MAX,
+)
 
 #: Most top-n logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -71,6 +77,9 @@ class SamplingParams:
     Speculative decoding: a request with a penalty or ``min_tokens`` is never drafted
     (:attr:`may_speculate` is false: each of its tokens changes the next one's logits); one with
     ``logit_bias`` alone is, the bias added at every verified position (it does not depend on it).
+    - ``n``: choices to generate for the prompt, 1..:data:`~services.sampling_keys.MAX_N`
+      (:meth:`LLMEngine.add_request <runner_service.engine.LLMEngine.add_request>` fans them out;
+      with a ``seed`` s choice i samples with seed s + i, mod 2^64).
     """
 
     max_tokens: int | None = None
@@ -89,6 +98,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = ()
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -104,6 +114,8 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be in [0, 2^64), got {self.seed}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidArgument(f"n must be in [1, {MAX_N}] (choices per request), got {self.n}")
         check_stops(self.stop, self.stop_token_ids)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

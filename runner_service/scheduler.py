@@ -7,7 +7,9 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   chunk shorter than the rest (budget or free blocks ran out) ends the batch, so at most the
   last sequence of a batch is partly prefilled. A sequence that holds no blocks (new or
   preempted) first takes the longest cached prefix of its tokens from the prefix cache
-  (:meth:`BlockManager.allocate_cached_prefix`), so its chunk starts after the hit; or
+  (:meth:`BlockManager.allocate_cached_prefix`), so its chunk starts after the hit. Choice
+  i > 0 of a request with several choices (``seq.prefill_after``) is passed over until choice
+  0 has computed the prompt, so it then hits every full prompt block choice 0 computed; or
 - a **decode** batch: every running sequence, one token each, or with speculative decoding
   its last token and its draft tokens (``seq.draft_token_ids``, proposed by the engine after
   the previous step; dropped for the step when their blocks do not fit). When a sequence needs a new block
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from runner_service.block_manager import BlockManager
 from runner_service.sequence import FinishReason, Sequence, SequenceStatus
-from services.errors import ResourceExhausted
+from services.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass
@@ -110,15 +112,31 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence, n: int = 1) -> None:
         """Raise ``ResourceExhausted`` when ``seq`` could never fit the KV cache even alone (its
-        K/V at most: ``max_total_tokens - 1`` tokens, the last sampled token is never fed back).
-        Reads only the block manager's fixed sizes: safe from any thread."""
-        need = self.block_manager.blocks_needed(max(1, seq.max_total_tokens - 1))
-        if need > self.block_manager.num_usable_blocks:
+        K/V at most: ``max_total_tokens - 1`` tokens, the last sampled token is never fed back),
+        or when ``n`` such sequences (the choices of one request) could never be resident
+        together: more than ``max_num_seqs`` of them (``InvalidArgument``), or more blocks than
+        the cache has, counting the prompt's full blocks once when the prefix cache shares them
+        (``ResourceExhausted``). Reads only the block manager's fixed sizes: safe from any thread."""
+        bm = self.block_manager
+        need = bm.blocks_needed(max(1, seq.max_total_tokens - 1))
+        if need > bm.num_usable_blocks:
             raise ResourceExhausted(
                 f"the request needs up to {need} KV blocks ({seq.max_total_tokens} tokens) but the cache has "
-                f"{self.block_manager.num_usable_blocks}; shorten the prompt or max_tokens")
+                f"{bm.num_usable_blocks}; shorten the prompt or max_tokens")
+        if n == 1:
+            return
+        if n > self.max_num_seqs:
+            raise InvalidArgument(f"n={n} choices cannot run together: this runner decodes at most "
+                                  f"{self.max_num_seqs} sequences at once (--max-num-seqs); ask for fewer choices")
+        shared = (seq.num_prompt_tokens - 1) // bm.block_size if bm.enable_prefix_caching else 0
+        total = need + (n - 1) * (need - shared)
+        if total > bm.num_usable_blocks:
+            raise ResourceExhausted(
+                f"n={n} choices need up to {total} KV blocks together ({need} each, {shared} prompt blocks "
+                f"shared) but the cache has {bm.num_usable_blocks}; ask for fewer choices or shorten the "
+                "prompt or max_tokens")
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (call :meth:`check_fits` first)."""
@@ -191,6 +209,10 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0:
                 break
+            if seq.prefill_after is not None:  # a request's choice i > 0: after choice 0's prompt
+                if seq.prefill_after.status is SequenceStatus.WAITING:
+                    continue
+                seq.prefill_after = None
             is_new = not seq.block_table
             if is_new and resident >= self.max_num_seqs:
                 break

@@ -48,6 +48,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        #: Choice i > 0 of a request with several choices: its first prefill waits until this
+        #: sequence (the request's choice 0) has computed the prompt, so that it takes the
+        #: prompt's full blocks from the prefix cache (:meth:`Scheduler.schedule
+        #: <runner_service.scheduler.Scheduler.schedule>` clears it once scheduled).
+        self.prefill_after: Sequence | None = None
         #: Draft tokens to verify at the next decode step (speculative decoding: the engine
         #: proposes them after each step; the scheduler allocates their slots), and the drafter's
         #: per-sequence state (:class:`runner_service.ngram.NgramIndex`), ``None`` until first used.

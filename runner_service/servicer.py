@@ -2,7 +2,9 @@
 nothing more.
 
 ``Generate`` turns a ``GenerateRequest`` into an :meth:`LLMEngine.add_request` call and streams
-the engine's deltas back. Bad input is ``INVALID_ARGUMENT`` with one sentence (the runner keeps
+the engine's deltas back; with ``n`` > 1 the choices' messages come interleaved, each naming its
+choice (``index``; a slow reader's deltas are merged per choice, never across choices), and the
+stream ends once every choice sent its final message. Bad input is ``INVALID_ARGUMENT`` with one sentence (the runner keeps
 serving); a request that can never fit the KV cache is ``RESOURCE_EXHAUSTED``; a runner serving
 its maximum of streams answers :class:`~services.errors.Overloaded`. Refusals at a limit
 (:mod:`runner_service.limits`, the stream slots) are counted in :attr:`GenerationServicer.refusals`

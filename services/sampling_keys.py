@@ -27,6 +27,11 @@ from services.utf8 import utf8_size
 FLOAT32_MAX = 3.4028234663852886e38
 #: The largest int32: the proto's token counts, token ids and ``top_k``.
 INT32_MAX = 2**31 - 1
+#: Most choices one request may ask for (``SamplingParams.n``; the runner's and the OpenAI door's
+#: bound). Every choice is a sequence of its own, decoded in the runner's batch: one request may
+#: hold at most half of a runner's rows at the default ``--max-num-seqs`` (32), so it cannot
+#: crowd out every other request (a runner with fewer rows refuses a larger ``n`` itself).
+MAX_N = 16
 
 #: ``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_MAX, PENALTY_MAX]`` (OpenAI's and
 #: vLLM's range; 0 = off).

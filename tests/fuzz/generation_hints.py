@@ -28,5 +28,6 @@ GENERATION_HINTS = {
     "warmserve.v1.SamplingParams.LogitBiasEntry.key": st.integers(-1, 130),
     "warmserve.v1.SamplingParams.LogitBiasEntry.value": st.sampled_from((100.0, -100.0, 1.5, 100.5)),
     "warmserve.v1.SamplingParams.min_tokens": st.integers(0, 70),
+    "warmserve.v1.SamplingParams.n": st.integers(0, 6),  # 5, 6: above the fuzz runner's max_num_seqs
     "warmserve.v1.GenerateRequest.routing": st.integers(-1, 4),
 }

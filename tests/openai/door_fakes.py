@@ -1,6 +1,7 @@
 """A fake router for tests of the OpenAI door's own surface (guards, schema, TLS): a
 ``Generation`` service in this process that answers every ``Generate`` with two tokens
-(``"ok"``, with logprobs when asked) and a final LENGTH message, or, with ``overloaded`` set,
+(``"ok"``, with logprobs when asked) and a final LENGTH message for each of its ``n`` choices
+(interleaved, each message naming its choice), or, with ``overloaded`` set,
 with the router's capacity signal (UNAVAILABLE + ``warmserve-overloaded: 1``), or, with
 ``crash`` set, with an exception (gRPC's UNKNOWN, whose details carry the exception's text)."""
 
@@ -39,13 +40,17 @@ class FakeRouterGeneration(generation_pb2_grpc.GenerationServicer):
             context.set_trailing_metadata((OVERLOADED_METADATA,))
             context.abort(grpc.StatusCode.UNAVAILABLE, "every runner is busy: 4 of 4 streams in use")
         n = request.sampling.logprobs
+        choices = range(request.sampling.n or 1)
         for token_id, text in ((5, "o"), (6, "k")):
             logprobs = [pb.TokenLogprob(token_id=token_id, token=text, logprob=-0.5,
                                         top=[pb.TopLogprob(token_id=token_id, token=text, logprob=-0.5)] * n)] if n else []
-            yield pb.GenerateResponse(request_id=request.request_id, token_ids=[token_id], text=text,
-                                      logprobs=logprobs, runner_id="fake-0")
-        yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
-                                  runner_id="fake-0", usage=pb.Usage(prompt_tokens=3, completion_tokens=2))
+            for index in choices:
+                yield pb.GenerateResponse(request_id=request.request_id, token_ids=[token_id], text=text,
+                                          logprobs=logprobs, runner_id="fake-0", index=index)
+        for index in choices:
+            yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH,
+                                      runner_id="fake-0", usage=pb.Usage(prompt_tokens=3, completion_tokens=2),
+                                      index=index)
 
     def ModelInfo(self, request, context):
         return pb.ModelInfoResponse(runner_id="fake-0", model=FAKE_MODEL, family="fake", vocab_size=256,

@@ -1,6 +1,7 @@
 """The OpenAI door's stream encoding, without a server: a chunk with text only is rendered from a
 template (the same bytes as pydantic's rendering of the whole chunk), and the messages that
-arrive while the door is busy are sent as one chunk, the first never waiting for a second."""
+arrive while the door is busy are sent as one chunk per choice, the first never waiting for a
+second, and never merged across the choices of a request with several."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from openai_service.protocol import (
     CompletionChoice,
     DeltaMessage,
 )
-from services.deltas import merge_responses
+from services.deltas import merge_by_choice, merge_responses
 from services.proto import generation_pb2 as pb
 
 TEXTS = ["", "plain", 'a "quote" and a \\ backslash', "\n\t\r\b\f", "\x00\x01\x1f\x7f", "é ü 中文 🎉",
@@ -109,8 +110,8 @@ def _parsed(events: list[str]) -> list[dict]:
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_a_door_that_falls_behind_sends_the_same_content_in_fewer_chunks(kind) -> None:
     chunk, choice, opening = ((_completion_chunk, _completion_choice, None) if kind == "completion" else
-                              (_chat_chunk, _chat_choice, [ChatChunkChoice(delta=DeltaMessage(role="assistant",
-                                                                                              content=""))]))
+                              (_chat_chunk, _chat_choice, lambda i: ChatChunkChoice(
+                                  index=i, delta=DeltaMessage(role="assistant", content=""))))
     fast = _parsed(asyncio.run(_stream(chunk, choice, behind=False, opening=opening)))
     slow = _parsed(asyncio.run(_stream(chunk, choice, behind=True, opening=opening)))
 
@@ -147,3 +148,33 @@ def test_merged_messages_keep_every_field() -> None:
     assert [(lp.token_id, lp.logprob) for lp in merge_responses(lps).logprobs] == [(1, -1.0), (2, -2.0)]
     with pytest.raises(ValueError):
         merge_responses([])
+
+
+def test_messages_of_different_choices_are_never_merged() -> None:
+    def msg(index, text, final=False):
+        return pb.GenerateResponse(request_id="r", index=index, token_ids=[len(text)], text=text,
+                                   finish_reason=pb.FINISH_REASON_LENGTH if final else 0,
+                                   usage=pb.Usage(prompt_tokens=3, completion_tokens=2) if final else None)
+
+    with pytest.raises(ValueError, match="different choices"):
+        merge_responses([msg(0, "a"), msg(1, "b")])
+    merged = merge_by_choice([msg(1, "x"), msg(0, "a"), msg(1, "y", True), msg(0, "b")])
+    assert [(m.index, m.text, m.finish_reason) for m in merged] == [(1, "xy", pb.FINISH_REASON_LENGTH), (0, "ab", 0)]
+
+    # A door that fell behind a two-choice stream: one chunk per choice, each with its index.
+    msgs = [msg(0, "a"), msg(1, "x"), msg(0, "b"), msg(1, "y"), msg(1, "", True), msg(0, "c"), msg(0, "", True)]
+
+    async def run() -> list[str]:
+        call = _FedCall()
+        events = _events(call, msgs[0], chunk=_completion_chunk, include_usage=True, n=2,
+                         choice=lambda m, r: CompletionChoice(index=m.index, text=m.text, finish_reason=r))
+        out = [await anext(events)]
+        for m in msgs[1:]:
+            call.fed.put_nowait(m)
+        call.fed.put_nowait(None)
+        return out + [e async for e in events]
+
+    chunks = _parsed(asyncio.run(run()))
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+            for c in chunks[:-1]] == [(0, "a", None), (1, "xy", "length"), (0, "bc", "length")]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

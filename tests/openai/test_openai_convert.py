@@ -26,6 +26,7 @@ from openai_service.protocol import (
     DeltaMessage,
 )
 from services.proto import generation_pb2 as pb
+from services.sampling_keys import MAX_N
 
 
 def completion(**kw) -> pb.GenerateRequest:
@@ -101,8 +102,6 @@ def test_chat_messages_become_a_chat_prompt() -> None:
 
 
 @pytest.mark.parametrize(("make", "kw", "param", "words"), [
-    (completion, {"n": 2}, "n", "n must be 1: warmserve returns one choice per request (got n=2)"),
-    (chat, {"n": 3}, "n", "got n=3"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options", "`stream=True`"),
     (completion, {"echo": True}, "echo", "not supported"),
     (completion, {"best_of": 2}, "best_of", "must be 1"),
@@ -151,6 +150,11 @@ def test_penalty_and_logit_bias_values_out_of_range_are_a_400_naming_the_field(k
     assert (err.status, err.param) == (400, param)
 
 
+def test_n_is_sent_as_the_choices_to_generate() -> None:
+    assert completion().sampling.n == 1
+    assert completion(n=3).sampling.n == 3 and chat(n=MAX_N).sampling.n == MAX_N
+
+
 def test_defaults_of_refused_parameters_pass() -> None:
     completion(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False, best_of=1, suffix="")
     chat(tools=[], tool_choice="none", response_format={"type": "text"}, stream=True,
@@ -168,6 +172,9 @@ def test_finish_reasons_and_usage() -> None:
         assert f"ended the request {name} after 4 tokens" in e.value.message
     u = usage(pb.GenerateResponse(usage=pb.Usage(prompt_tokens=7, completion_tokens=5)))
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (7, 5, 12)
+    u = usage(*(pb.GenerateResponse(index=i, usage=pb.Usage(prompt_tokens=7, completion_tokens=c))
+                for i, c in enumerate((5, 2, 4))))
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (7, 11, 18)  # the prompt once
 
 
 def _lp(token: str, logprob: float, top: list[tuple[str, float]]) -> pb.TokenLogprob:

@@ -34,7 +34,7 @@ def _generate(tok, params, tokens, eos=()):
         sched.postprocess(batch, [token])
         (out,) = output.process([seq], [None])
         if out.finish_reason is None:
-            output.publish(out)
+            output.publish(seq, out)
         else:
             sched.finish(seq, out.finish_reason)
             output.finish(seq, out.finish_reason, out)
