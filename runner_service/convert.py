@@ -12,6 +12,7 @@ from runner_service.output_processor import RequestOutput
 from runner_service.sampling_params import SamplingDefaults, SamplingParams
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.structured import spec_from_proto
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
@@ -38,6 +39,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=sp.ignore_eos,
         default_max_tokens=sp.default_max_tokens if sp.HasField("default_max_tokens") else None,
         disable_speculative_decoding=sp.disable_speculative_decoding,
+        structured=spec_from_proto(sp.structured) if sp.HasField("structured") else None,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from runner_service.limits import check_stops
 from services.errors import InvalidArgument
+from services.structured import StructuredSpec
 
 #: Most top-n logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -48,6 +49,9 @@ class SamplingParams:
     - ``disable_speculative_decoding``: decode this request one token per step even when the
       runner speculates (``--speculative``); its output is the same either way (greedy) or
       distributed the same (sampled).
+    - ``structured``: constrain the output to a JSON schema, any JSON object, a regex, one of
+      some strings or a grammar (:class:`~services.structured.StructuredSpec`; ``None``: free
+      text). The engine compiles it when the request is added (:mod:`runner_service.structured`).
     """
 
     max_tokens: int | None = None
@@ -61,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     default_max_tokens: int | None = None
     disable_speculative_decoding: bool = False
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
