@@ -170,6 +170,15 @@ class _SamplingFields(_Request):
     top_k: _int(ge=-1, lt=INT32_END) | None = None
     ignore_eos: bool = False
     stop_token_ids: list[_int(ge=0, lt=INT32_END)] | None = None
+    # vLLM's structured-output extras (at most one constraint per request, ``response_format``
+    # included; see services.structured): a JSON schema (object or JSON text), a regex, strings
+    # to choose one of, a grammar (Lark or GBNF), or vLLM's newer ``structured_outputs`` object
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -236,7 +245,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: Any = None
     response_format: dict[str, Any] | None = Field(
-        None, json_schema_extra={"properties": {"type": {"enum": ["text"]}}})
+        None, json_schema_extra={"properties": {"type": {"enum": ["text", "json_object", "json_schema"]}}})
 
 
 # --- responses -------------------------------------------------------------------------------------

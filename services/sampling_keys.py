@@ -3,7 +3,10 @@ Triton's vLLM backend's ``sampling_parameters`` JSON (:mod:`kserve_service.conve
 OpenAI body's sampling fields (:mod:`openai_service.convert`). See ``docs/architecture.md`` §10.
 
 Keys: ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 = off, as vLLM), ``seed``,
-``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``; a vLLM key warmserve
+``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``, and structured output:
+``structured_outputs`` / ``guided_decoding`` (vLLM's ``StructuredOutputsParams`` /
+``GuidedDecodingParams`` as an object or its JSON text, at most one constraint:
+:func:`services.structured.structured_from_vllm`); a vLLM key warmserve
 has no use for is accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). Numbers may be
 JSON numbers or strings (``"0.1"``, ``"100"``), as the vLLM backend converts each value with the
 field's type. Every function raises :class:`services.errors.InvalidArgument` naming the key.
@@ -17,6 +20,7 @@ from collections.abc import Mapping
 
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.structured import spec_to_proto, structured_from_keys
 from services.utf8 import utf8_size
 
 #: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
@@ -82,6 +86,7 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
     value. The count and length of stop strings and ids are the runner's to check
     (:mod:`runner_service.limits`)."""
     out = generation_pb2.SamplingParams()
+    structured = {}
     for key, value in params.items():
         if value is None and key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                                      "stop_token_ids", "ignore_eos", *NEUTRAL_SAMPLING):
@@ -112,14 +117,19 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
             out.stop_token_ids.extend(_in_range(key, _int(key, v), 0, INT32_MAX) for v in value)
         elif key == "ignore_eos":
             out.ignore_eos = _bool(key, value)
+        elif key in ("structured_outputs", "guided_decoding"):
+            structured[key] = value
         elif key == "lora_name":
             raise InvalidArgument("sampling parameter 'lora_name': LoRA adapters are not supported")
         elif key in NEUTRAL_SAMPLING:
             _check_neutral(key, value)
         else:
             raise InvalidArgument(f"unknown sampling parameter '{key}' (supported: max_tokens, temperature, top_p, "
-                                  f"top_k, seed, stop, stop_token_ids, ignore_eos, and at their defaults "
-                                  f"{', '.join(NEUTRAL_SAMPLING)})")
+                                  f"top_k, seed, stop, stop_token_ids, ignore_eos, structured_outputs, "
+                                  f"guided_decoding, and at their defaults {', '.join(NEUTRAL_SAMPLING)})")
+    spec = structured_from_keys(structured)
+    if spec is not None:
+        out.structured.CopyFrom(spec_to_proto(spec))
     return out
 
 

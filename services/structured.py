@@ -137,11 +137,16 @@ def structured_from_vllm(key: str, value: object) -> StructuredSpec | None:
     ``guided_decoding`` (``GuidedDecodingParams``) dict ``value`` under ``key``: one of ``json``
     (a schema object or its JSON text), ``regex``, ``choice`` (a list of strings), ``grammar``
     (GBNF or Lark) or ``json_object`` (true); :data:`VLLM_IGNORED_OPTIONS` may be given (any
-    value), ``whitespace_pattern`` only null. ``None`` when no constraint is set (keys null or
+    value), ``whitespace_pattern`` only null. ``value`` may be the dict's JSON text. ``None`` when no constraint is set (keys null or
     ``json_object`` false). Raises ``InvalidArgument`` for an unknown key, a wrong type, or more
     than one constraint."""
     if value is None:
         return None
+    if isinstance(value, str):  # a request parameter's string value (Triton's parameters map)
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgument(f"'{key}' is not valid JSON: {e}") from None
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"'{key}' must be an object, got {json.dumps(value)[:100]}")
     found = []
