@@ -111,10 +111,10 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
 
 def _structured_keys(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
     """The request's structured-output fields that are set (``response_format`` of type text is not)."""
-    keys = {k: getattr(req, k) for k in (*GUIDED_KEYS, "structured_outputs")}
     response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        keys["response_format"] = response_format
+    keys = {"response_format": None if response_format is None or response_format.get("type", "text") == "text"
+            else response_format}
+    keys.update((k, getattr(req, k)) for k in (*GUIDED_KEYS, "structured_outputs"))
     return {k: v for k, v in keys.items() if v is not None}
 
 
