@@ -152,6 +152,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._key: str | None = None
         self._lltok = None
+        self._refusal: InvalidArgument | None = None  # the tokenizer llguidance cannot read, once seen
 
     @property
     def mask_words(self) -> int:
@@ -159,8 +160,11 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def _lltokenizer(self):
-        """(identity, LLTokenizer), built on first use (~0.2 s for a 49k vocabulary)."""
+        """(identity, LLTokenizer), built on first use (~0.2 s for a 49k vocabulary). Raises
+        ``InvalidArgument`` when there is no tokenizer or llguidance cannot read it (remembered)."""
         with self._lock:
+            if self._refusal is not None:
+                raise InvalidArgument(str(self._refusal))
             if self._lltok is None:
                 if self._tokenizer is None:
                     raise InvalidArgument("structured output needs the model's tokenizer, and this engine has none")
@@ -171,7 +175,13 @@ class GrammarCompiler:
                 with _LLTOKENIZERS_LOCK:
                     lltok = _LLTOKENIZERS.get(key)
                     if lltok is None:
-                        lltok = _llguidance().LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
+                        try:
+                            lltok = _llguidance().LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
+                        except Exception as e:  # llguidance's ValueError for a tokenizer it cannot map to bytes
+                            self._refusal = InvalidArgument(
+                                f"structured output is not available for this model: its tokenizer is one "
+                                f"llguidance cannot read ({e})")
+                            raise InvalidArgument(str(self._refusal)) from None
                         _LLTOKENIZERS[key] = lltok
                 self._key, self._lltok = key, lltok
             return self._key, self._lltok
