@@ -56,6 +56,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from runner_service.output_processor import RequestOutput
@@ -243,7 +244,6 @@ class GrammarMasks:
     def __init__(self, rows: int, words: int) -> None:
         self.rows, self.words = rows, words
         self._buf: torch.Tensor | None = None
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def _buffer(self) -> torch.Tensor:
         if self._buf is None:
@@ -254,10 +254,16 @@ class GrammarMasks:
         row = self._buffer()[r]
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
 
-    def _allowed(self, n: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """[n, vocab] bool: whether each token is allowed by the first ``n`` filled rows."""
-        bits = (self._buffer()[:n, :, None] >> self._shifts) & 1
-        return bits.view(n, -1)[:, :vocab].to(device=device, dtype=torch.bool)
+    def _mask(self, targets: list[torch.Tensor]) -> None:
+        """Set ``-inf`` in ``targets[r]`` (a [V] view of the logits) wherever filled row ``r``
+        disallows the token (bit 0, or past the mask: ids the tokenizer does not have)."""
+        n, vocab = len(targets), targets[0].shape[-1]
+        words = self._buffer()[:n].numpy().view(np.uint8)  # little-endian int32 words: bit b of byte k is id 8k + b
+        bits = np.unpackbits(words, axis=1, count=vocab, bitorder="little")
+        disallowed = (torch.from_numpy(bits) == 0).to(targets[0].device)
+        with torch.inference_mode():  # the model's logits are inference tensors
+            for r, row in enumerate(targets):
+                row.masked_fill_(disallowed[r], float("-inf"))
 
     def apply(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> None:
         """Mask ``logits`` [n, V] in place: row ``i`` to what ``seqs[i]``'s grammar allows next
@@ -265,10 +271,7 @@ class GrammarMasks:
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         for r, i in enumerate(rows):
             self._fill(r, seqs[i].grammar)
-        idx = torch.tensor(rows, device=logits.device)
-        allowed = self._allowed(len(rows), logits.shape[-1], logits.device)
-        with torch.inference_mode():  # the model's logits are inference tensors
-            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        self._mask([logits[i] for i in rows])
 
     def apply_verify(self, logits: torch.Tensor, seqs: Sequence[Seq],
                      drafts: Sequence[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -295,11 +298,8 @@ class GrammarMasks:
                         break
             verified.append(list(d[:k]))
             walked.append(k)
-        ii = torch.tensor([p[0] for p in pairs], device=logits.device)
-        jj = torch.tensor([p[1] for p in pairs], device=logits.device)
-        allowed = self._allowed(len(pairs), logits.shape[-1], logits.device)
-        with torch.inference_mode():
-            logits[ii, jj] = logits[ii, jj].masked_fill(~allowed, float("-inf"))
+        if pairs:
+            self._mask([logits[i, j] for i, j in pairs])
         return verified, walked
 
 
