@@ -101,7 +101,7 @@ def _schema_text(where: str, value: object) -> str:
             value = json.loads(value)
         except ValueError as e:
             raise InvalidArgument(f"{where} is not valid JSON: {e}") from None
-    if not isinstance(value, dict | bool):
+    if not isinstance(value, dict):
         raise InvalidArgument(f"{where} must be a JSON schema (an object), got {json.dumps(value)[:100]}")
     return json.dumps(value, ensure_ascii=False)
 
