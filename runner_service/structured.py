@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -227,8 +228,10 @@ class GrammarCompiler:
 
 
 def _first_lines(error: str) -> str:
-    """llguidance's error without its parser-state dump, at most :data:`_MAX_ERROR_CHARS`."""
-    text = error.split("\n<state>")[0].strip()
+    """llguidance's error on one line, without its parser-state dump and source excerpts (the
+    ``  1 | ...`` and ``^`` lines), at most :data:`_MAX_ERROR_CHARS`."""
+    lines = [ln.strip() for ln in error.split("\n<state>")[0].splitlines()]
+    text = " ".join(ln for ln in lines if ln and not ln.startswith("^") and not re.match(r"\d+ \|", ln))
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
