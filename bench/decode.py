@@ -73,8 +73,17 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    the host time per decode step of the MTP drafter's staging: persistent buffers vs tensors
    rebuilt each step (:func:`host_mtp_prepare_us`).
 
+9. ``--structured-only``: structured output's cost. Decode tokens/s (greedy, EOS ignored, prefill
+   steps excluded, as in 1.; eager) at batch 1 / 8 / 32 with every row constrained by the JSON
+   schema :data:`STRUCTURED_SCHEMA` (``SamplingParams.structured``: llguidance's mask filled and
+   applied each step, the token consumed), half of them (batch 1: none), and none; the three
+   interleaved in each run, medians over ``--runs``. A constrained row ends (STOP) when its JSON
+   closes, so the rows end at different steps; the rate counts the tokens the decode steps
+   emitted. Also the schema's compile time (first, then cached).
+
 Usage: ``python bench/decode.py [--tokens 32] [--runs 3] [--dtype f32] [--weights-dtype f32] [--threads 1]
 [--no-compiled] [--no-hf] [--batch-invariant] [--no-prefix-caching | --prefix-caching-only]``;
+``python bench/decode.py --structured-only [--tokens 32] [--runs 3]``;
 ``python bench/decode.py --model deepseek-v4 [--tokens 32] [--runs 3] [--threads 1] [--dsv4-prompt-tokens 120]
 [--no-compiled] [--no-hf]``.
 """
@@ -87,6 +96,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +112,7 @@ from runner_service.config import EngineConfig  # noqa: E402
 from runner_service.decode_buffers import DecodeBuffers  # noqa: E402
 from runner_service.engine import LLMEngine  # noqa: E402
 from runner_service.sampling_params import SamplingParams  # noqa: E402
+from services.structured import StructuredSpec  # noqa: E402
 from weight_service.prepare import prepare  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
@@ -118,17 +129,19 @@ def _prompts(n: int) -> list[str]:
 
 
 def warmserve_decode_tps(engine: LLMEngine, batch: int, tokens: int,
-                         token_prompts: list[list[int]] | None = None) -> float:
+                         token_prompts: list[list[int]] | None = None, structured: int = 0) -> float:
     """Decode tokens/s of ``batch`` concurrent greedy requests (prefill steps excluded; the
     tokens the decode steps emitted, a speculative step's accepted drafts included): the
-    chat-less text prompts of :func:`_prompts`, or ``token_prompts`` (token ids) when given."""
+    chat-less text prompts of :func:`_prompts`, or ``token_prompts`` (token ids) when given.
+    The first ``structured`` rows are constrained by :data:`STRUCTURED_SCHEMA`."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    constrained = replace(params, structured=StructuredSpec("json_schema", json.dumps(STRUCTURED_SCHEMA)))
     if token_prompts is not None:
-        for ids in token_prompts[:batch]:
-            engine.add_request(params, token_ids=ids)
+        for i, ids in enumerate(token_prompts[:batch]):
+            engine.add_request(constrained if i < structured else params, token_ids=ids)
     else:
-        for p in _prompts(batch):
-            engine.add_request(params, text=p)
+        for i, p in enumerate(_prompts(batch)):
+            engine.add_request(constrained if i < structured else params, text=p)
     decode_s, decode_tokens = 0.0, 0
     while engine.has_work():
         engine._drain_inbox()
@@ -804,6 +817,55 @@ def batch_invariant_check(sidecar: Path, dtype: str, tokens: int = 16, alone: in
             "prefix_cache_tokens_saved": saved}
 
 
+#: Figure 9's schema: an object whose array of short notes keeps a row generating for a while.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 40},
+    "notes": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 6, "maxItems": 12},
+    "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["topic", "notes", "confidence"], "additionalProperties": False}
+
+
+def structured_report(sidecar: Path, args) -> dict:
+    """Figure 9: decode tokens/s with every row, half the rows and no row constrained by
+    :data:`STRUCTURED_SCHEMA`, batch 1 / 8 / 32, interleaved per run, medians over ``--runs``;
+    and the schema's compile time on the engine's tokenizer (first compile, then a cached one)."""
+    from runner_service import structured as structured_module
+
+    eng = _engine(sidecar, "off", None, args.dtype)
+    spec = StructuredSpec("json_schema", json.dumps(STRUCTURED_SCHEMA))
+    t0 = time.perf_counter()
+    eng.grammars.compile(spec)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.grammars.compile(spec)
+    cached = time.perf_counter() - t0
+    out: dict = {"compile_ms": {"first (tokenizer + grammar)": round(first * 1e3, 1),
+                                "cached": round(cached * 1e3, 3)},
+                 "json_options": structured_module.JSON_OPTIONS, "tps": {}}
+    for b in BATCHES:
+        shares = {"none": 0, "half": b // 2, "all": b}
+        for n in shares.values():
+            warmserve_decode_tps(eng, b, 4, structured=n)  # warm-up of the shapes
+        samples: dict[str, list[float]] = {name: [] for name in shares}
+        for _ in range(args.runs):
+            for name, n in shares.items():
+                samples[name].append(warmserve_decode_tps(eng, b, args.tokens, structured=n))
+        row = {name: round(statistics.median(v), 1) for name, v in samples.items()}
+        row["all_over_none"] = round(row["all"] / row["none"], 3)
+        out["tps"][f"batch {b}"] = row
+    eng.close()
+    return out
+
+
+def _print_structured(report: dict) -> None:
+    st = report["structured"]
+    print(f"\ncompile: {json.dumps(st['compile_ms'])} ms; JSON options {json.dumps(st['json_options'])}")
+    print("\n| decode tokens/s (eager, JSON schema) | no row constrained | half the rows | every row | every / none |")
+    print("|---|---:|---:|---:|---:|")
+    for name, row in st["tps"].items():
+        print(f"| {name} | {row['none']} | {row['half']} | {row['all']} | {row['all_over_none']}x |")
+
+
 def _median_tps(fn, runs: int) -> float:
     return round(statistics.median(fn() for _ in range(runs)), 1)
 
@@ -854,6 +916,8 @@ def main() -> int:
                         help="run only figure 8: speculative decoding off vs ngram (compiled unless --no-compiled); "
                              "with --model deepseek-v4: off vs mtp (eager), real and forced-accept drafts")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="figure 8's K (default 3)")
+    parser.add_argument("--structured-only", action="store_true",
+                        help="run only figure 9: decode tokens/s with JSON-schema-constrained rows (all, half, none)")
     parser.add_argument("--dsv4-identity-tokens", type=int, default=300,
                         help="figure 8 with --model deepseek-v4: tokens per request of the long identity run "
                              "(default 300)")
@@ -911,6 +975,12 @@ def main() -> int:
                     "tokens": args.tokens,
                     "runs": args.runs, "torch_threads": torch.get_num_threads(), "decode_tps": {}}
 
+    if args.structured_only:
+        report["structured"] = structured_report(sidecar, args)
+        print(json.dumps(report, indent=2))
+        _print_structured(report)
+        tmp.cleanup()
+        return 0
     if args.speculative_only:
         kc = args.kernel_cache_dir or str(Path(tmp.name) / "kernel-cache")
         report["speculative"] = speculative_report(sidecar, args, kc)

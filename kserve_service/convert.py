@@ -18,6 +18,7 @@ from services.errors import InvalidArgument
 from services.proto import generation_pb2
 from services.proto.triton import grpc_service_pb2 as kserve_pb2
 from services.sampling_keys import sampling_from_dict
+from services.structured import MAX_STRUCTURED_BYTES
 from services.utf8 import utf8_size
 
 #: Request parameters Triton's gRPC frontend keeps for itself (tritonclient's
@@ -36,8 +37,10 @@ FINISH_REASON_NAMES = {
 
 #: The largest ``sampling_parameters`` JSON text, in UTF-8 bytes: every key at its limit (16 stop
 #: strings of 256 bytes, each character \u-escaped: 24 KiB; 64 stop token ids; 300 ``logit_bias``
-#: entries of about 36 bytes: 11 KiB) fits with room.
-MAX_SAMPLING_JSON_BYTES = 64 << 10
+#: entries of about 36 bytes: 11 KiB) fits with room, and a structured-output constraint at its
+#: limit, escaped (JSON escapes at most triple a UTF-8 byte count: a 2-byte character as \uXXXX).
+#: 256 KiB.
+MAX_SAMPLING_JSON_BYTES = (64 << 10) + 3 * MAX_STRUCTURED_BYTES
 
 
 def sampling_from_json(text: str) -> generation_pb2.SamplingParams:

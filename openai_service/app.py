@@ -64,6 +64,7 @@ from openai_service.convert import (
     chat_to_proto,
     completion_to_proto,
     finish_reason,
+    structured_param,
     usage,
 )
 from openai_service.errors import OpenAIError, from_rpc_error, from_validation_error
@@ -367,7 +368,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         _ignored(body)
         model = await served.check(body.model)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        call = _Call(client, completion_to_proto(body, rid), {"prompt": "prompt", "max_tokens": "max_tokens"})
+        call = _Call(client, completion_to_proto(body, rid), {"prompt": "prompt", "max_tokens": "max_tokens",
+                                                              "structured": structured_param(body)})
         top_n = body.logprobs
 
         def chunk(choices, **kw) -> Completion:
@@ -410,7 +412,8 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         call = _Call(client, chat_to_proto(body, rid), {
             "prompt": "messages",
-            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"})
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+            "structured": structured_param(body)})
         top_n = (body.top_logprobs or 0) if body.logprobs else None
 
         def logprobs_of(msgs) -> ChatLogprobs | None:

@@ -14,9 +14,13 @@ what the context leaves like its own default. ``presence_penalty``, ``frequency_
 ``min_tokens`` are sent as the runner's fields (their ranges checked by
 :mod:`openai_service.protocol`; token ids outside the vocabulary and a ``min_tokens`` above
 ``max_tokens`` by the runner, a 400 either way). ``n`` (1..:data:`~services.sampling_keys.MAX_N`
-choices) is sent as ``SamplingParams.n``. Parameters warmserve does not implement (``echo``,
-``best_of`` other than 1, ``suffix``, tools, non-text ``response_format``) are refused with an
-HTTP 400 naming them, as are an empty prompt, empty stop strings and unknown chat roles.
+choices) is sent as ``SamplingParams.n``. Structured output: a chat's ``response_format``
+(``json_object``, or ``json_schema`` with its ``schema``) and vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` and ``structured_outputs`` become
+``SamplingParams.structured`` (:mod:`services.structured`; at most one per request); the runner
+compiles it, and a schema or grammar it refuses is a 400 naming the field. Parameters warmserve
+does not implement (``echo``, ``best_of`` other than 1, ``suffix``) are refused with an HTTP 400
+naming them, as are an empty prompt, empty stop strings and unknown chat roles.
 
 Responses: finish reasons STOP and LENGTH become ``"stop"`` and ``"length"``; a stream the
 runner ended as ABORTED or CANCELLED is an error (HTTP 500, as vLLM answers a request whose
@@ -43,6 +47,7 @@ from openai_service.protocol import (
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
 from services.sampling_keys import sampling_from_dict
+from services.structured import GUIDED_KEYS, spec_to_proto, structured_from_keys
 
 #: The lowest logprob sent (``-inf`` is not JSON; vLLM and OpenAI send this instead).
 MIN_LOGPROB = -9999.0
@@ -96,7 +101,29 @@ def sampling_to_proto(req: CompletionRequest | ChatCompletionRequest, *, max_tok
     out.n = req.n
     if default_max_tokens is not None:
         out.default_max_tokens = default_max_tokens
+    keys = _structured_keys(req)
+    try:
+        spec = structured_from_keys(keys)
+    except InvalidArgument as e:
+        raise bad_request(str(e), param=structured_param(req)) from None
+    if spec is not None:
+        out.structured.CopyFrom(spec_to_proto(spec))
     return out
+
+
+def _structured_keys(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
+    """The request's structured-output fields that are set (``response_format`` of type text is not)."""
+    response_format = getattr(req, "response_format", None)
+    keys = {"response_format": None if response_format is None or response_format.get("type", "text") == "text"
+            else response_format}
+    keys.update((k, getattr(req, k)) for k in (*GUIDED_KEYS, "structured_outputs"))
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def structured_param(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The field that sets the request's structured output (the first, when several do), the
+    ``param`` of a 400 about it; ``None`` when none does."""
+    return next(iter(_structured_keys(req)), None)
 
 
 def _prompt(prompt: str | list) -> dict:
@@ -154,8 +181,6 @@ def chat_to_proto(req: ChatCompletionRequest, request_id: str) -> generation_pb2
     an unknown role (``param`` ``messages``)."""
     _check_common(req)
     _refuse(bool(req.tools), "tools")
-    _refuse(req.response_format is not None and req.response_format.get("type", "text") != "text",
-            "response_format", "is not supported by warmserve (only {\"type\": \"text\"})")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if not req.messages:

@@ -121,6 +121,7 @@ RUNNER_PARAMS = (
     ("the prompt ", "prompt"),                # "the prompt has 2000 tokens but the context holds ..."
     ("the chat ", "prompt"),                  # "the chat template rejected the messages: ..."
     ("message ", "prompt"),                   # "message 0 has unknown role ..."
+    ("the structured output", "structured"),  # "the structured output's regex is not valid ..."
 )
 
 

@@ -48,6 +48,7 @@ from services.sampling_keys import (
     PENALTY_MAX,
     REPETITION_PENALTY_MAX,
 )
+from services.structured import MAX_CHOICES
 
 #: Exclusive bound of the wire's 32-bit integers (token counts, token ids, top-k).
 INT32_END = 2**31
@@ -170,11 +171,56 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+#: The schema of a structured-output constraint's pieces (what the door and the runner accept;
+#: the runner also refuses a schema or grammar that does not compile, which no schema can say).
+_NONEMPTY = {"type": "string", "minLength": 1}
+_CHOICES = {"type": "array", "items": _NONEMPTY, "minItems": 1, "maxItems": MAX_CHOICES}
+_NULL = {"type": "null"}
+#: vLLM's constraint keys of ``structured_outputs`` when set (a null one is not).
+_VLLM_SET = {"json": {"type": "object"}, "regex": {"type": "string"}, "choice": {"type": "array"},
+             "grammar": {"type": "string"}, "json_object": {"const": True}}
+
+
+def _at_most_one(set_when: dict[str, dict]) -> dict:
+    """A JSON-schema clause: no two of the properties set (each as ``set_when`` says)."""
+    keys = list(set_when)
+    return {"not": {"anyOf": [{"required": [a, b], "properties": {a: set_when[a], b: set_when[b]}}
+                              for i, a in enumerate(keys) for b in keys[i + 1:]]}}
+
+
+_STRUCTURED_OUTPUTS = {
+    "type": "object", "additionalProperties": False, **_at_most_one(_VLLM_SET),
+    "properties": {"json": {"anyOf": [{"type": "object"}, _NULL]}, "regex": {"anyOf": [_NONEMPTY, _NULL]},
+                   "choice": {"anyOf": [_CHOICES, _NULL]}, "grammar": {"anyOf": [_NONEMPTY, _NULL]},
+                   "json_object": {"anyOf": [{"type": "boolean"}, _NULL]}, "whitespace_pattern": _NULL,
+                   "backend": {}, "disable_fallback": {}, "disable_any_whitespace": {},
+                   "disable_additional_properties": {}}}
+_RESPONSE_FORMAT = {"type": "object", "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+                    **_if_then("type", {"const": "json_schema"}, "json_schema", {
+                        "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}})}
+#: Each structured-output field when it sets a constraint (not null; ``response_format`` not text).
+_CONSTRAINT_SET = {"guided_json": {"type": "object"}, "guided_regex": {"type": "string"},
+                   "guided_choice": {"type": "array"}, "guided_grammar": {"type": "string"},
+                   "structured_outputs": {"type": "object", "anyOf": [{"required": [k], "properties": {k: v}}
+                                                                       for k, v in _VLLM_SET.items()]},
+                   "response_format": {"type": "object", "required": ["type"],
+                                       "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}
+
+
+def _at_most_one_constraint(fields: tuple[str, ...]) -> dict:
+    """A JSON-schema clause: no two of ``fields`` set a constraint."""
+    return _at_most_one({f: _CONSTRAINT_SET[f] for f in fields})
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions. Token counts are tokens. ``n``:
     choices to generate, 1..:data:`~services.sampling_keys.MAX_N`."""
 
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, _at_most_one_constraint(_GUIDED)]})
 
     model: str | None = None
     n: _int(ge=1, le=MAX_N) = 1
@@ -196,6 +242,17 @@ class _SamplingFields(_Request):
     stop_token_ids: list[_int(ge=0, lt=INT32_END)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=REPETITION_PENALTY_MAX)] | None = None
     min_tokens: _int(ge=0, lt=INT32_END) | None = None
+    # vLLM's structured-output extras (at most one constraint per request, ``response_format``
+    # included; see services.structured): a JSON schema (object or JSON text), a regex, strings
+    # to choose one of, a grammar (Lark or GBNF), or vLLM's newer ``structured_outputs`` object
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
+    guided_json: Annotated[dict[str, Any] | str | None, WithJsonSchema({"anyOf": [
+        {"type": "object"}, {"type": "null"}]})] = None
+    guided_regex: Annotated[str | None, WithJsonSchema({"anyOf": [_NONEMPTY, {"type": "null"}]})] = None
+    guided_choice: Annotated[list[str] | None, WithJsonSchema({"anyOf": [_CHOICES, {"type": "null"}]})] = None
+    guided_grammar: Annotated[str | None, WithJsonSchema({"anyOf": [_NONEMPTY, {"type": "null"}]})] = None
+    structured_outputs: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        _STRUCTURED_OUTPUTS, {"type": "null"}]})] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -252,7 +309,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": [
         _STREAM_OPTIONS_NEED_STREAM,
-        _if_then("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", {"const": True})]})
+        _if_then("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", {"const": True}),
+        _at_most_one_constraint((*_GUIDED, "response_format"))]})
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1, "contains": _SOME_TEXT})
     max_tokens: _int(ge=1, lt=INT32_END) | None = None
@@ -261,8 +319,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = Field(
-        None, json_schema_extra={"properties": {"type": {"enum": ["text"]}}})
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        _RESPONSE_FORMAT, {"type": "null"}]})] = None
 
 
 # --- responses -------------------------------------------------------------------------------------

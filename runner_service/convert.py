@@ -12,6 +12,7 @@ from runner_service.output_processor import RequestOutput
 from runner_service.sampling_params import SamplingDefaults, SamplingParams
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.structured import spec_from_proto
 
 
 def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
@@ -44,6 +45,7 @@ def sampling_from_proto(sp: generation_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(sp.logit_bias),
         min_tokens=sp.min_tokens,
         n=sp.n or 1,
+        structured=spec_from_proto(sp.structured) if sp.HasField("structured") else None,
     )
 
 

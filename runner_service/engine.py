@@ -41,6 +41,7 @@ from runner_service.sampling_params import SamplingParams
 from runner_service.scheduler import ScheduledBatch, Scheduler
 from runner_service.sequence import FinishReason
 from runner_service.sequence import Sequence as Seq
+from runner_service.structured import GrammarCompiler, GrammarMasks, constrained, consume, finish_completed
 from runner_service.tokenizer import Tokenizer
 from services.errors import FailedPrecondition, InvalidArgument
 from services.signing import TrustedKeys
@@ -157,6 +158,11 @@ class LLMEngine:
         self.generation_config = generation_config or GenerationConfig()
         self.eos_token_ids = tuple(dict.fromkeys((*args.eos_token_ids, *self.generation_config.eos_token_ids)))
         self.sampling_defaults = self.generation_config.sampling_defaults(config.default_max_tokens)
+        #: Structured output: compiles requests' constraints (any thread), and masks their rows
+        #: (every sampled position of a step: drafts too) (:mod:`runner_service.structured`).
+        self.grammars = GrammarCompiler(tokenizer, args.vocab_size, self.eos_token_ids)
+        self.grammar_masks = GrammarMasks(config.max_num_seqs * (1 + config.num_draft_tokens),
+                                          self.grammars.mask_words)
 
         if weights.dtype != self.dtype or weights.device != self.device:
             t0 = time.perf_counter()
@@ -344,9 +350,11 @@ class LLMEngine:
                     tools: Sequence[dict] | None = None) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ``InvalidArgument`` (see
         :meth:`tokenize`, a ``max_tokens`` above what the context leaves (unset: the default,
-        capped), a ``min_tokens`` above it, bad stop token ids or ``logit_bias`` ids, a request id
-        already in flight, ``n`` above ``max_num_seqs``) or ``ResourceExhausted`` (the request, or
-        its ``n`` choices together, can never fit the KV cache).
+        capped), a ``min_tokens`` above it, bad stop token ids or ``logit_bias`` ids, a
+        structured-output constraint that does not compile (:mod:`runner_service.structured`,
+        compiled here, on the caller's thread), a request id already in flight, ``n`` above
+        ``max_num_seqs``) or ``ResourceExhausted`` (the request, or its ``n`` choices together,
+        can never fit the KV cache).
 
         ``params.n`` > 1: the request is ``n`` sequences (ids ``f"{request_id}-{i}"``; aborting
         ``request_id`` aborts them all), choice i sampling with seed ``seed + i`` (mod 2^64), or
@@ -375,6 +383,9 @@ class LLMEngine:
             if i:
                 seqs[i].prefill_after = seqs[0]
         self.scheduler.check_fits(seqs[0], n)
+        if params.structured is not None:  # each choice its own matcher (one compile, cached)
+            for seq in seqs:
+                seq.grammar = self.grammars.compile(params.structured)
         stream = RequestStream(rid, len(ids), self.abort, n)
         keys = {rid, *(s.request_id for s in seqs)}
         with self._lock:
@@ -454,12 +465,20 @@ class LLMEngine:
         rows = batch.sampling_rows()
         sampling = [batch.seqs[i] for i in rows]
         if rows:
+            grammars = constrained(sampling)
+            if grammars:  # in place: a constrained row's logprobs are those of its masked logits
+                self.grammar_masks.apply(logits, sampling)
             processed = self.penalties.process(logits, sampling)
             tokens, logprobs = self.sampler(processed, [s.params for s in sampling], [s.generator for s in sampling],
                                             raw=logits)
+            if grammars:
+                consume(sampling, [[t] for t in tokens])
             self.scheduler.postprocess(batch, tokens)
             self.generated_tokens_total += len(tokens)
-            self._emit(sampling, self.output.process(sampling, logprobs))
+            outs = self.output.process(sampling, logprobs)
+            if grammars:
+                finish_completed(sampling, outs)
+            self._emit(sampling, outs)
         else:
             self.scheduler.postprocess(batch, [])
         if streams:
@@ -473,6 +492,10 @@ class LLMEngine:
         streams = self._with_streams
         out = self.runner.run(batch, with_streams=True) if streams else (self.runner.run(batch),)
         logits = out[0]
+        scheduled = [1 + len(d) for d in drafts]
+        walked = None
+        if constrained(seqs):  # drafts cut at the first the grammar refuses; every position masked
+            drafts, walked = self.grammar_masks.apply_verify(logits, seqs, drafts)
         emitted, logprobs = self.sampler.verify(self.penalties.process_verify(logits, seqs), drafts,
                                                 [s.params for s in seqs], [s.generator for s in seqs], raw=logits)
         for d, e in zip(drafts, emitted, strict=True):
@@ -480,15 +503,20 @@ class LLMEngine:
                 self.spec_num_drafts += 1
                 self.spec_draft_tokens += len(d)
                 self.spec_accepted_tokens += len(e) - 1
+        if walked is not None:
+            emitted = consume(seqs, emitted, walked)
         before = [s.num_tokens for s in seqs]
         # a batch without drafts (the mtp drafter's streams path) emits one token a row
         self.scheduler.postprocess(batch, emitted if batch.is_speculative else [e[0] for e in emitted])
         counts = [s.num_tokens - b for s, b in zip(seqs, before, strict=True)]
         self.generated_tokens_total += sum(counts)
-        self._emit(seqs, self.output.process(seqs, [lp[:c] if lp else None for lp, c in zip(logprobs, counts,
-                                                                                             strict=True)], counts))
+        outs = self.output.process(seqs, [lp[:c] if lp else None for lp, c in zip(logprobs, counts, strict=True)],
+                                   counts)
+        if walked is not None:
+            finish_completed(seqs, outs)
+        self._emit(seqs, outs)
         if streams:
-            self.drafter.observe(seqs, [b - 1 for b in before], [1 + len(d) for d in drafts], out[1])
+            self.drafter.observe(seqs, [b - 1 for b in before], scheduled, out[1])
 
     def _emit(self, seqs: list[Seq], outs: list[RequestOutput]) -> None:
         """Publish each sampling sequence's delta, or finish it with it; then, when speculating,

@@ -16,6 +16,7 @@ from services.sampling_keys import (
     PENALTY_MAX,
     REPETITION_PENALTY_MAX,
 )
+from services.structured import StructuredSpec
 
 #: Most top-n logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -80,6 +81,9 @@ class SamplingParams:
     - ``n``: choices to generate for the prompt, 1..:data:`~services.sampling_keys.MAX_N`
       (:meth:`LLMEngine.add_request <runner_service.engine.LLMEngine.add_request>` fans them out;
       with a ``seed`` s choice i samples with seed s + i, mod 2^64).
+    - ``structured``: constrain the output to a JSON schema, any JSON object, a regex, one of
+      some strings or a grammar (:class:`~services.structured.StructuredSpec`; ``None``: free
+      text). The engine compiles it when the request is added (:mod:`runner_service.structured`).
     """
 
     max_tokens: int | None = None
@@ -99,6 +103,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] = ()
     min_tokens: int = 0
     n: int = 1
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

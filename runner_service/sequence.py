@@ -58,6 +58,9 @@ class Sequence:
         #: per-sequence state (:class:`runner_service.ngram.NgramIndex`), ``None`` until first used.
         self.draft_token_ids: list[int] = []
         self.drafter_state: object | None = None
+        #: Structured output: this request's grammar matcher (llguidance's ``LLMatcher``, its state
+        #: the tokens generated so far; :mod:`runner_service.structured`), ``None`` for free text.
+        self.grammar: object | None = None
         # Prefix-cache progress, owned by the block manager: the hash-chain keys of the full
         # blocks of token_ids (memoised), how many leading blocks of block_table are resolved
         # against the cache, the cache entry of the last of them, whether the chain broke, and

@@ -99,6 +99,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what structured output's grammar engine
+        builds its vocabulary from, :mod:`runner_service.structured`)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True, allow_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; the tokenizer's post-processor adds BOS when it is configured to
         (``add_special_tokens``). Special-token text in ``text`` (``"<|im_end|>"``) is encoded as

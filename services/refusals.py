@@ -1,8 +1,8 @@
 """Requests refused at a limit, counted by reason: ``warmserve_refused_total{reason=...}``.
 
 A limit's refusal is a :class:`~services.errors.WarmserveError` whose ``reason`` is set
-(``prompt_bytes``, ``stop_strings``, ``stop_token_ids``, ``unicode``, ``stream_in_flight``,
-``overloaded``); a servicer hands every error it answers to :meth:`Refusals.abort` (or
+(``prompt_bytes``, ``stop_strings``, ``stop_token_ids``, ``structured``, ``unicode``,
+``stream_in_flight``, ``overloaded``); a servicer hands every error it answers to :meth:`Refusals.abort` (or
 :meth:`Refusals.count`), and the daemon registers its :class:`Refusals` on the server's
 Prometheus registry (:attr:`services.bootstrap.ServiceServer.registry`). See
 ``docs/architecture.md`` §1.

@@ -6,9 +6,12 @@ Keys: ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 = off, as vLLM),
 ``stop`` (a string or a list of strings), ``stop_token_ids``, ``ignore_eos``, ``presence_penalty``
 and ``frequency_penalty`` (in [-2, 2]), ``repetition_penalty`` (in (0, 2]), ``min_tokens`` (>= 0),
 ``logit_bias`` (an object of token id -> bias in [-100, 100], at most 300 entries; the ids as
-integers or as strings of digits, as OpenAI's API sends them); a vLLM key warmserve has no use
-for is accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). The ranges are the named
-constants below, which the runner's ``SamplingParams`` and the OpenAI door's schema import. Numbers may be
+integers or as strings of digits, as OpenAI's API sends them), and structured output:
+``structured_outputs`` / ``guided_decoding`` (vLLM's ``StructuredOutputsParams`` /
+``GuidedDecodingParams`` as an object or its JSON text, at most one constraint:
+:func:`services.structured.structured_from_vllm`); a vLLM key warmserve has no use for is
+accepted only at its no-op value (:data:`NEUTRAL_SAMPLING`). The ranges are the named constants
+below, which the runner's ``SamplingParams`` and the OpenAI door's schema import. Numbers may be
 JSON numbers or strings (``"0.1"``, ``"100"``), as the vLLM backend converts each value with the
 field's type. Every function raises :class:`services.errors.InvalidArgument` naming the key.
 """
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
+from services.structured import spec_to_proto, structured_from_keys
 from services.utf8 import utf8_size
 
 #: The largest finite float32: the proto's ``temperature``/``top_p`` are 32-bit floats.
@@ -51,7 +55,8 @@ NEUTRAL_SAMPLING: Mapping[str, object] = {
 
 #: The keys :func:`sampling_from_dict` maps (besides :data:`NEUTRAL_SAMPLING`'s), for its sentences.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                 "structured_outputs", "guided_decoding")
 
 def _int(key: str, value: object) -> int:
     if isinstance(value, bool):
@@ -123,6 +128,7 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
     value. The count and length of stop strings and ids are the runner's to check
     (:mod:`runner_service.limits`)."""
     out = generation_pb2.SamplingParams()
+    structured = {}
     for key, value in params.items():
         if value is None and key in (*SAMPLING_KEYS, *NEUTRAL_SAMPLING):
             continue
@@ -164,6 +170,8 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
             out.min_tokens = _in_range(key, _int(key, value), 0, INT32_MAX)
         elif key == "logit_bias":
             out.logit_bias.update(_logit_bias(value))
+        elif key in ("structured_outputs", "guided_decoding"):
+            structured[key] = value
         elif key == "lora_name":
             raise InvalidArgument("sampling parameter 'lora_name': LoRA adapters are not supported")
         elif key in NEUTRAL_SAMPLING:
@@ -171,6 +179,9 @@ def sampling_from_dict(params: Mapping[str, object]) -> generation_pb2.SamplingP
         else:
             raise InvalidArgument(f"unknown sampling parameter '{key}' (supported: {', '.join(SAMPLING_KEYS)}, "
                                   f"and at their defaults {', '.join(NEUTRAL_SAMPLING)})")
+    spec = structured_from_keys(structured)
+    if spec is not None:
+        out.structured.CopyFrom(spec_to_proto(spec))
     return out
 
 

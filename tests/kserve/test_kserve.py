@@ -507,3 +507,22 @@ def test_bytes_tensors_round_trip_and_truncation_is_refused() -> None:
     for cut in (raw[:2], raw[:-1]):
         with pytest.raises(InvalidArgument):
             kserve_tensors.deserialize_bytes(cut, "t")
+
+
+
+@pytest.mark.parametrize("key", ["guided_decoding", "structured_outputs"])
+def test_structured_output_keys_reach_the_runner(stub, key) -> None:
+    """vLLM's ``guided_decoding`` / ``structured_outputs`` in ``sampling_parameters`` (as Triton's
+    vLLM backend hands them to vLLM's ``SamplingParams``) reach the runner: this stack's word-level
+    test tokenizer has no decoder llguidance can read, so the runner refuses the constraint with
+    INVALID_ARGUMENT naming that (the constraint's own outputs: ``tests/runner/test_runner_structured.py``);
+    a malformed one is refused by the door."""
+    for sampling in ({key: {"choice": ["w3", "w17"]}}, {key: json.dumps({"regex": "w[0-9]"})}):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelInfer(infer_request(sampling=sampling), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("structured output is not available for this model: its tokenizer")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(infer_request(sampling={key: {"choice": "w3"}}), timeout=60)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                       f"'{key}.choice' must be a list of strings, got \"w3\"")

@@ -111,8 +111,8 @@ def test_bad_utf8_in_a_string_field_on_the_wire_is_invalid_argument(stack) -> No
 
 #: 20,000 nested arrays: 40 KB, under the size limit, deeper than Python's JSON parser goes.
 DEEP = "[" * 20_000 + "]" * 20_000
-#: The review's 200 KB of nesting: over MAX_SAMPLING_JSON_BYTES (64 KiB).
-HUGE = "[" * 100_000 + "]" * 100_000
+#: 300 KB of nesting: over MAX_SAMPLING_JSON_BYTES (256 KiB).
+HUGE = "[" * 150_000 + "]" * 150_000
 
 
 def test_deeply_nested_or_oversize_sampling_json_is_one_sentence_of_invalid_argument(stack, stub) -> None:
@@ -120,7 +120,7 @@ def test_deeply_nested_or_oversize_sampling_json_is_one_sentence_of_invalid_argu
     expected = {
         DEEP: "input 'sampling_parameters' is not a JSON object warmserve can read (nested too deeply or a "
               "number too long)",
-        HUGE: f"input 'sampling_parameters' is {len(HUGE)} bytes; at most {64 * 1024} are allowed",
+        HUGE: f"input 'sampling_parameters' is {len(HUGE)} bytes; at most {256 * 1024} are allowed",
     }
     for sampling, sentence in expected.items():
         with pytest.raises(grpc.RpcError) as err:

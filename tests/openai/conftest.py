@@ -68,11 +68,11 @@ def write_special_word_tokenizer(directory: Path) -> None:
 
 
 @contextmanager
-def _stack(tmp: Path, ckpt: Path) -> Iterator[Door]:
-    """Runner, router and door over the checkpoint in ``ckpt``."""
-    sidecar = prepare(str(ckpt), root=tmp / "sidecars").path
+def stack(tmp: Path, ckpt: Path, sidecar: Path | None = None, kv_cache_bytes: int = 4 << 20) -> Iterator[Door]:
+    """Runner, router and door over the checkpoint in ``ckpt`` (or its ``sidecar``, already prepared)."""
+    sidecar = sidecar or prepare(str(ckpt), root=tmp / "sidecars").path
     engine = LLMEngine.from_sidecar(sidecar, EngineConfig(max_num_seqs=4, block_size=4, max_model_len=MAX_MODEL_LEN,
-                                                          kv_cache_bytes=4 << 20, warmup=False, num_threads=1),
+                                                          kv_cache_bytes=kv_cache_bytes, warmup=False, num_threads=1),
                                     model=str(ckpt))
     runner = router = http = None
     try:
@@ -105,7 +105,7 @@ def door(tmp_path_factory) -> Iterator[Door]:
     tmp: Path = tmp_path_factory.mktemp("openai-stack")
     ckpt = tmp / "tiny-llama"
     write_tiny_checkpoint(ckpt, tokenizer=True, vocab=VOCAB, extra_config={"max_position_embeddings": MAX_MODEL_LEN})
-    with _stack(tmp, ckpt) as d:
+    with stack(tmp, ckpt) as d:
         yield d
 
 
@@ -116,5 +116,13 @@ def special_door(tmp_path_factory) -> Iterator[Door]:
     ckpt = tmp / "tiny-llama-special"
     write_tiny_checkpoint(ckpt, vocab=VOCAB, extra_config={"max_position_embeddings": MAX_MODEL_LEN})
     write_special_word_tokenizer(ckpt)
-    with _stack(tmp, ckpt) as d:
+    with stack(tmp, ckpt) as d:
+        yield d
+
+
+@pytest.fixture(scope="package")
+def smollm2_door(tmp_path_factory, smollm2_sidecar) -> Iterator[Door]:
+    """The stack over the real SmolLM2 (its float32 sidecar; 64 MiB of KV cache, ~1400 tokens)."""
+    with stack(tmp_path_factory.mktemp("openai-smollm2-stack"), smollm2_sidecar, smollm2_sidecar,
+               kv_cache_bytes=64 << 20) as d:
         yield d

@@ -3,6 +3,7 @@ messages to finish reasons and logprobs, gRPC statuses and validation errors to 
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -107,7 +108,17 @@ def test_chat_messages_become_a_chat_prompt() -> None:
     (completion, {"best_of": 2}, "best_of", "must be 1"),
     (completion, {"suffix": "x"}, "suffix", "not supported"),
     (chat, {"tools": [{"type": "function"}]}, "tools", "not supported"),
-    (chat, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    (chat, {"response_format": {"type": "xml"}}, "response_format", "type 'xml' is not supported"),
+    (chat, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs json_schema.schema"),
+    (chat, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format",
+     "at most one structured-output constraint, got 2: response_format, guided_regex"),
+    (completion, {"guided_json": "{not json"}, "guided_json", "'guided_json' is not valid JSON"),
+    (completion, {"guided_choice": []}, "guided_choice", "lists no strings"),
+    (completion, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "at most one"),
+    (completion, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs",
+     "'structured_outputs.structural_tag' is not supported"),
+    (completion, {"guided_grammar": "x" * (64 * 1024 + 1)}, "guided_grammar", "at most 65536"),
     (chat, {"top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
     (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
     (completion, {"stop": ""}, "stop", "stop strings must not be empty"),
@@ -159,6 +170,24 @@ def test_defaults_of_refused_parameters_pass() -> None:
     completion(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False, best_of=1, suffix="")
     chat(tools=[], tool_choice="none", response_format={"type": "text"}, stream=True,
          stream_options={"include_usage": False})
+
+
+def test_structured_output_fields_reach_the_wire() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    assert json.loads(chat(response_format=rf).sampling.structured.json_schema) == schema
+    assert chat(response_format={"type": "json_object"}).sampling.structured.json_object
+    assert not chat(response_format={"type": "text"}).sampling.HasField("structured")
+    assert json.loads(completion(guided_json=schema).sampling.structured.json_schema) == schema
+    assert json.loads(chat(guided_json=json.dumps(schema)).sampling.structured.json_schema) == schema
+    assert completion(guided_regex="[0-9]+").sampling.structured.regex == "[0-9]+"
+    assert list(chat(guided_choice=["yes", "no"]).sampling.structured.choice.choices) == ["yes", "no"]
+    assert completion(guided_grammar='root ::= "a"').sampling.structured.grammar == 'root ::= "a"'
+    so = completion(structured_outputs={"choice": ["x"], "disable_any_whitespace": True}).sampling.structured
+    assert list(so.choice.choices) == ["x"]
+    assert completion(structured_outputs={"json_object": True}).sampling.structured.json_object
+    assert not completion(structured_outputs={"json_object": False}).sampling.HasField("structured")
+    assert not completion().sampling.HasField("structured")
 
 
 def test_finish_reasons_and_usage() -> None:
@@ -239,6 +268,8 @@ def test_grpc_statuses_map_to_http_statuses(code, status, kind) -> None:
     ("token id 99 is outside the vocabulary [0, 96)", {"prompt": "prompt"}, "prompt"),
     ("stop token id 99 is outside the vocabulary [0, 96)", {"prompt": "prompt"}, "stop_token_ids"),
     ("the chat template rejected the messages: x", {"prompt": "messages"}, "messages"),
+    ("the structured output's regex is not valid or is over a limit: x", {"structured": "guided_regex"},
+     "guided_regex"),
     ("unknown routing policy 99", {"prompt": "prompt"}, None),
     ("max_tokens 40 is more than the context leaves", None, None),
 ])
