@@ -62,6 +62,7 @@ from openai_service.convert import (
     CompletionLogprobsBuilder,
     chat_logprobs,
     chat_to_proto,
+    chat_tools,
     completion_to_proto,
     finish_reason,
     structured_param,
@@ -90,6 +91,7 @@ from openai_service.protocol import (
 from openai_service.router_client import RouterClient
 from openai_service.served_model import ServedModel
 from openai_service.sse import DONE, EventStream, event, unless_disconnected
+from openai_service.tools import ToolStream, tool_calls
 from services.deltas import merge_by_choice
 from services.healthcheck import PID_METADATA_KEY
 from services.proto import generation_pb2
@@ -410,11 +412,20 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         _ignored(body)
         model = await served.check(body.model)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        _, tool_plan = chat_tools(body)
         call = _Call(client, chat_to_proto(body, rid), {
             "prompt": "messages",
             "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-            "structured": structured_param(body)})
+            "structured": structured_param(body) or ("tools" if tool_plan.constrained else None)})
         top_n = (body.top_logprobs or 0) if body.logprobs else None
+
+        def answer(msgs, final) -> ChatChoice:
+            content, calls = tool_calls(tool_plan, "".join(m.text for m in msgs))
+            reason = finish_reason(final)
+            if calls and tool_plan.mode != "named" and reason == "stop":
+                reason = "tool_calls"
+            return ChatChoice(index=final.index, message=AssistantMessage(content=content, tool_calls=calls or None),
+                              logprobs=logprobs_of(msgs), finish_reason=reason)
 
         def logprobs_of(msgs) -> ChatLogprobs | None:
             if top_n is None:
@@ -427,9 +438,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
                 return Response(status_code=CLIENT_CLOSED)
             choices = _choices(messages, body.n)
             return _json(ChatCompletion(id=rid, created=created, model=model, choices=[
-                ChatChoice(index=index, message=AssistantMessage(content="".join(m.text for m in msgs)),
-                           logprobs=logprobs_of(msgs), finish_reason=finish_reason(final))
-                for index, (msgs, final) in enumerate(choices)], usage=usage(*(final for _, final in choices))))
+                answer(msgs, final) for msgs, final in choices], usage=usage(*(final for _, final in choices))))
 
         first = await _first(request, call)
         if first is None:
@@ -439,14 +448,23 @@ def create_app(config: OpenAIConfig) -> FastAPI:
         def chunk(choices, **kw) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **kw)
 
+        splitters = [ToolStream(tool_plan) for _ in range(body.n)]
+
         def stream_choice(msg: generation_pb2.GenerateResponse, reason: str | None) -> ChatChunkChoice:
-            return ChatChunkChoice(index=msg.index, delta=DeltaMessage(content=msg.text),
+            if tool_plan.mode == "none":
+                return ChatChunkChoice(index=msg.index, delta=DeltaMessage(content=msg.text),
+                                       logprobs=logprobs_of([msg]), finish_reason=reason)
+            splitter = splitters[msg.index]
+            content, calls = splitter.feed(msg.text, final=reason is not None)
+            if splitter.called and tool_plan.mode != "named" and reason == "stop":
+                reason = "tool_calls"
+            return ChatChunkChoice(index=msg.index, delta=DeltaMessage(content=content or None, tool_calls=calls or None),
                                    logprobs=logprobs_of([msg]), finish_reason=reason)
 
         events = _events(call, first, chunk=chunk, choice=stream_choice, include_usage=include_usage, n=body.n,
                          opening=lambda index: ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                                                content="")),
-                         plain=top_n is None)
+                         plain=top_n is None and tool_plan.mode == "none")
         return EventStream(events, on_close=call.cancel)
 
     return app

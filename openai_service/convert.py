@@ -44,6 +44,7 @@ from openai_service.protocol import (
     TopLogprob,
     Usage,
 )
+from openai_service.tools import ToolPlan, message_to_proto, plan, tools_to_proto
 from services.errors import InvalidArgument
 from services.proto import generation_pb2
 from services.sampling_keys import sampling_from_dict
@@ -173,14 +174,26 @@ def _content(message_index: int, content) -> str:
     return "\n".join(texts)
 
 
+def chat_tools(req: ChatCompletionRequest) -> tuple[list[generation_pb2.Tool], ToolPlan]:
+    """The request's ``tools`` as protos and how its ``tool_choice`` is served
+    (:mod:`openai_service.tools`); raises :class:`OpenAIError` (400) for bad ones."""
+    tools = tools_to_proto(req.tools)
+    return tools, plan(req.tool_choice, tools)
+
+
 def chat_to_proto(req: ChatCompletionRequest, request_id: str) -> generation_pb2.GenerateRequest:
     """A ``POST /v1/chat/completions`` body as a ``GenerateRequest`` with a ``ChatPrompt``.
     ``max_completion_tokens`` or ``max_tokens``, both unset: the model's default, capped to what
     the context leaves. Raises :class:`OpenAIError` (400) for what warmserve does not implement,
-    for ``top_logprobs`` without ``logprobs`` (as vLLM), and for no messages, only empty ones or
-    an unknown role (``param`` ``messages``)."""
+    for ``top_logprobs`` without ``logprobs`` (as vLLM), for no messages, only empty ones or an
+    unknown role (``param`` ``messages``), and for bad ``tools`` / ``tool_choice`` or a forced
+    tool call beside another structured-output field. A named or required ``tool_choice``
+    constrains the output to :class:`~openai_service.tools.ToolPlan`'s schema."""
     _check_common(req)
-    _refuse(bool(req.tools), "tools")
+    tools, tool_plan = chat_tools(req)
+    if tool_plan.constrained and structured_param(req) is not None:
+        raise bad_request(f"tool_choice {tool_plan.mode!r} constrains the output to the tool's arguments; it cannot "
+                          f"be combined with {structured_param(req)}", param="tool_choice")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if not req.messages:
@@ -189,16 +202,17 @@ def chat_to_proto(req: ChatCompletionRequest, request_id: str) -> generation_pb2
         if m.role not in CHAT_ROLES:
             raise bad_request(f"messages[{i}] has unknown role {m.role!r} (expected one of "
                               f"{', '.join(repr(r) for r in CHAT_ROLES)})", param="messages")
-    messages = [generation_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
-                                           content=_content(i, m.content))
+    messages = [message_to_proto("system" if m.role == "developer" else m.role, _content(i, m.content), m)
                 for i, m in enumerate(req.messages)]
-    if all(not m.content.strip() for m in messages):
+    if all(not m.content.strip() and not m.tool_calls for m in messages):
         raise bad_request("messages must not be empty: every message's content is empty", param="messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = sampling_to_proto(req, max_tokens=max_tokens,
                                  logprobs=max(req.top_logprobs or 0, 1) if req.logprobs else 0)
+    if tool_plan.constrained:
+        sampling.structured.json_schema = tool_plan.schema
     return generation_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
-                                          chat=generation_pb2.ChatPrompt(messages=messages))
+                                          chat=generation_pb2.ChatPrompt(messages=messages, tools=tools))
 
 
 def finish_reason(resp: generation_pb2.GenerateResponse) -> str | None:

@@ -75,7 +75,7 @@ Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
 #: ``/v1/completions`` (and vLLM's), capped to what the context leaves after the prompt.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
@@ -92,7 +92,9 @@ def _int(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 #: Chat roles a request may use (``developer`` is sent as ``system``; the runner takes the rest).
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+#: Most functions one request may declare in ``tools`` (OpenAI's limit).
+MAX_TOOLS = 128
 
 
 def _encodable(text: str) -> bool:
@@ -130,6 +132,13 @@ def _if_then(field: str, when: dict, then_field: str, then: dict) -> dict:
     return {"if": {"properties": {field: when}, "required": [field]},
             "then": {"properties": {then_field: then}, "required": [then_field]}}
 
+
+#: One entry of ``tools``: a function (``openai_service.tools`` checks the same).
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
 
 #: ``stream_options`` is refused unless ``stream`` is true.
 _STREAM_OPTIONS_NEED_STREAM = _if_then("stream_options", {"type": "object"}, "stream", {"const": True})
@@ -317,8 +326,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: _int(ge=1, lt=INT32_END) | None = None
     logprobs: bool | None = False
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
-    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: Any = None
+    # Functions the model may call and how (openai_service.tools): "none", "auto" (the default
+    # with tools), "required", or {"type": "function", "function": {"name": ...}}.
+    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": MAX_TOOLS, "items": _TOOL})
+    # The schema lists the choices every tool list takes; "required" and a named function are
+    # accepted too, when the tools allow them (a 400 names tool_choice otherwise).
+    tool_choice: Any = Field(None, json_schema_extra={"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]})
     response_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
         _RESPONSE_FORMAT, {"type": "null"}]})] = None
 
@@ -388,10 +401,16 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The answer's message."""
+    """The answer's message: text ``content``, or ``tool_calls`` (``[{"id", "type": "function",
+    "function": {"name", "arguments"}}]``, arguments JSON text) with ``content`` ``None``."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -420,6 +439,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{"index", "id"?, "type"?, "function": {...}}]
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler) -> dict[str, Any]:

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from openai_service.errors import bad_request
+from openai_service.protocol import MAX_TOOLS
 from services.proto import generation_pb2
 
-#: Most functions one request may declare (OpenAI's limit).
-MAX_TOOLS = 128
 #: A function name (OpenAI's rule: letters, digits, underscores and dashes, at most 64).
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: One Hermes-format call in an ``"auto"`` answer.
@@ -54,13 +53,13 @@ class ToolPlan:
 
 def tools_to_proto(tools: list[Any] | None) -> list[generation_pb2.Tool]:
     """The request's ``tools`` as ``Tool`` messages. Raises :class:`OpenAIError` (400, param
-    ``tools``) for more than :data:`MAX_TOOLS`, a tool that is not a function, a bad or repeated
-    name, or parameters that are not a JSON object."""
+    ``tools``) for more than :data:`MAX_TOOLS`, a tool that is not a function, a bad name, or
+    parameters that are not a JSON object (a name given twice: a named choice takes the first)."""
     if not tools:
         return []
     if len(tools) > MAX_TOOLS:
         raise bad_request(f"at most {MAX_TOOLS} tools may be given, got {len(tools)}", param="tools")
-    out, seen = [], set()
+    out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
@@ -69,13 +68,10 @@ def tools_to_proto(tools: list[Any] | None) -> list[generation_pb2.Tool]:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', "
                               f"got {json.dumps(name)}", param="tools")
-        if name in seen:
-            raise bad_request(f"tools[{i}].function.name {name!r} is declared twice", param="tools")
-        seen.add(name)
         params = fn.get("parameters", {})
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
-        description = fn.get("description") or ""
+        description = fn.get("description", "")
         if not isinstance(description, str):
             raise bad_request(f"tools[{i}].function.description must be a string", param="tools")
         out.append(generation_pb2.Tool(name=name, description=description, parameters=json.dumps(params)))
@@ -112,7 +108,7 @@ def plan(tool_choice: Any, tools: list[generation_pb2.Tool]) -> ToolPlan:
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(fn, dict):
         raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-    by_name = {t.name: t for t in tools}
+    by_name = {t.name: t for t in reversed(tools)}  # the first of a name wins
     name = fn.get("name")
     if name not in by_name:
         raise bad_request(f"tool_choice names function {json.dumps(name)}, which is not among the tools",
@@ -183,3 +179,67 @@ def message_to_proto(role: str, content: str, message: Any) -> generation_pb2.Ch
     if role == "tool" and name:
         out.name = name
     return out
+
+
+#: The opening of a Hermes-format call, which ``"auto"`` streams hold text back for.
+_OPEN = "<tool_call>"
+
+
+class ToolStream:
+    """One streamed choice's text as chat deltas under a :class:`ToolPlan`: :meth:`feed` takes
+    each message's text and returns ``(content, tool_call_deltas)`` to send (content ``""``:
+    none). ``"none"``: the text as content. Named: the call's opening delta (``index`` 0, ``id``,
+    ``type``, ``function.name``, empty ``arguments``) and then each text as an ``arguments``
+    fragment, as OpenAI streams a forced call. Required: held back and sent whole, one delta per
+    call, at the end (the array is parsed once complete). Auto: content streams until
+    ``<tool_call>`` appears (text that could be its start is held back until it is known not to
+    be); from there on the text is held and parsed at the end, as :func:`tool_calls` parses it.
+    :attr:`called`: whether calls were sent (the finish reason becomes ``"tool_calls"`` unless
+    named)."""
+
+    def __init__(self, plan_: ToolPlan) -> None:
+        self.plan = plan_
+        self.held = ""
+        self.calls_open = False
+        self.called = False
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        mode = self.plan.mode
+        if mode == "none":
+            return text, []
+        if mode == "named":
+            if not self.calls_open:
+                self.calls_open = self.called = True
+                call = _call(self.plan.name, text)
+                return "", [{"index": 0, **call}]
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+        self.held += text
+        if mode == "auto" and not self.calls_open:
+            at = self.held.find(_OPEN)
+            if at < 0:
+                keep = 0 if final else _open_prefix(self.held)
+                out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                return out, []
+            self.calls_open = True
+            out, self.held = self.held[:at], self.held[at:]
+            if not final:
+                return out, []
+            content, calls = self._finish()
+            return out + content, calls
+        if not final:
+            return "", []
+        return self._finish()
+
+    def _finish(self) -> tuple[str, list[dict]]:
+        content, calls = tool_calls(self.plan, self.held)
+        self.held = ""
+        self.called = bool(calls)
+        return content or "", [{"index": i, **c} for i, c in enumerate(calls)]
+
+
+def _open_prefix(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``<tool_call>``."""
+    for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(_OPEN[:k]):
+            return k
+    return 0

@@ -372,8 +372,8 @@ def test_invalid_bodies_are_400s_in_openai_error_shape(door) -> None:
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert status == 400 and "only text parts" in doc["error"]["message"] and doc["error"]["param"] == "messages"
     status, _, doc = http(door, "POST", "/chat/completions", {"model": MODEL, "messages": [
-        {"role": "tool", "content": "w5"}]})
-    assert status == 400 and "messages[0] has unknown role 'tool'" in doc["error"]["message"]
+        {"role": "function", "content": "w5"}]})
+    assert status == 400 and "messages[0] has unknown role 'function'" in doc["error"]["message"]
     assert doc["error"]["param"] == "messages"
     for body, param, message in (
             ({**base, "prompt": ""}, "prompt", "prompt must not be empty"),

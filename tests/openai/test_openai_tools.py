@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from openai_service.errors import OpenAIError
-from openai_service.protocol import ChatMessage
-from openai_service.tools import MAX_TOOLS, message_to_proto, plan, tool_calls, tools_to_proto
+from openai_service.protocol import MAX_TOOLS, ChatMessage
+from openai_service.tools import message_to_proto, plan, tool_calls, tools_to_proto
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather now",
@@ -27,7 +27,6 @@ def test_tools_become_protos_and_bad_tools_are_a_400_naming_the_field():
         ("get_weather", "Weather now", WEATHER["function"]["parameters"]), ("get_time", "", TIME["function"]["parameters"])]
     bad = [([{"type": "code_interpreter"}], "must be"),
            ([{"type": "function", "function": {"name": "has space"}}], "name must be"),
-           ([WEATHER, WEATHER], "declared twice"),
            ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "JSON Schema object"),
            ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)], "at most")]
     for tools, words in bad:
@@ -87,3 +86,34 @@ def test_tool_messages_carry_their_calls_and_ids():
     broken = ChatMessage.model_validate({"role": "assistant", "tool_calls": [{"function": {"name": 3}}]})
     with pytest.raises(OpenAIError, match="tool_calls"):
         message_to_proto("assistant", "", broken)
+
+
+def _stream(plan_, pieces: list[str]) -> tuple[str, list[dict], bool]:
+    from openai_service.tools import ToolStream
+
+    s, content, deltas = ToolStream(plan_), "", []
+    for i, piece in enumerate(pieces):
+        c, d = s.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        deltas += d
+    return content, deltas, s.called
+
+
+def test_streamed_answers_become_the_same_calls_as_whole_ones():
+    tools = tools_to_proto([WEATHER, TIME])
+    named = plan({"type": "function", "function": {"name": "get_weather"}}, tools)
+    content, deltas, called = _stream(named, ['{"ci', 'ty": ', '"Oslo"}', ""])
+    assert content == "" and called and deltas[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert deltas[0]["id"].startswith("call_") and all(d["index"] == 0 for d in deltas)
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Oslo"}'
+    text = 'Sure.<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+    for cut in range(1, len(text)):  # wherever the messages split, the same content and call
+        content, deltas, called = _stream(plan("auto", tools), [text[:cut], text[cut:]])
+        assert (content, [d["function"] for d in deltas], called) == (
+            "Sure.", [{"name": "get_time", "arguments": '{"tz": "UTC"}'}], True), cut
+    content, deltas, called = _stream(plan("auto", tools), ["a <tool", "box> b", ""])
+    assert (content, deltas, called) == ("a <toolbox> b", [], False)  # held back, then let go
+    content, deltas, called = _stream(plan("required", tools), ['[{"name": "get_time", ', '"arguments": {"tz": "CET"}}]'])
+    assert content == "" and [(d["index"], d["function"]) for d in deltas] == [
+        (0, {"name": "get_time", "arguments": '{"tz": "CET"}'})]
+    assert _stream(plan("none", tools), ["a", "b"]) == ("ab", [], False)
