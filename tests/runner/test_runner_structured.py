@@ -176,3 +176,30 @@ def test_speculative_decoding_keeps_the_constraint_and_the_greedy_output():
         for (_, p), out in zip(reqs, _run(ngram, reqs), strict=True):
             kind = next(k for k in KINDS if _spec(k) == p.structured)
             assert _obeys(kind, out), (kind, out.text)
+
+
+def test_choices_penalties_and_min_tokens_keep_the_constraint():
+    """``n`` choices each step their own matcher (seeded choice i = the request with seed s + i);
+    penalties and ``logit_bias`` reshape the logits inside the grammar, never outside it; a
+    ``min_tokens`` the grammar cannot reach ends with the grammar (its EOS is allowed once
+    nothing else is)."""
+    prompt = _prompt(6, 11)
+    with _engine() as eng:
+        both = eng.add_request(SamplingParams(max_tokens=40, temperature=1.0, seed=21, n=3, structured=_spec("regex")),
+                               token_ids=prompt)
+        eng.run_until_done()
+        choices = both.results(timeout=0)
+        alone = [_run(eng, [(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=21 + i,
+                                                    structured=_spec("regex")))])[0] for i in range(3)]
+        assert [c.token_ids for c in choices] == [a.token_ids for a in alone]
+        assert all(_obeys("regex", c) for c in choices)
+        shaped = _run(eng, [(prompt, SamplingParams(max_tokens=60, temperature=0.0, presence_penalty=2.0,
+                                                    frequency_penalty=2.0, repetition_penalty=1.8,
+                                                    logit_bias={ord("a") + 2: 100.0}, structured=_spec(kind)))
+                            for kind in ("json_schema", "regex", "choice")])
+        for kind, out in zip(("json_schema", "regex", "choice"), shaped, strict=True):
+            assert _obeys(kind, out), (kind, out.text)
+        short = _run(eng, [(prompt, SamplingParams(max_tokens=30, temperature=0.0, min_tokens=25,
+                                                   structured=_spec("choice")))])[0]
+        assert _obeys("choice", short) and len(short.token_ids) < 25, short.text
+        assert eng.block_manager.num_used_blocks == 0
