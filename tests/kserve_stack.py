@@ -1,12 +1,14 @@
 """A router in front of one in-process runner of a tiny random Llama checkpoint with a word-level
-tokenizer (token ``i`` is the word ``w{i}``), both on loopback, for the KServe v2 door's tests
-(test helper)."""
+tokenizer (token ``i`` is the word ``w{i}``), or the byte-level one of ``tests/structured_tiny.py``
+that structured output's grammar engine reads, both on loopback, for the KServe v2 door's tests
+and the clients' (test helper)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+from structured_tiny import EOS_ID, write_byte_tokenizer
 from weights_tiny import write_tiny_checkpoint
 
 from kserve_service.door import router_server
@@ -22,17 +24,29 @@ from weight_service.prepare import prepare
 
 #: The checkpoint directory's name, so the default served model name.
 MODEL_DIR = "tiny-llama"
+#: The model's vocabulary with the byte-level tokenizer (which has 270 ids: the rest are padding).
+BYTES_VOCAB = 320
 
 
 class TinyStack:
     """``runner-0`` (eager, 4 sequences, 128-token context) as a static runner of a router on a
     free port; :attr:`address` is the router's. ``served_model_name`` goes to the router's
-    config, ``runner_streams`` caps the runner's ``Generate`` streams. Call :meth:`close`."""
+    config, ``runner_streams`` caps the runner's ``Generate`` streams. ``tokenizer``: ``"words"``
+    (token ``i`` is ``w{i}``; structured output is refused, llguidance cannot read it) or
+    ``"bytes"`` (:func:`structured_tiny.byte_tokenizer`, EOS ``<eos>``; prompts are any text).
+    Call :meth:`close`."""
 
     def __init__(self, tmp: Path, *, served_model_name: str = "",
-                 runner_streams: int = ServerConfig.max_streams) -> None:
+                 runner_streams: int = ServerConfig.max_streams, tokenizer: str = "words") -> None:
         self.ckpt = tmp / MODEL_DIR
-        write_tiny_checkpoint(self.ckpt, tokenizer=True, vocab=96)
+        if tokenizer == "words":
+            write_tiny_checkpoint(self.ckpt, tokenizer=True, vocab=96)
+        elif tokenizer == "bytes":
+            write_tiny_checkpoint(self.ckpt, vocab=BYTES_VOCAB, extra_config={"eos_token_id": EOS_ID,
+                                                                              "bos_token_id": None})
+            write_byte_tokenizer(self.ckpt)
+        else:
+            raise ValueError(f"tokenizer must be 'words' or 'bytes', got {tokenizer!r}")
         sidecar = prepare(str(self.ckpt), root=tmp / "sidecars").path
         config = EngineConfig(max_num_seqs=4, block_size=4, max_model_len=128, warmup=False)
         self.engine = LLMEngine.from_sidecar(sidecar, config, model=str(self.ckpt))

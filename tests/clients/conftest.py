@@ -1,7 +1,7 @@
 """A router and one runner in this process on loopback (``tests/kserve_stack.py``'s
 :class:`TinyStack`: a tiny random Llama checkpoint with a word-level tokenizer, token ``i`` is the
-word ``w{i}``), for the clients in other languages (clients/node) to talk to; and the command that
-runs those clients."""
+word ``w{i}``; or, for structured output, the byte-level tokenizer llguidance reads), for the
+clients in other languages (clients/node) to talk to; and the command that runs those clients."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ class Stack:
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     tiny = TinyStack(tmp_path_factory.mktemp("client-stack"))
+    try:
+        yield Stack(tiny.address, "runner-0", str(tiny.ckpt), tiny.engine.max_model_len)
+    finally:
+        tiny.close()
+
+
+@pytest.fixture(scope="package")
+def bytes_stack(tmp_path_factory) -> Iterator[Stack]:
+    """As :func:`stack`, with ``tests/structured_tiny.py``'s byte-level tokenizer (prompts are any
+    text): structured output works there."""
+    tiny = TinyStack(tmp_path_factory.mktemp("client-bytes-stack"), tokenizer="bytes")
     try:
         yield Stack(tiny.address, "runner-0", str(tiny.ckpt), tiny.engine.max_model_len)
     finally:

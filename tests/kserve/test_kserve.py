@@ -515,7 +515,8 @@ def test_structured_output_keys_reach_the_runner(stub, key) -> None:
     """vLLM's ``guided_decoding`` / ``structured_outputs`` in ``sampling_parameters`` (as Triton's
     vLLM backend hands them to vLLM's ``SamplingParams``) reach the runner: this stack's word-level
     test tokenizer has no decoder llguidance can read, so the runner refuses the constraint with
-    INVALID_ARGUMENT naming that (the constraint's own outputs: ``tests/runner/test_runner_structured.py``);
+    INVALID_ARGUMENT naming that (the constraint's own outputs: ``tests/runner/test_runner_structured.py``,
+    and through this door on a byte-level tokenizer: ``tests/kserve/test_kserve_tritonclient.py``);
     a malformed one is refused by the door."""
     for sampling in ({key: {"choice": ["w3", "w17"]}}, {key: json.dumps({"regex": "w[0-9]"})}):
         with pytest.raises(grpc.RpcError) as err:
