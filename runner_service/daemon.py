@@ -137,7 +137,7 @@ def serve_from_args(args) -> int:
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"
         log.info("ready", extra={"address": server.address, "runner_id": servicer.runner_id,
-                                 "startup": engine.startup_report.line()})
+                                 "startup": engine.startup_line()})
         if args.router:
             from runner_service.registration import RunnerRegistration
 

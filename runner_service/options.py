@@ -147,6 +147,19 @@ def check_program_batch(compile: str, max_num_seqs: int) -> None:
                               "or --compile off")
 
 
+def speculative_summary(method: str, num_speculative_tokens: int, num_drafts: int | None = None,
+                        acceptance_rate: float = 0.0, mean_acceptance_length: float = 0.0) -> str:
+    """Speculative decoding as a phrase: ``off``, ``ngram x3`` (no counts: ``num_drafts`` ``None``),
+    or with counts ``ngram x3: acceptance 0.62, 2.10 tokens/step`` (``no drafts yet`` for 0 drafts)."""
+    if not method or method == "off":
+        return "off"
+    if num_drafts is None:
+        return f"{method} x{num_speculative_tokens}"
+    counts = (f"acceptance {acceptance_rate:.2f}, {mean_acceptance_length:.2f} tokens/step" if num_drafts
+              else "no drafts yet")
+    return f"{method} x{num_speculative_tokens}: {counts}"
+
+
 def check_prompt_lookup(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
     """``InvalidArgument`` unless ``1 <= prompt_lookup_min <= prompt_lookup_max <=``
     :data:`MAX_PROMPT_LOOKUP` (the n-gram suffix sizes)."""
