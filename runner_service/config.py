@@ -60,7 +60,8 @@ class EngineConfig:
       method in :attr:`~model_families.family.ModelFamily.speculative_methods`;
       ``num_speculative_tokens`` (``K``, 1 .. :data:`~runner_service.options.MAX_SPECULATIVE_TOKENS`)
       drafts at most per sequence and step; ``prompt_lookup_min`` / ``prompt_lookup_max``: the
-      suffix lengths (tokens) the n-gram lookup tries, longest first.
+      suffix lengths (tokens) the n-gram lookup tries, longest first (at most
+      :data:`~runner_service.options.MAX_PROMPT_LOOKUP`).
     - ``build_lease_s``: TTL in seconds of the kernel-cache build lease a runner holds while it
       compiles a program others wait for (renewed every third of it; a runner that dies loses
       it after this long and a waiter takes the build over).
@@ -121,9 +122,7 @@ class EngineConfig:
         if not 1 <= self.num_speculative_tokens <= opt.MAX_SPECULATIVE_TOKENS:
             raise InvalidArgument(f"num_speculative_tokens must be in [1, {opt.MAX_SPECULATIVE_TOKENS}], "
                                   f"got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise InvalidArgument(f"prompt_lookup_min ({self.prompt_lookup_min}) must be in [1, prompt_lookup_max "
-                                  f"({self.prompt_lookup_max})]")
+        opt.check_prompt_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from runner_service.config import EngineConfig
 from runner_service.engine import LLMEngine, StartupPhase
-from runner_service.options import engine_fields
+from runner_service.options import GIVEN, check_model_method, check_options, engine_fields
 from services.channel import ClientSecurity
 from services.errors import Untrusted
 from services.paths import default_sidecar_root
@@ -116,7 +116,9 @@ def serve_from_args(args) -> int:
     from services.stream_slots import StreamSlots
 
     configure_logging("runner", args.log_level)
+    check_options(vars(args), getattr(args, GIVEN, ()))
     config = engine_config_from_args(args)
+    check_model_method(args.model, config.speculative)  # before the sidecar is packed or loaded
     server_config = config_from_args(args, "runner")
     security = client_security_from_args(args)  # what the runner presents to the cache, weights and router
     ensure_bindable(server_config)  # a busy port fails now, not after the model is loaded
@@ -135,7 +137,7 @@ def serve_from_args(args) -> int:
         port = server.start()
         servicer.runner_id = args.runner_id or f"{socket.gethostname()}:{port}"
         log.info("ready", extra={"address": server.address, "runner_id": servicer.runner_id,
-                                 "startup": engine.startup_report.line()})
+                                 "startup": engine.startup_line()})
         if args.router:
             from runner_service.registration import RunnerRegistration
 

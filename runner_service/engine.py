@@ -32,7 +32,7 @@ from runner_service.limits import check_prompt_bytes
 from runner_service.model_runner import ModelRunner
 from runner_service.mtp import MtpDrafter
 from runner_service.ngram import NgramDrafter, SpeculationGate
-from runner_service.options import STREAMS_METHODS
+from runner_service.options import STREAMS_METHODS, check_family_method, speculative_summary
 from runner_service.output_processor import OutputProcessor, RequestOutput, RequestStream
 from runner_service.penalties import PenaltyState
 from runner_service.program_installer import ProgramInstaller
@@ -122,10 +122,7 @@ class LLMEngine:
         self.family = self.model_family.name
         if config.batch_invariant:
             config = self._batch_invariant_config(config, weights)
-        if config.speculative != "off" and config.speculative not in self.model_family.speculative_methods:
-            methods = ", ".join(self.model_family.speculative_methods) or "none"
-            raise InvalidArgument(f"the {self.family} family cannot use --speculative {config.speculative} "
-                                  f"(its methods: {methods})")
+        check_family_method(self.model_family, config.speculative)
         if config.speculative == "mtp" and not getattr(args, "num_nextn_predict_layers", 0):
             raise InvalidArgument("--speculative mtp needs the checkpoint's MTP block, and this model has none "
                                   "(num_nextn_predict_layers is 0)")
@@ -228,8 +225,16 @@ class LLMEngine:
             self.runner.warmup(self.warmup_plan)
         self._phase("warmup", t0, "skipped" if self.warmup_plan is None else self.warmup_plan.describe())
         self._ready = time.perf_counter()  # serving from now on (eager while programs are pending)
-        log.info("startup: " + self.startup_report.line(), extra={"runner_id": config.runner_id})
+        log.info("startup: " + self.startup_line(), extra={"runner_id": config.runner_id})
 
+
+    def startup_line(self) -> str:
+        """The start-up report's log line (:meth:`StartupReport.line`), then the speculative
+        method and K when speculating (``... | total 0.9s | speculative ngram x3``)."""
+        line = self.startup_report.line()
+        if self.config.speculative == "off":
+            return line
+        return f"{line} | speculative {speculative_summary(self.config.speculative, self.config.num_speculative_tokens)}"
 
     # -- construction ------------------------------------------------------------------------
 

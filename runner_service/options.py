@@ -9,13 +9,20 @@ the engine config of parsed flags (:func:`engine_fields`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from model_families.dtypes import COMPUTE_DTYPES
 from model_families.dtypes import WEIGHTS_DTYPES as SIDECAR_DTYPES
 from services.bootstrap import int_at_least
 from services.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from model_families.family import ModelFamily
+
+log = logging.getLogger(__name__)
 
 #: ``--compile`` choices: eager, ``torch.compile`` with Inductor, AOTInductor packages.
 COMPILE_MODES = ("off", "inductor", "aoti")
@@ -37,9 +44,26 @@ SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 STREAMS_METHODS = ("mtp",)
 #: The most draft tokens per sequence and step (``--num-speculative-tokens``).
 MAX_SPECULATIVE_TOKENS = 4
+#: The longest suffix the n-gram lookup tries (``--prompt-lookup-max``, and so ``--prompt-lookup-min``).
+#: vLLM sets no cap, but here every appended token registers one n-gram per size in ``[min, max]``
+#: (:class:`runner_service.ngram.NgramIndex`: host time and memory grow with ``max**2``), and
+#: suffixes longer than a few tokens rarely find a match a shorter one misses; 32 keeps that
+#: bounded at 8x vLLM's largest documented example (4).
+MAX_PROMPT_LOOKUP = 32
+#: The ``namespace`` attribute listing the dests of the value flags given on the command line
+#: (:class:`_Given`), for :func:`check_options`' warning about ignored ones.
+GIVEN = "given_options"
 
 _positive_int = int_at_least(1)
 _SAME = object()
+
+
+class _Given(argparse.Action):
+    """``store``, and the dest added to the namespace's :data:`GIVEN` set."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
 
 
 @dataclass(frozen=True)
@@ -87,8 +111,8 @@ class Option:
                                 default=default, help=help)
             return
         extra = {"required": True} if self.required else {"default": default}
-        parser.add_argument(self.flag, dest=self.dest, type=self.type, choices=self.choices, metavar=self.metavar,
-                            help=help, **extra)
+        parser.add_argument(self.flag, dest=self.dest, action=_Given, type=self.type, choices=self.choices,
+                            metavar=self.metavar, help=help, **extra)
 
     def argv(self, value: object) -> list[str]:
         """The words that give ``value`` to ``runner serve``: ``[]`` for ``None`` (and for an
@@ -121,6 +145,56 @@ def check_program_batch(compile: str, max_num_seqs: int) -> None:
         raise InvalidArgument(f"--max-num-seqs {max_num_seqs} exceeds {MAX_PROGRAM_BATCH}, the most sequences a "
                               f"compiled program takes (--compile {compile}); use at most {MAX_PROGRAM_BATCH}, "
                               "or --compile off")
+
+
+def speculative_summary(method: str, num_speculative_tokens: int, num_drafts: int | None = None,
+                        acceptance_rate: float = 0.0, mean_acceptance_length: float = 0.0) -> str:
+    """Speculative decoding as a phrase: ``off``, ``ngram x3`` (no counts: ``num_drafts`` ``None``),
+    or with counts ``ngram x3: acceptance 0.62, 2.10 tokens/step`` (``no drafts yet`` for 0 drafts)."""
+    if not method or method == "off":
+        return "off"
+    if num_drafts is None:
+        return f"{method} x{num_speculative_tokens}"
+    counts = (f"acceptance {acceptance_rate:.2f}, {mean_acceptance_length:.2f} tokens/step" if num_drafts
+              else "no drafts yet")
+    return f"{method} x{num_speculative_tokens}: {counts}"
+
+
+def check_prompt_lookup(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    """``InvalidArgument`` unless ``1 <= prompt_lookup_min <= prompt_lookup_max <=``
+    :data:`MAX_PROMPT_LOOKUP` (the n-gram suffix sizes)."""
+    if not 1 <= prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+        raise InvalidArgument(f"--prompt-lookup-max must be in [1, {MAX_PROMPT_LOOKUP}], got {prompt_lookup_max}")
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise InvalidArgument(f"--prompt-lookup-min ({prompt_lookup_min}) must be in [1, --prompt-lookup-max "
+                              f"({prompt_lookup_max})]")
+
+
+def check_family_method(family: ModelFamily, method: str) -> None:
+    """``InvalidArgument`` when ``family`` cannot draft with the speculative ``method`` (not
+    ``off`` and not in its :attr:`~model_families.family.ModelFamily.speculative_methods`)."""
+    if method != "off" and method not in family.speculative_methods:
+        methods = ", ".join(family.speculative_methods) or "none"
+        raise InvalidArgument(f"the {family.name} family cannot use --speculative {method} (its methods: {methods})")
+
+
+def check_model_method(model: str, method: str) -> None:
+    """:func:`check_family_method` for the model source ``model``, before anything starts, when
+    its family is cheap to know here: from a local GGUF's header or ``config.json``
+    (:func:`weight_service.checkpoint.source_architecture`, no weights read). A source that does not
+    resolve here (one only a weight service sees) or of no known family is left to the engine,
+    which checks again once the model is loaded."""
+    if method == "off":
+        return
+    from model_families import family_for_architecture
+    from weight_service.checkpoint import source_architecture
+    from weight_service.sources import resolve_source
+
+    try:
+        family = family_for_architecture(source_architecture(resolve_source(model)))
+    except InvalidArgument:
+        return
+    check_family_method(family, method)
 
 
 def _with_default(text: str, value: object) -> str:
@@ -179,10 +253,12 @@ SPECULATIVE = Option("--speculative", "speculative decoding: draft tokens verifi
 NUM_SPECULATIVE_TOKENS = Option("--num-speculative-tokens", f"draft tokens per sequence and step, 1..{MAX_SPECULATIVE_TOKENS}",
                                 default=3, type=int_at_least(1, MAX_SPECULATIVE_TOKENS), metavar="K", field="num_speculative_tokens",
                                 forwarded=True)
-PROMPT_LOOKUP_MAX = Option("--prompt-lookup-max", "ngram: the longest suffix (tokens) looked up in the sequence",
-                           default=4, type=_positive_int, metavar="N", field="prompt_lookup_max", forwarded=True)
-PROMPT_LOOKUP_MIN = Option("--prompt-lookup-min", "ngram: the shortest suffix (tokens) looked up",
-                           default=2, type=_positive_int, metavar="N", field="prompt_lookup_min", forwarded=True)
+PROMPT_LOOKUP_MAX = Option("--prompt-lookup-max", f"ngram: the longest suffix (tokens) looked up in the sequence, "
+                           f"1..{MAX_PROMPT_LOOKUP}", default=4, type=int_at_least(1, MAX_PROMPT_LOOKUP), metavar="N",
+                           field="prompt_lookup_max", forwarded=True)
+PROMPT_LOOKUP_MIN = Option("--prompt-lookup-min", "ngram: the shortest suffix (tokens) looked up, at most "
+                           "--prompt-lookup-max", default=2, type=int_at_least(1, MAX_PROMPT_LOOKUP), metavar="N",
+                           field="prompt_lookup_min", forwarded=True)
 THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
                  field="num_threads")
 
@@ -195,6 +271,23 @@ RUNNER_OPTIONS: tuple[Option, ...] = (
     TRUSTED_KEYS)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)
+#: The flags only a speculating runner reads: ``--speculative off`` ignores them.
+SPECULATIVE_TUNING: tuple[Option, ...] = (NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN)
+
+
+def check_options(values: Mapping[str, object], given: Collection[str] = ()) -> None:
+    """Check the runner options that constrain one another, as soon as they are parsed (``runner
+    serve``; ``up`` and ``demo`` through :class:`warmserve.stack_config.StackConfig`). ``values``:
+    dest -> value (``None`` or missing: ``runner serve``'s default). ``InvalidArgument`` for a
+    compiled batch too large (:func:`check_program_batch`) or n-gram sizes out of order
+    (:func:`check_prompt_lookup`); with ``--speculative off``, a warning naming the flags of
+    :data:`SPECULATIVE_TUNING` among ``given`` (dests) that it ignores."""
+    value = {o.dest: o.serve_default if values.get(o.dest) is None else values[o.dest] for o in RUNNER_OPTIONS}
+    check_program_batch(value[COMPILE.dest], value[MAX_NUM_SEQS.dest])
+    check_prompt_lookup(value[PROMPT_LOOKUP_MIN.dest], value[PROMPT_LOOKUP_MAX.dest])
+    ignored = [o.flag for o in SPECULATIVE_TUNING if o.dest in given]
+    if value[SPECULATIVE.dest] == "off" and ignored:
+        log.warning("%s ignored: --speculative is off", ", ".join(ignored))
 
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.errors import FailedPrecondition
+from services.errors import Cancelled, FailedPrecondition
 
 if TYPE_CHECKING:
     from runner_service.model_runner import ModelRunner
@@ -182,9 +182,11 @@ class ProgramInstaller:
         one: it compiles in a fraction of the time), or build them in one child process
         (:meth:`_compile_in_child`); each is installed between two steps, so the unrolled
         programs replace loop ones there. ``state`` becomes ``installed`` with the first form
-        that loads (or ``eager`` when all failed); ``installed_at_s`` / ``unrolled_at_s`` say when."""
+        that loads (or ``eager`` when all failed); ``installed_at_s`` / ``unrolled_at_s`` say when.
+        A build :meth:`close` cancels logs one line, and nothing runs between steps once it began."""
         from runner_service.programs.build_child import BuildChild, ChildSetup
 
+        between_steps = self._while_open(between_steps)
         spec = specs[0]
         cpus = available_cpus()
         serving, nice, own = build_share(spec.threads, len(cpus), self.share)
@@ -201,10 +203,21 @@ class ProgramInstaller:
                 report = load.load_programs(form, self.runner.install_program, kernel_cache=self.kernel_cache,
                                             defer=between_steps, progress=self._progress, compiler=compiler)
                 between_steps(lambda report=report, form=form: self._record(report, form.layers, clock))
+        except Cancelled:
+            log.info("program build cancelled: shutting down", extra={"runner_id": self.runner.config.runner_id})
         finally:
             self.child.close()
             if self._ceded:  # the child is gone: its CPU serves again (not before, or two threads share one CPU)
                 between_steps(lambda: self._step_on(spec.threads, None))
+
+    def _while_open(self, between_steps: Callable[[Callable[[], None]], None]) -> Callable[[Callable[[], None]], None]:
+        """``between_steps`` for functions skipped once :meth:`close` began: nothing is installed,
+        recorded or re-threaded while (or after) the engine closes."""
+
+        def call(fn: Callable[[], None]) -> None:
+            between_steps(lambda: None if self._closed else fn())
+
+        return call
 
     def _child_compiler(self, child: BuildChild, between_steps, serving: int):
         """The :data:`~runner_service.programs.aoti.Compiler` of the background build: ``child``

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router_service.client import list_runners
+from runner_service.options import SPECULATIVE, check_model_method
 from services.errors import InvalidArgument, Unavailable
 from services.paths import warmserve_home
 from services.ports import KERNEL_CACHE, OPENAI, ROUTER, WEIGHTS
@@ -204,7 +205,9 @@ class LocalStack:
 
     def preflight(self) -> None:
         """Check what would make the launch fail, before anything starts: the model source must
-        resolve (``InvalidArgument``: no such file, not a checkpoint), the home must be a directory
+        resolve (``InvalidArgument``: no such file, not a checkpoint) and, when its family can be read
+        here, take ``--speculative``'s method (:func:`runner_service.options.check_model_method`),
+        the home must be a directory
         if it exists (``InvalidArgument``), and every fixed port must be free (``Unavailable``
         naming each busy port and its service; with ``base_port`` 0, free ones are picked and only
         the host is checked). With a ``store``, its bucket must answer and accept conditional
@@ -214,6 +217,7 @@ class LocalStack:
         from weight_service.sources import resolve_source
 
         resolve_source(self.config.model)
+        check_model_method(self.config.model, self.config.speculative or SPECULATIVE.serve_default)
         if self.home.exists() and not self.home.is_dir():
             raise InvalidArgument(f"the home {self.home} is not a directory (--home / $WARMSERVE_HOME)")
         if self.config.store:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router_service.config import DEFAULT_POLICY
-from runner_service.options import COMPILE, FORWARDED_OPTIONS, MAX_NUM_SEQS, check_program_batch, runner_argv
+from runner_service.options import FORWARDED_OPTIONS, check_options, runner_argv
 from services import ports
 from services.address import format_address
 from services.errors import InvalidArgument
@@ -99,9 +99,10 @@ class StackConfig:
             raise InvalidArgument(f"--runners must be >= 0, got {self.runners}")
         if self.base_port != 0 and not 1024 <= self.base_port <= 65535 - RUNNER_PORT_OFFSET - max(self.runners, 1) - 16:
             raise InvalidArgument(f"--base-port must be 0 (free ports) or leave room for the stack, got {self.base_port}")
+        values = {option.dest: getattr(self, option.dest) for option in FORWARDED_OPTIONS}
         for option in FORWARDED_OPTIONS:
-            option.validate(getattr(self, option.dest))
-        check_program_batch(self.compile or COMPILE.serve_default, self.max_num_seqs or MAX_NUM_SEQS.serve_default)
+            option.validate(values[option.dest])
+        check_options(values, {dest for dest, value in values.items() if value is not None})
         if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
             raise InvalidArgument(f"--openai-port must be in [0, 65535] (0: a free port), got {self.openai_port}")
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TextIO
 
 from router_service.client import list_runners
+from runner_service import options
 from services.ports import OPENAI
 from services.table import format_table
 
@@ -22,13 +23,11 @@ def programs_took_over(info) -> str:
 
 
 def speculative_summary(spec) -> str:
-    """A ``SpeculativeDecoding`` message as a phrase: ``off``, or ``ngram x3: acceptance 0.62,
+    """A ``SpeculativeDecoding`` message as the runner's phrase
+    (:func:`runner_service.options.speculative_summary`): ``off``, or ``ngram x3: acceptance 0.62,
     2.10 tokens/step`` (``no drafts yet`` before any was verified)."""
-    if not spec.method or spec.method == "off":
-        return "off"
-    counts = (f"acceptance {spec.acceptance_rate:.2f}, {spec.mean_acceptance_length:.2f} tokens/step"
-              if spec.num_drafts else "no drafts yet")
-    return f"{spec.method} x{spec.num_speculative_tokens}: {counts}"
+    return options.speculative_summary(spec.method, spec.num_speculative_tokens, spec.num_drafts,
+                                       spec.acceptance_rate, spec.mean_acceptance_length)
 
 
 def layer_kinds_summary(kinds) -> str:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.errors import Internal
+from services.errors import Cancelled, Internal
 
 if TYPE_CHECKING:
     from runner_service.model_runner import ModelRunner
@@ -109,7 +109,8 @@ class BuildChild:
         """Have the child write the ``kind`` program of ``spec`` to ``package`` (an
         :data:`~runner_service.programs.aoti.Compiler`); blocks until it answers. Raises
         ``services.errors.Internal`` when the child refuses or fails (its reason), dies (how: a
-        signal or an exit status), takes longer than :attr:`timeout_s` (it is killed) or was stopped."""
+        signal or an exit status) or takes longer than :attr:`timeout_s` (it is killed);
+        ``services.errors.Cancelled`` when it was stopped (:meth:`stop`, :meth:`close`)."""
         from runner_service.programs.key import program_key
 
         name, want = program_key(spec, spec.mode, kind=kind)  # the runner's key: the child checks its own against it
@@ -137,7 +138,8 @@ class BuildChild:
             raise Internal(f"the build child (pid {proc.pid}) took longer than {self.timeout_s:.0f} s to compile "
                            f"{name}: killed")
         if not line:
-            raise Internal(self._gone(name))
+            gone = self._gone(name)
+            raise Cancelled(gone) if self._stopped else Internal(gone)
         reply = json.loads(line)
         if not reply.get("ok"):
             raise Internal(f"the build child (pid {proc.pid}) failed to compile {name}: {reply.get('error')}")
@@ -146,7 +148,7 @@ class BuildChild:
     def _start(self) -> subprocess.Popen:
         with self._lock:
             if self._stopped:
-                raise Internal("the build child was stopped (the runner is shutting down)")
+                raise Cancelled("the build child was stopped (the runner is shutting down)")
             if self._proc is None:
                 root = str(Path(__file__).resolve().parents[2])  # the tree this code runs from
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

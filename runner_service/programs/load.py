@@ -15,7 +15,7 @@ from runner_service.programs import aoti, inductor
 from runner_service.programs.cache import miss_note, open_kernel_cache, record_wanted, trust_note
 from runner_service.programs.key import program_key
 from runner_service.programs.spec import MODES, ProgramSpec
-from services.errors import Untrusted, WarmserveError
+from services.errors import Cancelled, Untrusted, WarmserveError
 
 if TYPE_CHECKING:
     from kernel_cache_service.client import KernelCacheClient
@@ -82,7 +82,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
     what builds an AOTI program on a MISS (:data:`~runner_service.programs.aoti.Compiler`;
     default in this process; the engine's background build passes one that compiles in a child
     process, :mod:`runner_service.programs.build_child`). Returns the
-    report; on any failure nothing is installed for that program (the runner stays eager). A
+    report; on any failure nothing is installed for that program (the runner stays eager), and a
+    compile ``compiler`` cancels (``services.errors.Cancelled``: shutting down) is raised. A
     client with trusted keys refuses a fetched program whose signature fails before writing it
     (the program is compiled here instead); the report's detail ends with
     :func:`~runner_service.programs.cache.trust_note` (``artifacts not verified``, or each refusal).
@@ -111,6 +112,8 @@ def load_programs(spec: ProgramSpec, install: Install, *,
             else:
                 program, source, published, detail = inductor.load_inductor(spec, name, fp, cache, work)
             detail = _with_miss_note(detail, source, cache, name, fp)
+        except Cancelled:  # the build was stopped (shutting down): no failure to report
+            raise
         except Exception as e:  # noqa: BLE001 - any compile/load failure leaves the runner eager
             log.exception("compiled programs unavailable; running eager")
             return ProgramsReport(mode, time.perf_counter() - t0, f"{mode} failed ({type(e).__name__}: {e}); eager; "
@@ -190,6 +193,8 @@ def _load_step(spec: ProgramSpec, kind: str, cache: KernelCacheClient | None, wo
         record_wanted(work, name, fp)
         program, source, _published, detail = aoti.load_aoti(spec, kind, name, fp, cache, work, progress, compiler)
         detail = _with_miss_note(detail, source, cache, name, fp)
+    except Cancelled:
+        raise
     except Exception as e:  # noqa: BLE001 - the step then runs eager; decode is compiled
         log.exception("compiled %s unavailable; %s runs eager", kind, kind)
         return "eager", f"{kind} eager ({type(e).__name__}: {e})"

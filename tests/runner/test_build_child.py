@@ -25,7 +25,7 @@ from runner_service.program_installer import BUILD_NICE, available_cpus, build_s
 from runner_service.programs.build_child import BuildChild, ChildSetup
 from runner_service.programs.key import program_key
 from runner_service.sampling_params import SamplingParams
-from services.errors import Internal
+from services.errors import Cancelled, Internal
 
 ARGS = tiny_args(vocab=96, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=8, max_pos=128)
 PROMPTS = [[1 + i, 5, 9 + i, 3] for i in range(4)]
@@ -94,6 +94,49 @@ def test_a_sigkilled_build_child_leaves_the_runner_serving_eager_and_saying_why(
     with KernelCacheClient(root=str(kc)).claim(name, fp, holder="runner-9") as handle:
         assert handle.status == OWNER and not handle.claim.takeover
     eng.close()
+
+
+def test_a_build_stopped_by_close_logs_one_info_line_and_installs_nothing(tmp_path, caplog):
+    """SIGTERM mid-build (the engine closes): the killed child's compile is ``Cancelled``, not an
+    ERROR with a traceback; one INFO line says so and nothing is installed or recorded after."""
+    caplog.set_level("INFO", logger="runner_service")
+    eng = _engine(str(tmp_path / "kc"), compile="aoti", background_compile=True)
+    _wait_for(lambda: eng.programs.child is not None and eng.programs.child.pid)
+    eng.close()
+    assert not eng.programs.in_flight
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    cancelled = [r for r in caplog.records if r.getMessage() == "program build cancelled: shutting down"]
+    assert [r.levelname for r in cancelled] == ["INFO"]
+    assert not any("installed" in r.getMessage() or "failed" in r.getMessage() for r in caplog.records
+                   if r.created >= cancelled[0].created)
+    assert eng.runner.decode_program is None and eng.programs.state == "pending"
+
+
+def test_what_a_cancelled_build_handed_over_is_not_installed_once_close_began(tmp_path, monkeypatch):
+    """A program that loaded before the cancel waits in the engine's inbox: close drains it, and
+    the installer's guard runs none of it (nor the record of the cancelled form)."""
+    import threading
+
+    from runner_service.programs import load
+
+    monkeypatch.setattr(load, "programs_cached", lambda *a, **k: False)
+    handed, ran, release = threading.Event(), [], threading.Event()
+
+    def cancelled_load(spec, install, *, defer, **kw):
+        defer(lambda: ran.append("decode"))  # fetched: its install is handed to the stepping thread
+        handed.set()
+        release.wait(30)
+        raise Cancelled("the build child was stopped (the runner is shutting down)")
+
+    monkeypatch.setattr(load, "load_programs", cancelled_load)
+    eng = _engine(str(tmp_path / "kc"), compile="aoti", background_compile=True)
+    assert handed.wait(30)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    _wait_for(lambda: eng.programs._closed)
+    release.set()
+    closer.join(60)
+    assert ran == [] and not eng.programs.in_flight and eng.programs.state == "pending"
 
 
 def _runner() -> ModelRunner:

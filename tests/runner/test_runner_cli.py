@@ -98,13 +98,42 @@ def test_runner_serve_prepares_serves_and_drains(tiny_ckpt, tmp_path):
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
     (["--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
     (["--num-speculative-tokens", "5"], "expected an integer in [1, 4], got 5"),
-    (["--speculative", "ngram", "--prompt-lookup-min", "5"], "prompt_lookup_min (5) must be in [1, prompt_lookup_max (4)]"),
+    (["--prompt-lookup-max", "33"], "argument --prompt-lookup-max: expected an integer in [1, 32], got 33"),
 ])
 def test_bad_flags_exit_2_with_a_message(tiny_ckpt, tmp_path, extra, message):
     out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+     "--prompt-lookup-min (5) must be in [1, --prompt-lookup-max (2)]"),
+    (["--speculative", "mtp"], "the llama family cannot use --speculative mtp (its methods: ngram)"),
+])
+def test_speculative_options_that_do_not_go_together_exit_2_before_the_sidecar(tiny_ckpt, tmp_path, extra, message):
+    """Refused from the flags and the checkpoint's config.json alone: one line, nothing packed."""
+    out = subprocess.run(_serve_cmd(tiny_ckpt, tmp_path / "sidecars", *extra), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"warmserve: error: {message}"
+    assert "Traceback" not in out.stderr and "preparing the weight sidecar" not in out.stderr
+    assert not (tmp_path / "sidecars").exists()
+
+
+def test_speculative_off_warns_about_the_speculative_flags_it_ignores(caplog):
+    from runner_service.options import GIVEN, check_options
+    from warmserve.cli import build_parser
+
+    args = build_parser().parse_args(["runner", "serve", "--model", "m", "--num-speculative-tokens", "2",
+                                      "--prompt-lookup-min", "2"])
+    assert getattr(args, GIVEN) >= {"num_speculative_tokens", "prompt_lookup_min"}
+    check_options(vars(args), getattr(args, GIVEN))
+    assert "--num-speculative-tokens, --prompt-lookup-min ignored: --speculative is off" in caplog.text
+    caplog.clear()
+    check_options({**vars(args), "speculative": "ngram"}, getattr(args, GIVEN))
+    assert "ignored" not in caplog.text
 
 
 def test_prefix_caching_is_on_by_default_and_off_with_the_flag():

@@ -211,6 +211,14 @@ def test_a_family_without_a_verify_step_refuses_speculation_by_name():
         LLMEngine(ARGS, WEIGHTS, tiny_config(kv_cache_bytes=1 << 20, **SPEC), family=Plain())
 
 
+def test_the_runners_startup_line_names_the_method_and_k_when_speculating(caplog):
+    caplog.set_level("INFO", logger="runner_service.engine")
+    on = _engine(**SPEC)
+    assert on.startup_line().endswith("s | speculative ngram x3")
+    assert any(r.getMessage() == "startup: " + on.startup_line() for r in caplog.records)
+    assert "speculative" not in _engine().startup_line()
+
+
 def test_model_info_metrics_and_the_wire_opt_out_report_speculation():
     import grpc
     from prometheus_client import generate_latest

@@ -106,6 +106,23 @@ def test_up_with_a_missing_model_is_bad_input_and_starts_nothing(capsys, tmp_pat
     assert not (tmp_path / "h").exists()
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+     "--prompt-lookup-min (5) must be in [1, --prompt-lookup-max (2)]"),
+    (["up", "--prompt-lookup-min", "5"], "--prompt-lookup-min (5) must be in [1, --prompt-lookup-max (4)]"),
+    (["up", "--speculative", "mtp"], "the llama family cannot use --speculative mtp (its methods: ngram)"),
+    (["demo", "--speculative", "mtp"], "the llama family cannot use --speculative mtp (its methods: ngram)"),
+])
+def test_speculative_options_that_do_not_go_together_start_nothing(capsys, tmp_path, argv, message) -> None:
+    """Refused from the flags and the bundled GGUF's header: exit 2, one line, no home, no child."""
+    t0 = time.monotonic()
+    assert main([*argv, "--home", str(tmp_path / "h"), "--base-port", "0"]) == 2
+    assert time.monotonic() - t0 < 30  # no stack was started (a runner alone loads for 10 s and more)
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"warmserve: error: {message}"
+    assert not (tmp_path / "h").exists()
+
+
 def test_status_says_what_it_cannot_reach(capsys, tmp_path) -> None:
     assert main(["status", "--addr", "nonsense"]) == 2
     assert "--addr must be host:port" in capsys.readouterr().err
