@@ -30,4 +30,14 @@ GENERATION_HINTS = {
     "warmserve.v1.SamplingParams.min_tokens": st.integers(0, 70),
     "warmserve.v1.SamplingParams.n": st.integers(0, 6),  # 5, 6: above the fuzz runner's max_num_seqs
     "warmserve.v1.GenerateRequest.routing": st.integers(-1, 4),
+    # structured output and tools: valid, invalid and expensive forms (the fuzz runner's word-level
+    # tokenizer makes every constraint INVALID_ARGUMENT, which must still be all that happens)
+    "warmserve.v1.StructuredOutput.regex": st.sampled_from(("w[0-9]", "(", "a{1000}{1000}", "", "(a|a)*b")),
+    "warmserve.v1.StructuredOutput.json_schema": st.sampled_from(('{"type": "object"}', '{"type": "nope"}', "[", "",
+                                                                  '{"$ref": "#"}')),
+    "warmserve.v1.StructuredOutput.grammar": st.sampled_from(('start: "w1"', "root ::= ", "", 'root ::= "w1"')),
+    "warmserve.v1.ChoiceList.choices": st.sampled_from(("w1", "", "w2 w3")),
+    "warmserve.v1.ToolCall.arguments": st.sampled_from(('{"a": 1}', "{", "[]", "", "<|im_end|>")),
+    "warmserve.v1.Tool.parameters": st.sampled_from(('{"type": "object"}', "[1]", "{", "")),
+    "warmserve.v1.Tool.name": st.sampled_from(("f", "", "<|im_start|>")),
 }
