@@ -74,7 +74,11 @@ def tools_to_proto(tools: list[Any] | None) -> list[generation_pb2.Tool]:
         description = fn.get("description", "")
         if not isinstance(description, str):
             raise bad_request(f"tools[{i}].function.description must be a string", param="tools")
-        out.append(generation_pb2.Tool(name=name, description=description, parameters=json.dumps(params)))
+        try:
+            schema = json.dumps(params)
+        except RecursionError:
+            raise bad_request(f"tools[{i}].function.parameters nests too deeply", param="tools") from None
+        out.append(generation_pb2.Tool(name=name, description=description, parameters=schema))
     return out
 
 
@@ -136,7 +140,7 @@ def tool_calls(plan_: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
         try:
             calls = json.loads(text)
             return None, [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             return text, []
     calls, rest = [], []
     pos = 0
@@ -144,7 +148,7 @@ def tool_calls(plan_: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
         try:
             body = json.loads(hit.group(1))
             call = _call(body["name"], json.dumps(body.get("arguments", {}), ensure_ascii=False))
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             continue
         rest.append(text[pos:hit.start()])
         calls.append(call)

@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 #: grammar symbols. A grammar over one of them is refused at compile, or (a step over its fuel)
 #: ends the request: its matcher then allows EOS only.
 PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
-                 "max_lexer_states": 100_000, "max_grammar_size": 200_000, "verbose_errors": False}
+                 "max_items_in_row": 20_000, "max_lexer_states": 100_000, "max_grammar_size": 200_000,
+                 "verbose_errors": False}
 #: Wall-clock bound of one compile (the grammar, its matcher, its first mask): one slower than this
 #: is refused (and remembered as refused), since each of its steps would be paid by the batch.
 COMPILE_SECONDS = 2.0
@@ -332,10 +333,18 @@ def consume(seqs: Sequence[Seq], emitted: list[list[int]], walked: Sequence[int]
 
 def finish_completed(seqs: Sequence[Seq], outs: list[RequestOutput]) -> None:
     """After :meth:`OutputProcessor.process <runner_service.output_processor.OutputProcessor.process>`:
-    a constrained row whose matcher is stopped (its grammar complete, EOS consumed, or an error)
-    finishes: its delta's ``finish_reason`` becomes ``STOP`` (the caller finishes the sequence,
-    as for a stop string)."""
+    a constrained row whose matcher is stopped finishes: ``STOP`` when its grammar is complete
+    (or EOS consumed), ``ABORTED`` when the matcher failed (a parser limit hit in the middle of
+    generation, which a compile cannot always foresee: the output would not be what was asked,
+    so it is not reported as a normal stop). The caller finishes the sequence, as for a stop
+    string."""
     for seq, out in zip(seqs, outs, strict=True):
         m = seq.grammar
-        if m is not None and m.is_stopped() and out.finish_reason is not FinishReason.STOP:
+        if m is None or not m.is_stopped():
+            continue
+        if m.is_error():
+            log.warning("request %s: its grammar failed while generating (%s); aborting it", seq.request_id,
+                        _first_lines(m.get_error()))
+            out.finish_reason = FinishReason.ABORTED
+        elif out.finish_reason is not FinishReason.STOP:
             out.finish_reason = FinishReason.STOP

@@ -199,6 +199,8 @@ def _json_object(text: str, what: str) -> dict:
         value = json.loads(text)
     except ValueError as e:
         raise InvalidArgument(f"{what} is not valid JSON: {e}") from e
+    except RecursionError:
+        raise InvalidArgument(f"{what} nests too deeply to parse") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{what} must be a JSON object, got {type(value).__name__}")
     return value

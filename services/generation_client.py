@@ -79,7 +79,9 @@ def chat_request(messages: Sequence[tuple[str, str]], sampling: generation_pb2.S
 class GenerationResult:
     """One finished request: text, token ids, finish reason name, usage, who served it, and
     timings in seconds (``first_token_s`` from the call to the first token; ``token_times_s``
-    from the call to each message that carried tokens, with ``token_counts`` its token count)."""
+    from the call to each message that carried tokens, with ``token_counts`` its token count).
+    These are choice 0's; a request with ``n`` > 1 keeps every other choice in
+    :attr:`others` (index -> its own result), and :attr:`choices` lists them all in order."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -91,6 +93,12 @@ class GenerationResult:
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     token_counts: list[int] = field(default_factory=list)
+    others: dict[int, GenerationResult] = field(default_factory=dict)
+
+    @property
+    def choices(self) -> list[GenerationResult]:
+        """Every choice's result, by index (choice 0 is this one)."""
+        return [self, *(self.others[i] for i in sorted(self.others))]
 
     @property
     def max_gap_s(self) -> float:
@@ -106,7 +114,14 @@ class GenerationResult:
         return (self.token_times_s[-1] - self.token_times_s[0]) / after if after else None
 
     def add(self, resp: generation_pb2.GenerateResponse) -> None:
-        """Fold one streamed message in."""
+        """Fold one streamed message in (into :attr:`others` when it is another choice's)."""
+        if resp.index:
+            self.others.setdefault(resp.index, GenerationResult()).add_choice(resp)
+            return
+        self.add_choice(resp)
+
+    def add_choice(self, resp: generation_pb2.GenerateResponse) -> None:
+        """Fold one message of this choice in."""
         self.text += resp.text
         self.token_ids.extend(resp.token_ids)
         if resp.runner_id:

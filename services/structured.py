@@ -101,9 +101,14 @@ def _schema_text(where: str, value: object) -> str:
             value = json.loads(value)
         except ValueError as e:
             raise InvalidArgument(f"{where} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidArgument(f"{where} nests too deeply to parse") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where} must be a JSON schema (an object), got {json.dumps(value)[:100]}")
-    return json.dumps(value, ensure_ascii=False)
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise InvalidArgument(f"{where} nests too deeply") from None
 
 
 def _string(where: str, value: object) -> str:
@@ -147,6 +152,8 @@ def structured_from_vllm(key: str, value: object) -> StructuredSpec | None:
             value = json.loads(value)
         except ValueError as e:
             raise InvalidArgument(f"'{key}' is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidArgument(f"'{key}' nests too deeply to parse") from None
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"'{key}' must be an object, got {json.dumps(value)[:100]}")
     found = []

@@ -203,3 +203,22 @@ def test_choices_penalties_and_min_tokens_keep_the_constraint():
                                                    structured=_spec("choice")))])[0]
         assert _obeys("choice", short) and len(short.token_ids) < 25, short.text
         assert eng.block_manager.num_used_blocks == 0
+
+
+def test_a_grammar_that_fails_while_generating_aborts_the_request_instead_of_stopping_it():
+    """A matcher in error (here: a token forced past the grammar; in service, a parser limit hit
+    mid-generation) ends its request ABORTED, never as a normal STOP."""
+    from runner_service.output_processor import RequestOutput
+    from runner_service.sequence import Sequence
+    from runner_service.structured import finish_completed
+
+    compiler = GrammarCompiler(TOKENIZER, ARGS.vocab_size, (1,))
+    ok, bad = (Sequence(rid, [3, 4], SamplingParams(max_tokens=8), 64) for rid in ("ok", "bad"))
+    ok.grammar, bad.grammar = compiler.compile(_spec("choice")), compiler.compile(_spec("regex"))
+    for t in TOKENIZER.encode("yes", add_special_tokens=False):
+        assert ok.grammar.consume_token(t)
+    ok.grammar.consume_token(1)  # EOS: complete
+    assert not bad.grammar.consume_token(TOKENIZER.encode("z", add_special_tokens=False)[0])  # outside [a-c]
+    outs = [RequestOutput("ok"), RequestOutput("bad")]
+    finish_completed([ok, bad], outs)
+    assert [o.finish_reason for o in outs] == [FinishReason.STOP, FinishReason.ABORTED]

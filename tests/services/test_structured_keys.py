@@ -79,3 +79,16 @@ def test_triton_sampling_parameters_carry_a_schema_at_the_limit() -> None:
     assert len(text) < MAX_SAMPLING_JSON_BYTES
     assert json.loads(sampling_from_json(text).structured.json_schema) == schema
     assert structured_from_vllm("k", {"json": json.dumps(schema)}).text == json.dumps(schema, ensure_ascii=False)
+
+
+def test_a_schema_nested_past_the_parser_is_invalid_argument_not_a_crash() -> None:
+    deep = '{"type": "array", "items": ' * 2000 + "{}" + "}" * 2000
+    for params in ({"guided_decoding": {"json": deep}}, {"structured_outputs": json.dumps({"json": deep})},
+                   {"guided_decoding": json.dumps({"json": "[" * 5000})}):
+        with pytest.raises(InvalidArgument, match="nests too deeply|not valid JSON"):
+            sampling_from_dict(params)
+    nested: dict = {}
+    for _ in range(5000):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(InvalidArgument, match="nests too deeply"):
+        sampling_from_dict({"guided_decoding": {"json": nested}})
