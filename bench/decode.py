@@ -74,7 +74,7 @@ shared 2-core host, 1 thread avoids OpenMP barrier stalls when another process t
    rebuilt each step (:func:`host_mtp_prepare_us`).
 
 9. ``--structured-only``: structured output's cost. Decode tokens/s (greedy, EOS ignored, prefill
-   steps excluded, as in 1.; eager) at batch 1 / 8 / 32 with every row constrained by the JSON
+   steps excluded, as in 1.; compiled with ``--compile-mode`` unless ``--no-compiled``) at batch 1 / 8 / 32 with every row constrained by the JSON
    schema :data:`STRUCTURED_SCHEMA` (``SamplingParams.structured``: llguidance's mask filled and
    applied each step, the token consumed), half of them (batch 1: none), and none; the three
    interleaved in each run, medians over ``--runs``. A constrained row ends (STOP) when its JSON
@@ -825,13 +825,15 @@ STRUCTURED_SCHEMA = {"type": "object", "properties": {
     "required": ["topic", "notes", "confidence"], "additionalProperties": False}
 
 
-def structured_report(sidecar: Path, args) -> dict:
+def structured_report(sidecar: Path, args, kernel_cache: str | None) -> dict:
     """Figure 9: decode tokens/s with every row, half the rows and no row constrained by
     :data:`STRUCTURED_SCHEMA`, batch 1 / 8 / 32, interleaved per run, medians over ``--runs``;
-    and the schema's compile time on the engine's tokenizer (first compile, then a cached one)."""
+    and the schema's compile time on the engine's tokenizer (first compile, then a cached one).
+    Compiled (``--compile-mode``, programs from ``kernel_cache``) unless ``--no-compiled``."""
     from runner_service import structured as structured_module
 
-    eng = _engine(sidecar, "off", None, args.dtype)
+    mode = "off" if kernel_cache is None else args.compile_mode
+    eng = _engine(sidecar, mode, kernel_cache, args.dtype, background_compile=False)
     spec = StructuredSpec("json_schema", json.dumps(STRUCTURED_SCHEMA))
     t0 = time.perf_counter()
     eng.grammars.compile(spec)
@@ -839,7 +841,7 @@ def structured_report(sidecar: Path, args) -> dict:
     t0 = time.perf_counter()
     eng.grammars.compile(spec)
     cached = time.perf_counter() - t0
-    out: dict = {"compile_ms": {"first (tokenizer + grammar)": round(first * 1e3, 1),
+    out: dict = {"engine": eng.runner.computed_by(), "compile_ms": {"first (tokenizer + grammar)": round(first * 1e3, 1),
                                 "cached": round(cached * 1e3, 3)},
                  "json_options": structured_module.JSON_OPTIONS, "tps": {}}
     for b in BATCHES:
@@ -860,7 +862,7 @@ def structured_report(sidecar: Path, args) -> dict:
 def _print_structured(report: dict) -> None:
     st = report["structured"]
     print(f"\ncompile: {json.dumps(st['compile_ms'])} ms; JSON options {json.dumps(st['json_options'])}")
-    print("\n| decode tokens/s (eager, JSON schema) | no row constrained | half the rows | every row | every / none |")
+    print(f"\n| decode tokens/s ({st['engine']}, JSON schema) | no row constrained | half the rows | every row | every / none |")
     print("|---|---:|---:|---:|---:|")
     for name, row in st["tps"].items():
         print(f"| {name} | {row['none']} | {row['half']} | {row['all']} | {row['all_over_none']}x |")
@@ -976,7 +978,8 @@ def main() -> int:
                     "runs": args.runs, "torch_threads": torch.get_num_threads(), "decode_tps": {}}
 
     if args.structured_only:
-        report["structured"] = structured_report(sidecar, args)
+        kc = None if args.no_compiled else (args.kernel_cache_dir or str(Path(tmp.name) / "kernel-cache"))
+        report["structured"] = structured_report(sidecar, args, kc)
         print(json.dumps(report, indent=2))
         _print_structured(report)
         tmp.cleanup()
