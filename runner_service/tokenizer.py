@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.errors import InvalidArgument
+from services.json_text import parse_json
 
 #: Chat roles a request may use; anything else is ``InvalidArgument``. ``tool`` messages carry a
 #: tool call's result (OpenAI's role ``tool``).
@@ -195,12 +196,7 @@ def _json_object(text: str, what: str) -> dict:
     """``text`` parsed as a JSON object (empty: ``{}``); ``InvalidArgument`` naming ``what`` otherwise."""
     if not text.strip():
         return {}
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise InvalidArgument(f"{what} is not valid JSON: {e}") from e
-    except RecursionError:
-        raise InvalidArgument(f"{what} nests too deeply to parse") from None
+    value = parse_json(text, what)
     if not isinstance(value, dict):
         raise InvalidArgument(f"{what} must be a JSON object, got {type(value).__name__}")
     return value

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.errors import InvalidArgument
+from services.json_text import parse_json
 from services.proto import generation_pb2
 from services.utf8 import utf8_size
 
@@ -97,12 +98,7 @@ def spec_to_proto(spec: StructuredSpec) -> generation_pb2.StructuredOutput:
 def _schema_text(where: str, value: object) -> str:
     """A JSON schema given as an object or as JSON text, as JSON text (checked to be an object)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidArgument(f"{where} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise InvalidArgument(f"{where} nests too deeply to parse") from None
+        value = parse_json(value, where)
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where} must be a JSON schema (an object), got {json.dumps(value)[:100]}")
     try:
@@ -148,12 +144,7 @@ def structured_from_vllm(key: str, value: object) -> StructuredSpec | None:
     if value is None:
         return None
     if isinstance(value, str):  # a request parameter's string value (Triton's parameters map)
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidArgument(f"'{key}' is not valid JSON: {e}") from None
-        except RecursionError:
-            raise InvalidArgument(f"'{key}' nests too deeply to parse") from None
+        value = parse_json(value, f"'{key}'")
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"'{key}' must be an object, got {json.dumps(value)[:100]}")
     found = []
