@@ -116,3 +116,18 @@ class ScriptedDrafter:
                 if self.rng.random() < self.wrong:
                     drafts[j] = (drafts[j] + 1) % self.vocab
             seq.draft_token_ids = drafts
+
+
+def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    """``n`` token ids drawn from ``[2, vocab)`` by a generator seeded ``seed`` (0 and 1 left out:
+    the tiny models' special ids)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+
+def run_requests(engine, requests) -> list:
+    """Add every ``(token_ids, SamplingParams)`` of ``requests``, step ``engine`` until done, and
+    return each request's whole output (``RequestStream.result``), in order."""
+    streams = [engine.add_request(p, token_ids=ids) for ids, p in requests]
+    engine.run_until_done()
+    return [s.result(timeout=0) for s in streams]

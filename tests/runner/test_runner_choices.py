@@ -9,8 +9,7 @@ import math
 
 import grpc
 import pytest
-import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, random_prompt, tiny_args, tiny_config
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
@@ -37,8 +36,7 @@ def _engine(**cfg):
 
 
 def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, ARGS.vocab_size, (n,), generator=g).tolist()
+    return random_prompt(n, seed, ARGS.vocab_size)
 
 
 def test_seeded_choices_equal_separate_requests_with_seeds_s_plus_i():

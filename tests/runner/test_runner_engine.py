@@ -4,8 +4,8 @@ reasons, stop strings, seeded sampling, logprobs, failure handling, request vali
 from __future__ import annotations
 
 import pytest
-import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, random_prompt, tiny_args, tiny_config
+from runner_tiny import run_requests as _run
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
@@ -26,14 +26,7 @@ def _engine(args=ARGS, weights=WEIGHTS, tokenizer=None, **cfg):
 
 
 def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, ARGS.vocab_size, (n,), generator=g).tolist()
-
-
-def _run(eng, requests):
-    streams = [eng.add_request(p, token_ids=ids) for ids, p in requests]
-    eng.run_until_done()
-    return [s.result(timeout=0) for s in streams]
+    return random_prompt(n, seed, ARGS.vocab_size)
 
 
 def test_kv_exhaustion_64_concurrent_long_requests_all_complete_with_preemption():

@@ -11,7 +11,8 @@ import random
 
 import pytest
 import torch
-from runner_tiny import kv_bytes, tiny_args, tiny_config
+from runner_tiny import kv_bytes, random_prompt, tiny_args, tiny_config
+from runner_tiny import run_requests as _run
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
@@ -168,14 +169,7 @@ def _engine(**cfg):
 
 
 def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, ARGS.vocab_size, (n,), generator=g).tolist()
-
-
-def _run(eng, requests):
-    streams = [eng.add_request(p, token_ids=ids) for ids, p in requests]
-    eng.run_until_done()
-    return [s.result(timeout=0) for s in streams]
+    return random_prompt(n, seed, ARGS.vocab_size)
 
 
 def test_engine_steps_process_the_raw_logits_as_defined_and_greedy_never_repeats_under_presence():

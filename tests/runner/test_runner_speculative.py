@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runner_tiny import ScriptedDrafter, kv_bytes, tiny_args, tiny_config
+from runner_tiny import run_requests as _run
 
 from model_families.llama import FAMILY as LLAMA
 from runner_service.engine import LLMEngine
@@ -34,12 +35,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
         span = torch.randint(2, ARGS.vocab_size, (int(torch.randint(3, 9, (), generator=g)),), generator=g).tolist()
         out.append(span * 3 if i % 2 == 0 else torch.randint(2, ARGS.vocab_size, (20,), generator=g).tolist())
     return out
-
-
-def _run(engine, requests):
-    streams = [engine.add_request(p, token_ids=ids) for ids, p in requests]
-    engine.run_until_done()
-    return [s.result(timeout=0) for s in streams]
 
 
 def _key(out):

@@ -12,8 +12,8 @@ import re
 
 import jsonschema
 import pytest
-import torch
-from runner_tiny import ScriptedDrafter, kv_bytes, tiny_args, tiny_config
+from runner_tiny import ScriptedDrafter, kv_bytes, random_prompt, tiny_args, tiny_config
+from runner_tiny import run_requests as _run
 from structured_tiny import tiny_tokenizer
 
 from model_families.llama import FAMILY as LLAMA
@@ -82,14 +82,7 @@ def _engine(blocks=600, **cfg):
 
 
 def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, 270, (n,), generator=g).tolist()
-
-
-def _run(engine, requests):
-    streams = [engine.add_request(p, token_ids=ids) for ids, p in requests]
-    engine.run_until_done()
-    return [s.result(timeout=0) for s in streams]
+    return random_prompt(n, seed, 270)
 
 
 def _requests(kinds, seeds, **kw):
