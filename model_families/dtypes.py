@@ -7,5 +7,8 @@
 
 #: Sidecar weights dtypes: float ones, then weight-only quantized ones.
 WEIGHTS_DTYPES = ("f32", "bf16", "int8", "int4")
+#: ``--weights-dtype`` choices of every command line (``auto``: the checkpoint's own, see
+#: :mod:`weight_service.prepare`).
+WEIGHTS_DTYPE_CHOICES = ("auto", *WEIGHTS_DTYPES)
 #: Compute and KV-cache dtypes.
 COMPUTE_DTYPES = ("f32", "bf16")

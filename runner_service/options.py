@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from model_families.dtypes import COMPUTE_DTYPES
-from model_families.dtypes import WEIGHTS_DTYPES as SIDECAR_DTYPES
+from model_families.dtypes import WEIGHTS_DTYPE_CHOICES
 from services.bootstrap import int_at_least
 from services.errors import InvalidArgument
 
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("off", "inductor", "aoti")
 #: ``--dtype`` choices (``auto``: :func:`runner_service.device.resolve_dtype`).
 DTYPES = ("auto", *COMPUTE_DTYPES)
-#: ``--weights-dtype`` choices (``auto``: the checkpoint's own, see :mod:`weight_service.prepare`).
-WEIGHTS_DTYPES = ("auto", *SIDECAR_DTYPES)
+#: ``--weights-dtype`` choices.
+WEIGHTS_DTYPES = WEIGHTS_DTYPE_CHOICES
 #: The most rows (sequences) of a step a compiled program takes: programs are exported for batches
 #: 1 .. this bound whatever ``--max-num-seqs`` is (it bounds only the programs' shape check), so
 #: runners that differ in ``--max-num-seqs`` share them (``docs/architecture.md`` §9).

@@ -179,3 +179,13 @@ def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
                     "from . import sibling\nfrom ..up import thing\n")
     assert imported_names("runner_service.sub.mod", path) == {
         "router_service.client", "runner_service.sub", "runner_service.up"}
+
+
+def test_the_cli_parser_imports_no_torch():
+    """``warmserve`` builds its whole parser (every subcommand's flags and choices) without
+    importing torch or transformers: ``warmserve status`` or a ``runner serve`` that hands its
+    argv to a pre-started runner must not pay their 1-2 s of imports."""
+    code = ("import sys; from warmserve.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     from services.bootstrap import add_server_args, int_at_least
     from services.signing import add_signing_args
     from weight_service.prepare_pool import DEFAULT_PREPARE_WORKERS
-    from weight_service.sidecar import DTYPE_CHOICES
+    from model_families.dtypes import WEIGHTS_DTYPE_CHOICES as DTYPE_CHOICES
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
     wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from model_families import get_family
-from model_families.dtypes import WEIGHTS_DTYPES
+from model_families.dtypes import WEIGHTS_DTYPE_CHOICES, WEIGHTS_DTYPES
 from model_families.family import FamilyConfig, TensorSpec
 from services.errors import FailedPrecondition, InvalidArgument
 from services.fsmode import default_file_mode
@@ -67,7 +67,7 @@ TEMP_PREFIX = ".tmp-"
 
 #: What ``prepare`` accepts: a weights dtype, or ``auto`` (the checkpoint's own, see
 #: :func:`weight_service.checkpoint.native_weights_dtype`).
-DTYPE_CHOICES = ("auto", *WEIGHTS_DTYPES)
+DTYPE_CHOICES = WEIGHTS_DTYPE_CHOICES
 #: torch dtype -> (safetensors dtype string, bytes per element), for the dtypes a layout uses.
 ST_DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.float32: ("F32", 4),
