@@ -542,8 +542,9 @@ class WarmserveUpServer(OpenAIServer):
         """Every service's and the runner's process (each leads its own session)."""
         if self.stack is None:
             return []
-        children = [*self.stack.services.values(), *self.stack.runners]
-        return [c.proc.pid for c in children if c.proc is not None and c.proc.poll() is None]
+        children = [*self.stack.services.values(), *self.stack.runners, getattr(self.stack, "zygote", None)]
+        # the zygote's group holds the runners forked from it (a runner's own pid is its stand-in's)
+        return [c.proc.pid for c in children if c is not None and c.proc is not None and c.proc.poll() is None]
 
     def stop(self) -> None:
         """Stop the whole stack."""

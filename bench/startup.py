@@ -144,14 +144,20 @@ def _r(x: float | None, digits: int = 3) -> float | None:
 
 
 def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, repo: Path = REPO,
-           measure: bool = True, eager_window_s: float | None = None) -> dict:
+           measure: bool = True, eager_window_s: float | None = None, zygote: Path | None = None,
+           env: dict[str, str] | None = None) -> dict:
     """One runner launch from checkout ``repo``; returns its timings (see the module docstring)
     and its start-up phases. ``measure=False``: only the wall time to SERVING and the phases.
     ``eager_window_s``: a ``--compile off`` launch, whose load runs that many seconds after
-    SERVING as if programs were pending (the baseline of the longest gap)."""
-    home, inductor = scratch / f"home-{name}", scratch / f"inductor-{name}"
-    home.mkdir()
-    inductor.mkdir()
+    SERVING as if programs were pending (the baseline of the longest gap). ``zygote``: launched
+    through the runner zygote on that socket. ``env``: the launch's environment (default: this
+    one with a home and Inductor cache of its own)."""
+    if env is None:
+        home, inductor = scratch / f"home-{name}", scratch / f"inductor-{name}"
+        home.mkdir()
+        inductor.mkdir()
+        env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor),
+                   PYTHONPATH=str(repo))
     port = free_port()
     cmd = [*warmserve_command(repo), "runner", "serve", "--model", MODEL, "--compile", args.compile,
            "--kernel-cache-dir", str(kernel_cache), "--sidecar-dir", str(sidecars), "--port", str(port),
@@ -159,8 +165,8 @@ def launch(name: str, args, kernel_cache: Path, sidecars: Path, scratch: Path, r
            "--dtype", args.dtype, "--log-level", args.log_level]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = dict(os.environ, WARMSERVE_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(inductor),
-               PYTHONPATH=str(repo))
+    if zygote is not None:
+        cmd += ["--zygote", str(zygote)]
     log_path = scratch / f"runner-{name}.log"
     address = f"127.0.0.1:{port}"
     timings: dict = {}
@@ -490,6 +496,40 @@ def run_launches(args, scratch: Path) -> dict:
             "meets_first_request_target": first is not None and first <= TARGET_FIRST_OVER_STEADY}
 
 
+def run_zygote_launches(args, scratch: Path) -> dict:
+    """Warm launches on ``--warm-only``'s caches, ``runner serve`` started directly beside
+    through a runner zygote started once before them, alternating, ``--zygote-rounds`` times
+    each; every launch measured as :func:`launch` does, and the medians of each way."""
+    from runner_service.zygote import connect
+
+    base = Path(args.warm_only)
+    (scratch / "home").mkdir(exist_ok=True)
+    (scratch / "inductor").mkdir(exist_ok=True)
+    env = dict(os.environ, WARMSERVE_HOME=str(scratch / "home"), TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
+               PYTHONPATH=str(REPO))
+    sock = scratch / "zygote.sock"
+    with open(scratch / "zygote.log", "wb") as log:
+        t0 = time.perf_counter()
+        zyg = subprocess.Popen([*warmserve_command(), "runner", "zygote", "--socket", str(sock)], env=env,
+                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            connect(sock, args.timeout).close()
+            zygote_ready_s = time.perf_counter() - t0
+            launches = {}
+            for r in range(args.zygote_rounds):
+                for way in ("direct", "zygote"):
+                    launches[f"{way}-{r + 1}"] = launch(f"{way}-{r + 1}", args, base / "kernel-cache",
+                                                        base / "sidecars", scratch, env=env,
+                                                        zygote=sock if way == "zygote" else None)
+        finally:
+            stop_process(zyg, grace_s=30)
+    medians = {way: {key: _r(statistics.median(v[key] for k, v in launches.items() if k.startswith(way)))
+                     for key in ("wall_to_serving_s", "first_token_s", "engine_total_s")}
+               for way in ("direct", "zygote")}
+    return {"model": MODEL, "compile": args.compile, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "threads": args.threads, "zygote_ready_s": _r(zygote_ready_s), "launches": launches, "medians": medians}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile", choices=("aoti", "inductor", "off"), default="aoti")
@@ -509,6 +549,9 @@ def main() -> int:
     parser.add_argument("--warm-only", default=None, metavar="DIR",
                         help="only a warm launch, on DIR/kernel-cache and DIR/sidecars (a warmserve home, or the "
                              "caches/ of an earlier --keep DIR)")
+    parser.add_argument("--zygote-rounds", type=int, default=0, metavar="N",
+                        help="with --warm-only: N warm launches started directly and N through a runner zygote, "
+                             "alternating (process start -> SERVING -> first token)")
     parser.add_argument("--log-level", default="WARNING", help="the runners' --log-level (their logs are under --keep DIR)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a launch may take to serve")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep caches and logs under DIR")
@@ -521,13 +564,22 @@ def main() -> int:
     scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="warmserve-startup-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        result = run_fleet(args, scratch) if args.fleet else run_launches(args, scratch)
+        if args.zygote_rounds and not args.warm_only:
+            parser.error("--zygote-rounds needs --warm-only DIR (caches a warm launch finds)")
+        result = (run_fleet(args, scratch) if args.fleet else run_zygote_launches(args, scratch)
+                  if args.zygote_rounds else run_launches(args, scratch))
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(result, indent=2))
     print()
     print(fleet_markdown(result) if args.fleet else markdown(list(result["launches"].values())))
+    if "medians" in result:
+        print()
+        print("| warm launch, medians (s) | SERVING | first token | engine phases |")
+        print("|---|---:|---:|---:|")
+        for way, m in result["medians"].items():
+            print(f"| {way} | {m['wall_to_serving_s']:.2f} | {m['first_token_s']:.2f} | {m['engine_total_s']:.2f} |")
     return 0
 
 

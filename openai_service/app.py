@@ -94,6 +94,7 @@ from openai_service.sse import DONE, EventStream, event, unless_disconnected
 from openai_service.tools import ToolStream, tool_calls
 from services.deltas import merge_by_choice
 from services.healthcheck import PID_METADATA_KEY
+from services.procs import serving_pid
 from services.proto import generation_pb2
 from services.refusals import Refusals
 
@@ -276,7 +277,7 @@ def create_app(config: OpenAIConfig) -> FastAPI:
     channel to ``config.router`` and closes it; nothing is dialled before the first request."""
     client = RouterClient(config.router, config.router_security)
     served = ServedModel(client, config.served_model_name, ttl_s=config.model_info_ttl_s)
-    pid_header = {PID_METADATA_KEY: str(os.getpid())}
+    pid_header = {PID_METADATA_KEY: str(serving_pid())}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

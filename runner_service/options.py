@@ -14,8 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model_families.dtypes import COMPUTE_DTYPES
-from model_families.dtypes import WEIGHTS_DTYPE_CHOICES
+from model_families.dtypes import COMPUTE_DTYPES, WEIGHTS_DTYPE_CHOICES
 from services.bootstrap import int_at_least
 from services.errors import InvalidArgument
 
@@ -259,6 +258,8 @@ PROMPT_LOOKUP_MAX = Option("--prompt-lookup-max", f"ngram: the longest suffix (t
 PROMPT_LOOKUP_MIN = Option("--prompt-lookup-min", "ngram: the shortest suffix (tokens) looked up, at most "
                            "--prompt-lookup-max", default=2, type=int_at_least(1, MAX_PROMPT_LOOKUP), metavar="N",
                            field="prompt_lookup_min", forwarded=True)
+ZYGOTE = Option("--zygote", "launch through the pre-started runner process serving this socket (`runner zygote`): "
+                "no interpreter start or imports; this process stands in for the runner", metavar="PATH")
 THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choice)", type=_positive_int,
                  field="num_threads")
 
@@ -268,7 +269,7 @@ RUNNER_OPTIONS: tuple[Option, ...] = (
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
     KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, BATCH_INVARIANT, SPECULATIVE,
     NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,
-    TRUSTED_KEYS)
+    TRUSTED_KEYS, ZYGOTE)
 #: The options ``up`` and ``demo`` take and pass to every runner.
 FORWARDED_OPTIONS: tuple[Option, ...] = tuple(o for o in RUNNER_OPTIONS if o.forwarded)
 #: The flags only a speculating runner reads: ``--speculative off`` ignores them.

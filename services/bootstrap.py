@@ -44,6 +44,7 @@ from services.channel import MAX_MESSAGE_BYTES, add_client_security_args
 from services.errors import InvalidArgument
 from services.handlers import wrap_behaviour
 from services.healthcheck import PID_METADATA_KEY
+from services.procs import serving_pid
 from services.refusals import Refusals
 from services.stream_slots import OPEN_STREAMS, OpenStreamLimit
 from services.tls import TLSFiles, tls_from_args
@@ -191,7 +192,7 @@ class _HealthServicer(health.HealthServicer):
     """``grpc.health.v1.Health`` whose ``Check`` answers also carry :data:`PID_METADATA_KEY`."""
 
     def Check(self, request, context):  # noqa: N802 (the RPC's name)
-        context.send_initial_metadata(((PID_METADATA_KEY, str(os.getpid())),))
+        context.send_initial_metadata(((PID_METADATA_KEY, str(serving_pid())),))
         return super().Check(request, context)
 
 
@@ -383,6 +384,11 @@ def add_server_args(parser, *, default_port: int) -> None:
     parser.add_argument("--max-streams", type=int_at_least(1), default=ServerConfig.max_streams,
                         help=f"streams (Generate, ModelStreamInfer) served at once; one more is UNAVAILABLE "
                              f"(default {ServerConfig.max_streams})")
+    add_log_level_arg(parser)
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` (one of :data:`LOG_LEVELS`, any case; default INFO)."""
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="log threshold (default INFO)")
 

@@ -139,3 +139,22 @@ def from_rpc_error(err: grpc.RpcError) -> WarmserveError:
             return cls(detail)
     e = WarmserveError(f"{code.name}: {detail}")
     return e
+
+
+def run_command(args) -> int:
+    """Run a parsed ``warmserve`` command (``args.func(args)``) and map its outcome to the exit
+    code: its own (``None``: 0); a :class:`WarmserveError`'s :attr:`~WarmserveError.exit_code`
+    and an ``OSError`` (a busy port, an unwritable directory: 1) as one ``warmserve: error:``
+    line on stderr, not a traceback; 130 on Ctrl-C."""
+    import sys
+
+    try:
+        return int(args.func(args) or 0)
+    except WarmserveError as e:
+        print(f"warmserve: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"warmserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

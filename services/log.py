@@ -28,6 +28,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "service": self.service,
+            "pid": record.process,
             "logger": record.name,
             "msg": record.getMessage(),
         }

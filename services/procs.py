@@ -18,7 +18,18 @@ from pathlib import Path
 
 #: Set by a launcher (:mod:`warmserve.stack`) to its pid in a child's environment.
 PARENT_PID_ENV = "WARMSERVE_PARENT_PID"
+#: Set by a runner zygote (:mod:`runner_service.zygote`) in a runner it forks: the pid of the
+#: process that asked for it, the one its launcher knows (see :func:`serving_pid`).
+SERVING_PID_ENV = "WARMSERVE_SERVING_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+def serving_pid() -> int:
+    """The pid a server reports as its own to health checks: its launcher's child. That is this
+    process, or for a runner forked by a zygote the process that asked for it
+    (:data:`SERVING_PID_ENV`)."""
+    value = os.environ.get(SERVING_PID_ENV, "")
+    return int(value) if value.isdigit() else os.getpid()
 
 
 def die_with_parent() -> None:

@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-from services.errors import WarmserveError
+from services.errors import run_command
 from services.procs import die_with_parent
 
 COMMAND_MODULES = (
@@ -48,16 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a child of `warmserve up`: stop when it does
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except WarmserveError as e:
-        print(f"warmserve: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:  # a busy port, an unwritable --out directory, ...: one line, not a traceback
-        print(f"warmserve: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    args.cli_argv = list(sys.argv[1:] if argv is None else argv)  # what a runner zygote is handed
+    return run_command(args)
 
 
 if __name__ == "__main__":

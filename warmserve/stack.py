@@ -29,7 +29,7 @@ from services.paths import warmserve_home
 from services.ports import KERNEL_CACHE, OPENAI, ROUTER, WEIGHTS
 from services.procs import PARENT_PID_ENV
 from warmserve import stack_state
-from warmserve.stack_config import PortPlan, StackCommands, StackConfig
+from warmserve.stack_config import PortPlan, StackCommands, StackConfig, zygote_socket
 from warmserve.stack_tls import client_security, http_context, make_stack_pki
 
 #: Seconds between two "still starting" / "still compiling" lines of a long wait.
@@ -82,6 +82,9 @@ class LocalStack:
         self._lock = threading.Lock()
         self.services: dict[str, ChildProcess] = {}
         self.runners: list[ChildProcess] = []
+        #: The runner zygote (``config.runner_zygote``): launched with the services, not health-checked
+        #: (a runner's launch waits for its socket), relaunched by :meth:`heal` like them.
+        self.zygote: ChildProcess | None = None
         self.plan = PortPlan(config)
         self.commands = StackCommands(config, self.home, self.plan)
         #: What the launcher's own clients present (the stack's certificate with ``tls``).
@@ -149,8 +152,10 @@ class LocalStack:
             for child in list(pending):
                 if not child.running:
                     code = child.proc.returncode if child.proc else None
-                    raise Unavailable(f"{child.name} exited with status {code} while starting; "
-                                      f"its log ({child.log_path}) ends:\n{child.log_tail()}")
+                    # exit 2: the child refused what it was given (a flag, the model): bad input to the stack too
+                    error = InvalidArgument if code == 2 else Unavailable
+                    raise error(f"{child.name} exited with status {code} while starting; "
+                                f"its log ({child.log_path}) ends:\n{child.log_tail()}")
                 health = self._probe(child)
                 if health.startswith(FOREIGN):
                     raise Unavailable(f"{child.name}'s address {child.address} is answered by another process "
@@ -262,6 +267,9 @@ class LocalStack:
                 from warmserve.stack_auth import ensure_stack_credentials
 
                 self._progress(f"tokens in {ensure_stack_credentials(self.home, self.config.runners)}")
+            if self.config.runners and self.config.runner_zygote:  # imports torch while the services start
+                self.zygote = self._launch(ChildProcess("runner-zygote", self.commands.zygote(),
+                                                        str(zygote_socket(self.home)), self.log_dir / "runner-zygote.log"))
             first = (KERNEL_CACHE, WEIGHTS, ROUTER, *((OPENAI,) if self.config.openai else ()))
             for name in first:
                 self.services[name] = self._launch(ChildProcess(
@@ -348,8 +356,8 @@ class LocalStack:
         """SIGTERM every child (the OpenAI door and the router first), wait ``stop_grace_s`` s,
         then SIGKILL stragglers; the state file goes too."""
         self.remove_state()
-        order = [self.services.get(OPENAI), self.services.get(ROUTER), *self.runners, self.services.get(WEIGHTS),
-                 self.services.get(KERNEL_CACHE)]
+        order = [self.services.get(OPENAI), self.services.get(ROUTER), *self.runners, self.zygote,
+                 self.services.get(WEIGHTS), self.services.get(KERNEL_CACHE)]
         children = [c for c in order if c is not None and c.running]
         for c in children:
             try:
@@ -373,7 +381,10 @@ class LocalStack:
 
     def exited(self) -> list[ChildProcess]:
         """Children that were launched and are no longer running."""
-        return [c for c in [*self.services.values(), *self.runners] if c is not None and c.proc and not c.running]
+        return [c for c in self._children() if c.proc and not c.running]
+
+    def _children(self) -> list[ChildProcess]:
+        return [c for c in [*self.services.values(), self.zygote, *self.runners] if c is not None]
 
     def heal(self) -> list[ChildProcess]:
         """Relaunch children that exited (same argv, port and log; a runner re-registers with the
@@ -405,7 +416,7 @@ class LocalStack:
 
     def restarts(self) -> dict[str, int]:
         """Restarts so far per child name (every launched child, 0 included)."""
-        return {c.name: c.restarts for c in [*self.services.values(), *self.runners] if c is not None}
+        return {c.name: c.restarts for c in self._children()}
 
     @property
     def state_path(self) -> Path:

@@ -31,6 +31,8 @@ def _add_stack_args(p: argparse.ArgumentParser, *, runners: int, base_port: int,
     add_forwarded_options(p, runner_defaults)
     p.add_argument("--policy", choices=POLICY_NAMES, default=DEFAULT_POLICY,
                    help=f"router policy (default {DEFAULT_POLICY})")
+    p.add_argument("--no-runner-zygote", dest="runner_zygote", action="store_false",
+                   help="launch each runner as a fresh interpreter, not forked from the stack's runner zygote")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

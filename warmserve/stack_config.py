@@ -23,6 +23,27 @@ from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
 
 
+#: The longest Unix socket path ``bind`` takes on Linux (``sun_path`` is 108 bytes, NUL included).
+MAX_SOCKET_PATH = 107
+
+
+def zygote_socket(home: Path) -> Path:
+    """Where a stack's runner zygote listens: ``HOME/run/runner-zygote.sock``, or where that is
+    longer than a socket path may be, ``$TMPDIR/warmserve-UID/<digest of HOME>.sock`` (its
+    directory 0700 and ours: ``InvalidArgument`` when another user owns it)."""
+    path = home / "run" / "runner-zygote.sock"
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    import hashlib
+    import tempfile
+
+    short = Path(tempfile.gettempdir()) / f"warmserve-{os.getuid()}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    if short.stat().st_uid != os.getuid():
+        raise InvalidArgument(f"{short} belongs to another user; set TMPDIR, or use a shorter --home")
+    return short / f"{hashlib.sha256(os.fsencode(home)).hexdigest()[:16]}.sock"
+
+
 def split_threads(runners: int) -> int:
     """Torch threads per runner when ``runners`` runners share the host's cores:
     ``max(1, cpu_count // runners)`` (``up`` with ``runner_threads`` unset, and the demo for its
@@ -57,6 +78,10 @@ class StackConfig:
     restarts in a minute is given up.
     ``auth``: every daemon checks tokens (``HOME/auth``, :mod:`warmserve.stack_auth`) and presents
     its own; ``False`` runs them unauthenticated (as before issue 23).
+    ``runner_zygote``: runners are launched through a runner zygote the stack starts first
+    (:mod:`runner_service.zygote`, on :func:`zygote_socket`), so a runner's launch, relaunch or
+    addition pays no interpreter start or torch import; ``False``: each runner is a fresh
+    interpreter.
     """
 
     runners: int = 2
@@ -93,6 +118,7 @@ class StackConfig:
     store: str | None = None
     tls: bool = False
     auth: bool = True
+    runner_zygote: bool = True
 
     def __post_init__(self) -> None:
         if self.runners < 0:
@@ -128,7 +154,7 @@ class StackConfig:
                    **{option.dest: getattr(args, option.dest) for option in FORWARDED_OPTIONS}, policy=args.policy,
                    openai=getattr(args, "openai", False), openai_port=getattr(args, "openai_port", None),
                    served_model_name=getattr(args, "served_model_name", None), store=getattr(args, "store", None),
-                   tls=getattr(args, "tls", False))
+                   tls=getattr(args, "tls", False), runner_zygote=args.runner_zygote)
 
 
 
@@ -215,6 +241,10 @@ class StackCommands:
             argv += ["--first-token-timeout", str(cfg.first_token_timeout_s)]
         return argv
 
+    def zygote(self) -> list[str]:
+        """The command line of the runner zygote (``runner_zygote``)."""
+        return self._cli("runner", "zygote", "--socket", str(zygote_socket(self.home)))
+
     def runner(self, index: int) -> list[str]:
         """The command line of runner ``index`` (``runner-I``): its flags from
         :func:`runner_service.options.runner_argv`, the forwarded options included; torch
@@ -224,5 +254,6 @@ class StackCommands:
         values = {"model": cfg.model, "runner_id": name, "weights": self.plan.address(WEIGHTS),
                   "kernel_cache": self.plan.address(KERNEL_CACHE), "router": self.plan.address(ROUTER),
                   "sidecar_dir": str(self.home / "sidecars"), "threads": threads,
+                  "zygote": str(zygote_socket(self.home)) if cfg.runner_zygote else None,
                   **{option.dest: getattr(cfg, option.dest) for option in FORWARDED_OPTIONS}}
         return [*self._cli("runner", "serve"), *runner_argv(values), *self._server(name, name), *cfg.runner_args]

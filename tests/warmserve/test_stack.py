@@ -15,7 +15,7 @@ from services.errors import InvalidArgument, Unavailable
 from services.healthcheck import check_health
 from services.proto import generation_pb2
 from warmserve.stack import ChildProcess, LocalStack
-from warmserve.stack_config import StackConfig
+from warmserve.stack_config import StackConfig, zygote_socket
 from warmserve.stack_report import format_startup_report
 from warmserve.stack_state import read_state, stack_services
 from warmserve.up import ready_hint
@@ -45,7 +45,18 @@ def test_ports_and_runner_command_line(tmp_path: Path) -> None:
         "--drain-grace": "5", "--weights": "127.0.0.1:50102", "--kernel-cache": "127.0.0.1:50101",
         "--router": "127.0.0.1:50100", "--sidecar-dir": str(tmp_path / "sidecars"), "--compile": "off",
         "--max-num-seqs": "8", "--threads": "3", "--auth-file": str(tmp_path / "auth" / "auth"),
-        "--token-file": str(tmp_path / "auth" / "runner-1.token")}
+        "--token-file": str(tmp_path / "auth" / "runner-1.token"), "--zygote": str(zygote_socket(tmp_path))}
+    assert "--zygote" not in LocalStack(StackConfig(runners=1, base_port=0, home=tmp_path, runner_zygote=False),
+                                        progress=None).runner_argv(0)
+    assert stack.commands.zygote()[3:] == ["runner", "zygote", "--socket", str(zygote_socket(tmp_path))]
+
+
+def test_the_zygote_socket_stays_within_a_socket_path(tmp_path: Path) -> None:
+    assert zygote_socket(tmp_path) == tmp_path / "run" / "runner-zygote.sock"
+    deep = tmp_path / ("d" * 120)
+    short = zygote_socket(deep)
+    assert len(os.fsencode(short)) <= 107 and short != zygote_socket(tmp_path / ("e" * 120))
+    assert short.parent.stat().st_mode & 0o777 == 0o700
 
 
 def test_no_prefix_caching_reaches_every_runner(tmp_path: Path) -> None:
@@ -125,9 +136,9 @@ def test_services_start_in_order_and_stop_cleanly(tmp_path: Path) -> None:
 
 
 def test_a_child_that_dies_while_starting_is_reported_and_the_rest_stopped(tmp_path: Path) -> None:
-    (tmp_path / "kernel-cache").write_text("")  # the kernel cache's root is a file: it exits
+    (tmp_path / "kernel-cache").write_text("")  # the kernel cache's root is a file: it exits 2 (bad input)
     stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path), progress=None)
-    with pytest.raises(Unavailable, match=r"kernel-cache exited with status 2 while starting; its log .* ends:"):
+    with pytest.raises(InvalidArgument, match=r"kernel-cache exited with status 2 while starting; its log .* ends:"):
         stack.start()
     assert len(stack.services) == 3 and all(not c.running for c in stack.services.values())
 

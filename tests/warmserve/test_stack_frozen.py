@@ -28,7 +28,8 @@ BOUND_S = 10.0
 def stack(tmp_path_factory):
     cfg = StackConfig(runners=2, base_port=0, home=tmp_path_factory.mktemp("frozen"), compile="off",
                       max_num_seqs=8, lease_seconds=2.0, health_interval_s=0.25, stop_grace_s=15,
-                      startup_timeout_s=240, first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S)
+                      startup_timeout_s=240, first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S,
+                      runner_zygote=False)  # SIGSTOP freezes the runner itself, not a zygote launch's stand-in
     s = LocalStack(cfg, progress=None)
     s.start()
     try:
