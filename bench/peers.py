@@ -444,8 +444,10 @@ class WarmserveServer(StreamingServer):
 
         from services.proto import generation_pb2, generation_pb2_grpc
 
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(f"{HOST}:{self.port}")
+        from services.channel import PROBE_CHANNEL_OPTIONS
+
+        if self._channel is None:  # opened before the runner listens: reconnect soon after it does
+            self._channel = grpc.insecure_channel(f"{HOST}:{self.port}", options=PROBE_CHANNEL_OPTIONS)
         try:
             resp = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                    timeout=1.0)

@@ -73,6 +73,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from services.channel import PROBE_CHANNEL_OPTIONS  # noqa: E402
 from services.generation_client import GenerationClient, GenerationResult, chat_request  # noqa: E402
 from services.ports import free_port  # noqa: E402
 from services.procs import stop_process  # noqa: E402
@@ -108,11 +109,7 @@ def warmserve_command(repo: Path = REPO) -> list[str]:
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
     """Poll the health service every 50 ms until ``SERVING``; raise if the process dies first."""
     deadline = time.monotonic() + timeout_s
-    # Short reconnect backoff: gRPC's default (1 s, growing to 120 s) would add seconds between
-    # the server starting and this probe noticing.
-    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-               ("grpc.max_reconnect_backoff_ms", 100)]
-    with grpc.insecure_channel(address, options=options) as channel:
+    with grpc.insecure_channel(address, options=PROBE_CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
