@@ -32,25 +32,28 @@ def serving_pid() -> int:
     return int(value) if value.isdigit() else os.getpid()
 
 
-def die_with_parent() -> None:
-    """In a child whose environment names its launcher (:data:`PARENT_PID_ENV`): have the kernel
-    send this process SIGTERM when the launcher dies (``prctl(PR_SET_PDEATHSIG)``, Linux; a no-op
-    where unavailable), and SIGTERM it now if the launcher is already gone.
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """Have the kernel send this process ``sig`` when its launcher dies (``prctl(PR_SET_PDEATHSIG)``,
+    Linux; a no-op where unavailable), and send it now if the launcher is already gone. The
+    launcher is ``parent``, else the pid its environment names (:data:`PARENT_PID_ENV`; neither:
+    nothing to do).
 
     The child does this itself at start-up instead of the launcher doing it in a ``preexec_fn``:
     a ``preexec_fn`` forces ``fork()``, and a forked copy of a process running gRPC's pollers can
     abort in gRPC's fork handler before it reaches ``exec`` (``Check failed:
     wakeup_fd_->Wakeup().ok()``); without one, ``subprocess`` uses ``vfork``, which runs no fork
     handlers."""
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent:
-        return
+    if parent is None:
+        named = os.environ.get(PARENT_PID_ENV)
+        if not named:
+            return
+        parent = int(named)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         return
-    if os.getppid() != int(parent):
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def wait_for_log_record(proc: subprocess.Popen, log_path: Path, msg: str, timeout_s: float = 60.0) -> dict:

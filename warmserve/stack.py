@@ -267,9 +267,8 @@ class LocalStack:
                 from warmserve.stack_auth import ensure_stack_credentials
 
                 self._progress(f"tokens in {ensure_stack_credentials(self.home, self.config.runners)}")
-            if self.config.runners and self.config.runner_zygote:  # imports torch while the services start
-                self.zygote = self._launch(ChildProcess("runner-zygote", self.commands.zygote(),
-                                                        str(zygote_socket(self.home)), self.log_dir / "runner-zygote.log"))
+            if self.config.runners:
+                self._ensure_zygote()  # it imports torch while the services start
             first = (KERNEL_CACHE, WEIGHTS, ROUTER, *((OPENAI,) if self.config.openai else ()))
             for name in first:
                 self.services[name] = self._launch(ChildProcess(
@@ -295,6 +294,7 @@ class LocalStack:
         name = f"runner-{index}"
         child = ChildProcess(name, self.runner_argv(index), self.address(name), self.log_dir / f"{name}.log")
         with self._lock:
+            self._ensure_zygote()
             while len(self.runners) <= index:
                 self.runners.append(None)  # type: ignore[arg-type]
             old = self.runners[index]
@@ -304,6 +304,13 @@ class LocalStack:
         if wait:
             self.wait_runners([index])
         return child
+
+    def _ensure_zygote(self) -> None:
+        """Launch the runner zygote (``config.runner_zygote``) unless it is launched already (a
+        zygote that exited is :meth:`heal`'s to relaunch; a runner's launch waits for its socket)."""
+        if self.config.runner_zygote and self.zygote is None:
+            self.zygote = self._launch(ChildProcess("runner-zygote", self.commands.zygote(),
+                                                    str(zygote_socket(self.home)), self.log_dir / "runner-zygote.log"))
 
     def add_runner(self) -> ChildProcess:
         """Launch one more runner (the next index) and wait until it serves."""

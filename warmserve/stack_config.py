@@ -29,19 +29,21 @@ MAX_SOCKET_PATH = 107
 
 def zygote_socket(home: Path) -> Path:
     """Where a stack's runner zygote listens: ``HOME/run/runner-zygote.sock``, or where that is
-    longer than a socket path may be, ``$TMPDIR/warmserve-UID/<digest of HOME>.sock`` (its
-    directory 0700 and ours: ``InvalidArgument`` when another user owns it)."""
+    longer than a socket path may be, ``$TMPDIR/warmserve-UID/<digest of HOME>.sock``
+    (``InvalidArgument`` when even that is too long; the zygote checks that the directory is
+    this user's and private when it binds)."""
     path = home / "run" / "runner-zygote.sock"
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
         return path
     import hashlib
     import tempfile
 
-    short = Path(tempfile.gettempdir()) / f"warmserve-{os.getuid()}"
-    short.mkdir(mode=0o700, exist_ok=True)
-    if short.stat().st_uid != os.getuid():
-        raise InvalidArgument(f"{short} belongs to another user; set TMPDIR, or use a shorter --home")
-    return short / f"{hashlib.sha256(os.fsencode(home)).hexdigest()[:16]}.sock"
+    short = Path(tempfile.gettempdir()) / f"warmserve-{os.getuid()}" / \
+        f"{hashlib.sha256(os.fsencode(home)).hexdigest()[:16]}.sock"
+    if len(os.fsencode(short)) > MAX_SOCKET_PATH:
+        raise InvalidArgument(f"no socket path fits for the runner zygote of {home}: use a shorter --home or TMPDIR, "
+                              "or --no-runner-zygote")
+    return short
 
 
 def split_threads(runners: int) -> int:

