@@ -379,6 +379,8 @@ class ZygoteServer:
         self._sel.register(conn, selectors.EVENT_READ, ("client", pid))
         self._sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
         log.info("zygote forked runner pid %d for client pid %d", pid, client_pid)
+        if self._stopping:  # the stop came between the fork and now: this runner was not asked yet
+            _kill(pid, signal.SIGTERM)
 
     def _fork(self, argv: list[str], request: dict, fds: list[int], client_pid: int, conn: socket.socket) -> int:
         sys.stdout.flush()
