@@ -442,9 +442,8 @@ class WarmserveServer(StreamingServer):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from services.proto import generation_pb2, generation_pb2_grpc
-
         from services.channel import PROBE_CHANNEL_OPTIONS
+        from services.proto import generation_pb2, generation_pb2_grpc
 
         if self._channel is None:  # opened before the runner listens: reconnect soon after it does
             self._channel = grpc.insecure_channel(f"{HOST}:{self.port}", options=PROBE_CHANNEL_OPTIONS)

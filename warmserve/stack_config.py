@@ -22,7 +22,6 @@ from warmserve.stack_tls import stack_pki
 from weight_service.model_roots import root_for
 from weight_service.sources import BUNDLED_SMOLLM2
 
-
 #: The longest Unix socket path ``bind`` takes on Linux (``sun_path`` is 108 bytes, NUL included).
 MAX_SOCKET_PATH = 107
 

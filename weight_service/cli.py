@@ -13,10 +13,10 @@ from services.ports import DEFAULT_PORTS, WEIGHTS
 
 def register(subparsers) -> None:
     """Add ``weights serve`` and ``prepack`` to the ``warmserve`` dispatcher."""
+    from model_families.dtypes import WEIGHTS_DTYPE_CHOICES as DTYPE_CHOICES
     from services.bootstrap import add_server_args, int_at_least
     from services.signing import add_signing_args
     from weight_service.prepare_pool import DEFAULT_PREPARE_WORKERS
-    from model_families.dtypes import WEIGHTS_DTYPE_CHOICES as DTYPE_CHOICES
 
     weights = subparsers.add_parser("weights", help="the weight-sidecar service")
     wsub = weights.add_subparsers(dest="weights_command", metavar="SUBCOMMAND", required=True)
