@@ -12,7 +12,7 @@ from services.ports import DEFAULT_PORTS, RUNNER
 
 
 def register(subparsers) -> None:
-    """Add ``runner serve`` to the ``warmserve`` parser."""
+    """Add ``runner serve`` and ``runner zygote`` to the ``warmserve`` parser."""
     from services.bootstrap import add_log_level_arg, add_server_args
 
     runner = subparsers.add_parser("runner", help="the data-plane runner (Generation service)")
@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     zygote = sub.add_parser("zygote", help="a pre-started runner process: `runner serve --zygote PATH` launches "
                                            "fork from it, without an interpreter start or imports")
     zygote.add_argument("--socket", required=True, metavar="PATH",
-                        help="the Unix socket it serves launches on (its directory made 0700 if new)")
+                        help="the Unix socket it serves launches on, in a directory of this user's that only it "
+                             "can enter (0700; made if missing)")
     add_log_level_arg(zygote)
     zygote.set_defaults(func=_zygote)
 

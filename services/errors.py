@@ -8,6 +8,8 @@ is a limit's refusal carries the ``reason`` it is counted under (:mod:`services.
 
 from __future__ import annotations
 
+import sys
+
 import grpc
 
 
@@ -146,8 +148,6 @@ def run_command(args) -> int:
     code: its own (``None``: 0); a :class:`WarmserveError`'s :attr:`~WarmserveError.exit_code`
     and an ``OSError`` (a busy port, an unwritable directory: 1) as one ``warmserve: error:``
     line on stderr, not a traceback; 130 on Ctrl-C."""
-    import sys
-
     try:
         return int(args.func(args) or 0)
     except WarmserveError as e:
