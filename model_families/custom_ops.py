@@ -1,6 +1,8 @@
 """The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
 on the oneDNN prepacked copy, :mod:`model_families.prepack`), ``warmserve::int4_linear``
-(PyTorch's int4 weight-only kernel, opaque to Inductor), ``warmserve::grouped_experts`` (the
+(PyTorch's int4 weight-only kernel, opaque to Inductor), ``warmserve::int4_tiles_linear`` (the
+same for warmserve's int4 kernel, ``warmserve::int4_mm_tiles``, whose C++ library
+:mod:`model_families.native` loads when this module is imported), ``warmserve::grouped_experts`` (the
 routed experts of an MoE layer) and ``warmserve::index_topk`` (DeepSeek V4's indexer picks, each
 row cut to its own length), and :func:`tracing`, which picks the traced path. The KV
 write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
@@ -15,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from model_families import native
 from model_families.prepack import onednn_linear
-from model_families.quantized_weights import int4_matmul
+from model_families.quantized_weights import int4_matmul, int4_tiles_matmul
 
 
 def tracing(t: torch.Tensor) -> bool:
@@ -76,6 +79,32 @@ _LIB.impl("int4_linear", _int4_linear_kernel, "CPU")
 def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int,
                       scales_and_zeros: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], scales_and_zeros.shape[1]))
+
+
+_LIB.define("int4_tiles_linear(Tensor x, Tensor tiles, int group_size, Tensor scales_zeros) -> Tensor")
+
+
+def _int4_tiles_linear_kernel(x: torch.Tensor, tiles: torch.Tensor, group_size: int,
+                              scales_zeros: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (bf16) times an int4 matrix in warmserve's tile layout (``tiles`` uint8
+    ``[N/16, K/8, 64]``, ``scales_zeros`` bf16 ``[N/16, K/group_size, 2, 16]``) -> ``[M, N]``
+    bf16: :func:`~model_families.quantized_weights.int4_tiles_matmul`, which picks
+    ``warmserve::int4_mm_tiles`` or a dense matmul by the row count at run time (the call a
+    prefill or verify program makes, as ``int4_linear`` for PyTorch's layout)."""
+    return int4_tiles_matmul(x, tiles, group_size, scales_zeros)
+
+
+_LIB.impl("int4_tiles_linear", _int4_tiles_linear_kernel, "CPU")
+
+
+def _int4_tiles_fake(x: torch.Tensor, tiles: torch.Tensor, group_size: int,
+                     scales_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], tiles.shape[0] * 16))
+
+
+torch.library.register_fake("warmserve::int4_tiles_linear", _int4_tiles_fake, lib=_LIB)
+if native.load():  # the C++ op ``warmserve::int4_mm_tiles``: its shape rule for tracing
+    torch.library.register_fake("warmserve::int4_mm_tiles", _int4_tiles_fake, lib=_LIB)
 
 
 _LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"

@@ -22,10 +22,12 @@ from model_families.prepack import onednn_linear, onednn_linear_eligible
 from model_families.quantized_weights import (
     Int4Groups,
     Int4Matrix,
+    Int4Tiles,
     Int8Matrix,
     QuantizedWeight,
     dequantized,
     int4_matmul,
+    int4_tiles_matmul,
 )
 
 
@@ -55,7 +57,9 @@ _OPAQUE_QUANTIZED = contextvars.ContextVar("warmserve_opaque_quantized", default
 def opaque_quantized_kernels() -> Iterator[None]:
     """While tracing a loop body (``scan``, lowered to ``while_loop``) or a program whose steps run
     many rows per matmul (prefill, verify): int4 matrices run as the custom op
-    ``warmserve::int4_linear``, which Inductor calls as is, instead of the aten kernel. Its kernel
+    ``warmserve::int4_linear`` (``warmserve::int4_tiles_linear`` for int4 tiles, whose kernel is
+    :func:`~model_families.quantized_weights.int4_tiles_matmul`), which Inductor calls as is,
+    instead of the aten kernel. Its kernel
     is :func:`~model_families.quantized_weights.int4_matmul`, as in eager steps: the int4 kernel
     or, from :data:`~model_families.quantized_weights.INT4_DENSE_MIN_ROWS` rows, dequantize and a
     dense matmul, picked by the row count at run time; and the aten kernel's Inductor lowering is
@@ -69,12 +73,15 @@ def opaque_quantized_kernels() -> Iterator[None]:
         _OPAQUE_QUANTIZED.reset(token)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int8Matrix | QuantizedWeight,
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Tiles | Int4Groups | Int8Matrix | QuantizedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight.T (+ bias)`` for a float ``[N, K]`` matrix (``F.linear``), one
     quantized matrix (a layer of a stacked :class:`QuantizedWeight`: ``w[i]``) or an unstacked
     :class:`QuantizedWeight`. Output in ``x``'s dtype. Float matrices run :func:`float_linear`;
-    bf16/f16 activations over quantized ones PyTorch's weight-only kernels (int4 from
+    bf16 activations over int4 tiles warmserve's kernel
+    (:func:`~model_families.quantized_weights.int4_tiles_matmul`, dense from
+    :data:`~model_families.quantized_weights.INT4_TILES_DENSE_MIN_ROWS` rows); bf16/f16
+    activations over other quantized matrices PyTorch's weight-only kernels (int4 from
     :data:`~model_families.quantized_weights.INT4_DENSE_MIN_ROWS` rows: dequantized, then a dense
     matmul, :func:`~model_families.quantized_weights.int4_matmul`); float32 ones a
     float32 matmul of the matrix dequantized just before. In a batch-invariant step
@@ -86,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int
     return _linear(x, weight, bias)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | Int8Matrix | QuantizedWeight,
+def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Tiles | Int4Groups | Int8Matrix | QuantizedWeight,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return float_linear(x, weight, bias)
@@ -105,6 +112,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Groups | In
         else:
             int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = int4_mm(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
+    elif isinstance(weight, Int4Tiles):
+        if not tracing(x2):
+            tiles_mm = int4_tiles_matmul
+        elif _OPAQUE_QUANTIZED.get():
+            tiles_mm = torch.ops.warmserve.int4_tiles_linear
+        else:
+            tiles_mm = torch.ops.warmserve.int4_mm_tiles
+        y = tiles_mm(x2, weight.tiles, quant.INT4_GROUP, weight.scales_zeros)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, weight.weight, weight.scales)
     y = y.reshape(*lead, y.shape[-1])

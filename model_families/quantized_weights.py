@@ -2,7 +2,10 @@
 parts (:mod:`model_families.quant`) by :func:`quantized_weight`; :func:`model_families.linear.linear`
 runs them (``docs/quantization.md``, ``docs/architecture.md`` §7):
 
-- bf16 (or f16) compute on the CPU: PyTorch's weight-only kernels. int4 (:class:`Int4Weight`):
+- bf16 compute on a CPU with AVX512-BF16: int4 as :class:`Int4TileWeight`, warmserve's own
+  kernel ``warmserve::int4_mm_tiles`` (``model_families/kernels/int4_tiles.cpp``, built and loaded
+  by :mod:`model_families.native`) on its tile layout (:func:`pack_int4_tiles`).
+- Otherwise bf16 (or f16) compute on the CPU: PyTorch's weight-only kernels. int4 (:class:`Int4Weight`):
   ``packed`` from ``_convert_weight_to_int4pack_for_cpu`` (an opaque, CPU-ISA-specific layout of
   the codes, ``uint8 [N, K/2]``) and ``scales_and_zeros`` ``[K/32, N, 2]``; int8
   (:class:`Int8Weight`): ``q [N, K]``, ``scales [N]``. Both take the scales in the activation
@@ -14,10 +17,11 @@ runs them (``docs/quantization.md``, ``docs/architecture.md`` §7):
 - Other devices (CUDA, NPU) get the dequantized matrix in the compute dtype: correct, without
   the memory saving.
 
-The int4 kernel dequantizes per block of rows, so its time grows linearly with the rows ``M``,
-while a dense bf16 matmul amortizes the weights over them: :func:`int4_matmul` runs an int4
-matrix with at least :data:`INT4_DENSE_MIN_ROWS` rows (a prefill chunk, a verify step) as
-:func:`dequantize_int4pack` into a transient dense matrix and one dense matmul.
+Both int4 kernels' time grows linearly with the rows ``M``, while a dense bf16 matmul amortizes
+the weights over them: :func:`int4_matmul` runs an int4 matrix with at least
+:data:`INT4_DENSE_MIN_ROWS` rows (a prefill chunk, a verify step) as :func:`dequantize_int4pack`
+into a transient dense matrix and one dense matmul, :func:`int4_tiles_matmul` from
+:data:`INT4_TILES_DENSE_MIN_ROWS` rows as :func:`dequantize_int4_tiles` and one dense matmul.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from model_families import quant
+from model_families import native, quant
 from services.errors import InvalidArgument
 
+#: Rows from which :func:`int4_tiles_matmul` dequantizes the matrix and runs a dense matmul (the
+#: crossover of ``python bench/bounds.py --rows`` for ``warmserve::int4_mm_tiles``).
+INT4_TILES_DENSE_MIN_ROWS = 256
 #: Rows from which :func:`int4_matmul` dequantizes the int4 matrix and runs a dense matmul (the
 #: crossover of ``python bench/bounds.py --rows``: the int4 kernel's time grows with ``M``,
 #: dequantize-then-matmul costs one pass over the matrix plus a dense matmul).
@@ -98,6 +105,72 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_a
         if w is not None:
             return torch.mm(x, w)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+def pack_int4_tiles(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int = quant.INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile layout of ``warmserve::int4_mm_tiles`` (the kernel source's header states it) for
+    int4 ``codes`` uint8 ``[..., N, K]`` (values 0..15) with ``scales`` / ``zeros`` ``[..., N,
+    K/group_size]``: ``(tiles uint8 [..., N/16, K/8, 64], scales_zeros bf16 [..., N/16,
+    K/group_size, 2, 16])``. Byte ``2 l + b`` of chunk ``c`` of tile ``t`` holds the codes of row
+    ``16 t + l // 2`` at ``k = 8 c + 4 b + l % 2`` (low nibble) and ``k + 2`` (high nibble).
+    Raises ``ValueError`` unless ``N % 16 == 0`` and ``K % group_size == 0`` with
+    ``group_size % 8 == 0``."""
+    *lead, n, k = codes.shape
+    if n % 16 or group_size % 8 or k % group_size:
+        raise ValueError(f"int4 tiles need N % 16 == 0 and K a multiple of a group size that is a "
+                         f"multiple of 8; got N={n}, K={k}, group size {group_size}")
+    q = codes.reshape(*lead, n // 16, 16, k // 8, 2, 2, 2)  # [.., t, i, c, b, hb, e]: k = 8c + 4b + 2hb + e
+    q = q.movedim(-4, -5)  # [.., t, c, i, b, hb, e]
+    q = q.transpose(-1, -2).transpose(-2, -3)  # [.., t, c, i, e, b, hb]: byte 2(2i + e) + b
+    tiles = (q[..., 0] | (q[..., 1] << 4)).reshape(*lead, n // 16, k // 8, 64).contiguous()
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [.., N, G'] -> [.., N/16, G', 16]
+        return v.reshape(*lead, n // 16, 16, k // group_size).transpose(-1, -2)
+
+    sz = torch.stack((per_tile(scales), per_tile(zeros)), dim=-2).to(torch.bfloat16).contiguous()
+    return tiles, sz
+
+
+def int4_tiles_codes(tiles: torch.Tensor) -> torch.Tensor:
+    """The codes of one matrix in the tile layout (``tiles`` uint8 ``[N/16, K/8, 64]``) as uint8
+    ``[K, N]`` (transposed: the layout a dense ``x @ w`` reads): the inverse of
+    :func:`pack_int4_tiles`' code layout."""
+    t, c = tiles.shape[0], tiles.shape[1]
+    b = tiles.view(t, c, 16, 2, 2)  # [t, c, i, e, b]
+    q = torch.stack((b & 15, b >> 4), dim=-1)  # [t, c, i, e, b, hb]
+    return q.permute(1, 4, 5, 3, 0, 2).reshape(c * 8, t * 16)  # [c, b, hb, e, t, i] -> [K, N]
+
+
+def dequantize_int4_tiles(tiles: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The dense transposed matrix ``w.T`` ``[K, N]`` (bf16) of one matrix in the tile layout:
+    ``w[n, k] = (q - 8) * scale + zero``, the kernel's formula, each value computed in float32
+    and rounded once."""
+    k, n = tiles.shape[1] * 8, tiles.shape[0] * 16
+    w = torch.empty((k, n), dtype=scales_zeros.dtype).copy_(int4_tiles_codes(tiles).view(torch.int8).sub_(8))
+    groups = w.view(k // group_size, group_size, n)
+    sz = scales_zeros.permute(1, 2, 0, 3).reshape(k // group_size, 2, n)  # [K/G, 2, N]
+    torch.addcmul(sz[:, 1, None], groups, sz[:, 0, None], out=groups)
+    return w
+
+
+def int4_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, group_size: int, scales_zeros: torch.Tensor,
+                      dense_from: int = INT4_TILES_DENSE_MIN_ROWS) -> torch.Tensor:
+    """``x [M, K]`` (bf16) times one matrix in the tile layout -> ``[M, N]`` bf16: with ``M >=
+    dense_from`` ``x @ dequantize_int4_tiles(...)`` (a transient ``[K, N]`` matrix and one dense
+    matmul), else ``warmserve::int4_mm_tiles``. Both compute ``sum_k x[m, k] w[n, k]`` with ``w``
+    as in :func:`dequantize_int4_tiles`; they round differently."""
+    if x.shape[0] >= dense_from:
+        return torch.mm(x, dequantize_int4_tiles(tiles, scales_zeros, group_size))
+    return torch.ops.warmserve.int4_mm_tiles(x, tiles, group_size, scales_zeros)
+
+
+class Int4Tiles(NamedTuple):
+    """One int4 matrix in the tile layout of ``warmserve::int4_mm_tiles``: ``tiles`` uint8
+    ``[N/16, K/8, 64]``, ``scales_zeros`` bf16 ``[N/16, K/32, 2, 16]`` (:func:`pack_int4_tiles`)."""
+
+    tiles: torch.Tensor
+    scales_zeros: torch.Tensor
 
 
 class Int4Matrix(NamedTuple):
@@ -199,6 +272,64 @@ class Int4Weight(QuantizedWeight):
         return Int4Matrix(self.packed, self.scales_and_zeros)
 
 
+class Int4TileWeight(QuantizedWeight):
+    """int4, group 32, for bf16 compute with warmserve's kernel (:func:`int4_tiles_enabled`):
+    ``tiles`` uint8 ``[..., N/16, K/8, 64]`` and ``scales_zeros`` bf16 ``[..., N/16, K/32, 2, 16]``
+    (:func:`pack_int4_tiles`)."""
+
+    format = "int4"
+
+    def __init__(self, tiles: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_zeros.dtype
+
+    @classmethod
+    def from_parts(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> Int4TileWeight:
+        """The sidecar parts (``qweight`` uint8 ``[..., N, K/2]``, ``scales``/``zeros`` ``[...,
+        N, K/32]``) in the tile layout; ``dtype`` must be bf16 (``ValueError`` otherwise, or when
+        the shape does not tile: :func:`pack_int4_tiles`)."""
+        if dtype != torch.bfloat16:
+            raise ValueError(f"int4 tiles serve bf16 compute, not {dtype}")
+        return cls(*pack_int4_tiles(quant.unpack_nibbles(parts["qweight"]), parts["scales"], parts["zeros"]))
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The stored parts back (:mod:`model_families.quant`'s names and layout; scales and
+        zeros float32, as rounded to bf16)."""
+        *lead, t, c, _ = self.tiles.shape
+        flat = self.tiles.reshape(-1, t, c, 64)
+        codes = torch.stack([int4_tiles_codes(m).T for m in flat]).reshape(*lead, t * 16, c * 8)
+        sz = self.scales_zeros.float().movedim(-2, 0)  # [2, ..., t, g, 16]
+        scales, zeros = (v.transpose(-1, -2).reshape(*lead, t * 16, -1) for v in sz)
+        return {"qweight": codes[..., 0::2] | (codes[..., 1::2] << 4), "scales": scales, "zeros": zeros}
+
+    def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
+        if dtype == torch.float32:
+            raise InvalidArgument("int4 weights packed for bf16 compute cannot serve float32 compute; "
+                                  "load the sidecar with float32 compute instead")
+        return Int4Weight.from_parts(self.parts(), dtype)
+
+    def __getitem__(self, i) -> Int4Tiles:
+        return Int4Tiles(self.tiles[i], self.scales_zeros[i])
+
+    def matrix(self) -> Int4Tiles:
+        """The matrix of an unstacked weight."""
+        return Int4Tiles(self.tiles, self.scales_zeros)
+
+
+def int4_weight(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Int4Weight | Int4TileWeight:
+    """The int4 weight for bf16 / f16 compute on the CPU: an :class:`Int4TileWeight` for bf16 where
+    :func:`~model_families.native.int4_tiles_enabled`, else an :class:`Int4Weight` (PyTorch's
+    kernel). Both need ``N % 16 == 0``."""
+    if dtype == torch.bfloat16 and native.int4_tiles_enabled():
+        return Int4TileWeight.from_parts(parts, dtype)
+    return Int4Weight.from_parts(parts, dtype)
+
+
 class Int4GroupWeight(QuantizedWeight):
     """int4, group 32, for float32 compute: the sidecar's parts as they are (zero-copy from the
     mapped file), dequantized per matmul (see the module docstring for why)."""
@@ -216,7 +347,7 @@ class Int4GroupWeight(QuantizedWeight):
         return self.scales.dtype
 
     def _converted(self, dtype: torch.dtype) -> QuantizedWeight:
-        return Int4Weight.from_parts({"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}, dtype)
+        return int4_weight({"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}, dtype)
 
     def __getitem__(self, i) -> Int4Groups:
         return Int4Groups(self.qweight[i], self.scales[i], self.zeros[i])
@@ -260,8 +391,8 @@ class Int8Weight(QuantizedWeight):
 def quantized_weight(parts: dict[str, torch.Tensor], dtype: torch.dtype,
                      device: torch.device) -> QuantizedWeight | torch.Tensor:
     """The runner's weight for one quantized sidecar matrix (``parts`` as stored, see
-    :mod:`model_families.quant`) computing in ``dtype``: on the CPU an :class:`Int4Weight`
-    (bf16/f16: the kernel's layout), an :class:`Int4GroupWeight` (float32: the parts as they
+    :mod:`model_families.quant`) computing in ``dtype``: on the CPU :func:`int4_weight`
+    (bf16/f16: a kernel's layout), an :class:`Int4GroupWeight` (float32: the parts as they
     are) or an :class:`Int8Weight`; on any other device the dequantized matrix in ``dtype``
     (a plain tensor)."""
     if torch.device(device).type != "cpu":
@@ -270,7 +401,7 @@ def quantized_weight(parts: dict[str, torch.Tensor], dtype: torch.dtype,
         return Int8Weight.from_parts(parts, dtype)
     if dtype == torch.float32:
         return Int4GroupWeight(parts["qweight"], parts["scales"].float(), parts["zeros"].float())
-    return Int4Weight.from_parts(parts, dtype)
+    return int4_weight(parts, dtype)
 
 
 def dequantized(m: Int4Groups | Int8Matrix) -> torch.Tensor:

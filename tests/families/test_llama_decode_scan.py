@@ -9,6 +9,7 @@ import pytest
 import torch
 from runner_tiny import tiny_args
 
+from model_families import native
 from model_families.llama import FAMILY as LLAMA
 from model_families.llama.model import LlamaModel
 
@@ -124,9 +125,11 @@ def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_pat
 
 @pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
 def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does(tmp_path):
-    """bf16 over int4 runs PyTorch's int4 weight-only kernel; inside the loop body it is the
-    custom op ``warmserve::int4_linear`` (Inductor's own lowering of the kernel makes C++ that
-    does not compile there), once a layer, and the compiled loop gives the eager step's logits."""
+    """bf16 over int4 runs warmserve's int4 kernel (PyTorch's where it cannot be built); inside
+    the loop body it is the custom op ``warmserve::int4_tiles_linear`` (``warmserve::int4_linear``
+    for PyTorch's: Inductor's own lowering of that kernel makes C++ that does not compile there),
+    once a layer, and the compiled loop gives the eager step's logits."""
+    from model_families.quantized_weights import Int4TileWeight
     from runner_service.programs.aoti import AotiProgram, compile_aoti
 
     args = tiny_args(vocab=96, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=64)
@@ -143,7 +146,10 @@ def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does
     with torch.no_grad():
         ep = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
     body = [str(n.target) for n in ep.graph_module.scan_combine_graph_0.graph.nodes if n.op == "call_function"]
-    assert body.count(str(torch.ops.warmserve.int4_linear.default)) == 4  # qkv, o, gate_up, down
+    tiles = isinstance(model.qkv_proj, Int4TileWeight)
+    assert tiles == native.int4_tiles_enabled()
+    op = torch.ops.warmserve.int4_tiles_linear if tiles else torch.ops.warmserve.int4_linear
+    assert body.count(str(op.default)) == 4  # qkv, o, gate_up, down
     assert str(torch.ops.aten._weight_int4pack_mm_for_cpu.default) not in body
     program = AotiProgram(compile_aoti(step, example, dynamic, tmp_path / "loop-int4.pt2"), step, torch.device("cpu"))
     for n, (batch_size, blocks) in enumerate([(1, 1), (3, 2), (8, 3)]):

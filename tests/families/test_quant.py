@@ -10,12 +10,13 @@ import pytest
 import torch
 from runner_tiny import tiny_args
 
-from model_families import quant
+from model_families import native, quant
 from model_families.linear import linear
 from model_families.llama import FAMILY as LLAMA
 from model_families.quantized_weights import (
     INT4_DENSE_MIN_ROWS,
     Int4GroupWeight,
+    Int4TileWeight,
     Int4Weight,
     Int8Weight,
     dequantize_int4pack,
@@ -98,7 +99,8 @@ def test_quantized_matmul_equals_float_matmul_of_the_dequantized_weights(fmt, dt
     parts = quant.quantize_parts(w, fmt)
     ref_w = quant.dequantize(parts)
     qw = quantized_weight(parts, dtype, torch.device("cpu"))
-    kind = {"int8": Int8Weight, "int4": Int4GroupWeight if dtype == torch.float32 else Int4Weight}[fmt]
+    bf16_int4 = Int4TileWeight if native.int4_tiles_enabled() else Int4Weight
+    kind = {"int8": Int8Weight, "int4": Int4GroupWeight if dtype == torch.float32 else bf16_int4}[fmt]
     assert type(qw) is kind and qw.format == fmt and qw.dtype == dtype
     x = torch.randn(3, 5, 96, generator=g)  # [B, S, K]: linear flattens the leading dims
     bias = torch.randn(48, generator=g)
@@ -169,9 +171,9 @@ def test_converted_between_compute_dtypes_cpu_only():
     qw = quantized_weight(parts, torch.float32, torch.device("cpu"))
     assert type(qw) is Int4GroupWeight and qw.qweight is parts["qweight"]  # zero-copy
     assert qw.converted(torch.float32, torch.device("cpu")) is qw
-    half = qw.converted(torch.bfloat16, torch.device("cpu"))
-    assert type(half) is Int4Weight and half.scales_and_zeros.dtype == torch.bfloat16
-    assert torch.equal(half.packed, Int4Weight.from_parts(parts, torch.bfloat16).packed)
+    half = qw.converted(torch.float16, torch.device("cpu"))
+    assert type(half) is Int4Weight and half.scales_and_zeros.dtype == torch.float16
+    assert torch.equal(half.packed, Int4Weight.from_parts(parts, torch.float16).packed)
     with pytest.raises(InvalidArgument, match="cannot serve float32 compute"):
         half.converted(torch.float32, torch.device("cpu"))
     eight = quantized_weight(quant.quantize_parts(torch.randn(32, 64), "int8"), torch.float32, torch.device("cpu"))

@@ -1,0 +1,147 @@
+// warmserve's int4 weight-only matmul for bf16 activations on AVX512-BF16 CPUs:
+// torch.ops.warmserve.int4_mm_tiles(x, tiles, group_size, scales_zeros) -> y.
+//
+//   x             bf16  [M, K], contiguous
+//   tiles         uint8 [N/16, K/8, 64]: tile t holds output rows 16t..16t+15; its chunk c covers
+//                 k = 8c..8c+7. The chunk's 64 bytes are 32 little-endian uint16 words; word l
+//                 holds, in nibble h (bits 4h..4h+3), the code q[16t + l/2, 8c + 2h + l%2]
+//                 (model_families/quantized_weights.py: pack_int4_tiles writes it).
+//   scales_zeros  bf16  [N/16, K/G, 2, 16]: per tile and group, the 16 rows' scales, then zeros
+//   y             bf16  [M, N]:  y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * s[n, k/G] + z[n, k/G])
+//
+// The formula is PyTorch's int4 weight-only kernel's (_weight_int4pack_mm_for_cpu). Per group of G
+// codes it is computed as s * sum_k x_k (128 + q_k) + (z - 136 s) * sum_k x_k: the bf16 bit
+// pattern 0x4300 | q is exactly 128 + q, so a code becomes a bf16 operand with one vpternlogd,
+// and vdpbf16ps multiplies pairs of bf16 exactly and accumulates them in fp32. A row's result
+// depends on that row alone (no split of K across threads, the same instruction order for any M).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+WS_TARGET inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// MB rows of x times NT tiles starting at tile t0: the accumulators stay in registers.
+template <int MB, int NT>
+WS_TARGET void tile_block(const uint16_t* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* w,
+                          const uint16_t* sz, int64_t K, int64_t G, uint16_t* y, int64_t ldy, int64_t t0) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  const int64_t chunks = K / 8, groups = K / G, group_chunks = G / 8;
+  alignas(64) float out[MB][NT][16];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) _mm512_store_ps(out[m][t], _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[MB][NT];
+    for (int m = 0; m < MB; ++m)
+      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < group_chunks; ++c) {
+      const int64_t k = g * G + 8 * c;
+      __m512i raw[NT];
+      for (int t = 0; t < NT; ++t) raw[t] = _mm512_loadu_si512(w + ((t0 + t) * chunks + g * group_chunks + c) * 64);
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        __m512bh b[NT];
+        for (int t = 0; t < NT; ++t)  // (word >> 4h) & 0xF | 0x4300: the bf16 of 128 + q
+          b[t] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw[t], 4 * h), low4, bias, 0xEA);
+        for (int m = 0; m < MB; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x + m * ldx + k + 2 * h, sizeof(pair));
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+          for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, b[t]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* p = sz + ((t0 + t) * groups + g) * 32;
+      const __m512 s = bf16x16_to_f32(p), z = bf16x16_to_f32(p + 16);
+      const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // z - (8 + 128) s
+      for (int m = 0; m < MB; ++m) {
+        const __m512 o = _mm512_fmadd_ps(acc[m][t], s, _mm512_load_ps(out[m][t]));
+        _mm512_store_ps(out[m][t], _mm512_fmadd_ps(_mm512_set1_ps(sx[m * ldsx + g]), off, o));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_load_ps(out[m][t]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + (t0 + t) * 16), (__m256i)r);
+    }
+}
+
+template <int MB, int NT>
+void tile_range(const uint16_t* x, int64_t ldx, const float* sx, int64_t ldsx, const uint8_t* w, const uint16_t* sz,
+                int64_t K, int64_t G, uint16_t* y, int64_t ldy, int64_t begin, int64_t end) {
+  int64_t t = begin;
+  for (; t + NT <= end; t += NT) tile_block<MB, NT>(x, ldx, sx, ldsx, w, sz, K, G, y, ldy, t);
+  for (; t < end; ++t) tile_block<MB, 1>(x, ldx, sx, ldsx, w, sz, K, G, y, ldy, t);
+}
+
+using TileRange = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, int64_t,
+                           int64_t, uint16_t*, int64_t, int64_t, int64_t);
+// Rows per block: 8 (two tiles at a time); one row takes eight tiles at a time (a batch-1 step).
+constexpr int kRowBlock = 8;
+template <int... I>
+constexpr auto make_ranges(std::integer_sequence<int, I...>) {
+  return std::array<TileRange, kRowBlock>{tile_range<I + 1, (I == 0 ? 8 : 2)>...};
+}
+constexpr auto kRanges = make_ranges(std::make_integer_sequence<int, kRowBlock>{});
+
+bool supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+at::Tensor int4_mm_tiles(const at::Tensor& x, const at::Tensor& codes, int64_t group_size,
+                         const at::Tensor& scales_zeros) {
+  TORCH_CHECK(supported(), "warmserve::int4_mm_tiles needs AVX512-BF16, which this CPU lacks");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "x must be a 2-D bf16 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), G = group_size;
+  TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "group_size ", G, " must be a multiple of 8 dividing K = ", K);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(1) == K / 8 && codes.size(2) == 64 &&
+                  codes.is_contiguous(),
+              "tiles must be contiguous uint8 [N/16, K/8, 64] with K = ", K, ", got ", codes.sizes());
+  const int64_t tiles = codes.size(0), N = tiles * 16, groups = K / G;
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.sizes() == at::IntArrayRef({tiles, groups, 2, 16}),
+              "scales_zeros must be contiguous bf16 [N/16, K/group_size, 2, 16] = [", tiles, ", ", groups,
+              ", 2, 16], got ", scales_zeros.sizes(), " ", scales_zeros.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor sx = xc.view({M, groups, G}).sum(-1, false, at::kFloat);  // [M, K/G]
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+  const auto* wp = codes.const_data_ptr<uint8_t>();
+  const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.const_data_ptr());
+  const float* sxp = sx.const_data_ptr<float>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t rows = std::min<int64_t>(kRowBlock, M - m0);
+      kRanges[rows - 1](xp + m0 * K, K, sxp + m0 * groups, groups, wp, szp, K, G, yp + m0 * N, N, begin, end);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(warmserve, m) {
+  m.def("int4_mm_tiles(Tensor x, Tensor tiles, int group_size, Tensor scales_zeros) -> Tensor");
+  m.def("int4_tiles_supported() -> bool", &supported);
+}
+
+TORCH_LIBRARY_IMPL(warmserve, CPU, m) { m.impl("int4_mm_tiles", &int4_mm_tiles); }

@@ -1,0 +1,160 @@
+"""warmserve's own C++ kernels (``model_families/kernels/*.cpp``), built once with the host's C++
+compiler against torch's headers and loaded as an op library: ``torch.ops.warmserve.int4_mm_tiles``
+(the int4 weight-only matmul of :mod:`model_families.quantized_weights`). ``docs/quantization.md``.
+
+A build is keyed by its :func:`fingerprint` (the source, the compiler command, the compiler's path
+and mtime, torch's version) and published whole: compiled to a private temporary name, then one
+``os.replace`` under a lock file, so concurrent processes (test workers, a fleet's runners) build it
+once and never load a partial file. It lives in ``model_families/kernels/build/`` (what ``make
+install`` fills, and a container image ships) or, where the package is read-only, in
+``~/.cache/warmserve/native/``. Where nothing can be built or loaded (no compiler, a CPU without
+AVX512-BF16) :func:`int4_tiles_enabled` is false and the runner uses PyTorch's own int4 kernel.
+
+Run ``python -m model_families.native`` to build (and print where), as ``make install`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+_log = logging.getLogger(__name__)
+
+#: The kernel sources, next to this module.
+SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
+INT4_TILES_SOURCE = SOURCE_DIR / "int4_tiles.cpp"
+#: Set to ``0`` to leave the native kernels unused (the runner then runs PyTorch's int4 kernel);
+#: read when weights are loaded, so A/B runs and tests can switch per process.
+DISABLE_ENV = "WARMSERVE_NATIVE_KERNELS"
+#: Seconds one build may take before it is given up (a first build takes about 10 s).
+BUILD_TIMEOUT_S = 300.0
+
+
+def _compiler() -> str:
+    """The C++ compiler: ``$CXX`` (as Inductor reads it) or ``g++``."""
+    return os.environ.get("CXX") or "g++"
+
+
+def compile_command(source: Path, output: Path) -> list[str]:
+    """The command that builds ``source`` into the shared library ``output``: optimised, OpenMP
+    (torch's ``at::parallel_for`` is inline OpenMP; the library resolves ``libgomp.so.1`` to the
+    copy torch loaded), torch's include paths and C++ ABI, linked against ``c10`` and
+    ``torch_cpu`` with torch's ``lib`` directory as its run path."""
+    from torch.utils import cpp_extension
+
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [_compiler(), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes, str(source),
+            "-o", str(output), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+
+
+def fingerprint(source: Path) -> str | None:
+    """16 hex digits over the source bytes, :func:`compile_command` (output path aside), the
+    compiler's resolved path and mtime and torch's version; ``None`` when no compiler is found."""
+    cxx = shutil.which(_compiler())
+    if cxx is None:
+        return None
+    h = hashlib.sha256(source.read_bytes())
+    for part in (*compile_command(source, Path("out.so")), os.path.realpath(cxx),
+                 str(os.stat(cxx).st_mtime_ns), torch.__version__):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_dirs() -> list[Path]:
+    """Where a built library is looked for and put, in order: the package's ``kernels/build/``,
+    then ``~/.cache/warmserve/native/`` (a read-only install)."""
+    return [SOURCE_DIR / "build", Path.home() / ".cache" / "warmserve" / "native"]
+
+
+def _writable(d: Path) -> bool:
+    try:
+        d.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(d, os.W_OK | os.X_OK)
+
+
+def build(source: Path = INT4_TILES_SOURCE) -> Path:
+    """The built library of ``source`` (built now unless a build with its :func:`fingerprint` is
+    there). Raises ``RuntimeError`` naming the reason when there is no compiler, no writable build
+    directory, or the compile fails (with the compiler's last output lines)."""
+    fp = fingerprint(source)
+    if fp is None:
+        raise RuntimeError(f"no C++ compiler ({_compiler()}) on PATH")
+    name = f"{source.stem}-{fp}.so"
+    for d in build_dirs():
+        if (d / name).is_file():
+            return d / name
+    d = next((d for d in build_dirs() if _writable(d)), None)
+    if d is None:
+        raise RuntimeError(f"no writable directory among {', '.join(map(str, build_dirs()))}")
+    target = d / name
+    with FileLock(str(d / f"{source.stem}.lock"), timeout=BUILD_TIMEOUT_S):
+        if target.is_file():  # another process built it while this one waited
+            return target
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{source.stem}-", suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run(compile_command(source, Path(tmp)), capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+                raise RuntimeError(f"{_compiler()} failed to build {source.name} (exit {done.returncode}):\n{tail}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for old in d.glob(f"{source.stem}-*.so"):  # builds of other sources or compilers
+            if old != target:
+                old.unlink(missing_ok=True)
+    return target
+
+
+@functools.cache
+def load() -> bool:
+    """Build (if needed) and load the kernel library once per process: whether its ops are
+    registered. A failure is logged once as a warning and leaves PyTorch's kernels in use."""
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as e:  # noqa: BLE001 - any failure means: serve with PyTorch's kernels
+        _log.warning("warmserve's native int4 kernel is unavailable, using PyTorch's: %s", e)
+        return False
+    return True
+
+
+@functools.cache
+def _supported() -> bool:
+    return load() and bool(torch.ops.warmserve.int4_tiles_supported())
+
+
+def int4_tiles_enabled() -> bool:
+    """Whether int4 matrices for bf16 compute use ``warmserve::int4_mm_tiles``: the library loads,
+    this CPU has AVX512-BF16, and :data:`DISABLE_ENV` is not ``0``."""
+    return os.environ.get(DISABLE_ENV, "1") != "0" and _supported()
+
+
+def main() -> int:
+    """``python -m model_families.native``: build the kernels and print where (exit 1 on failure)."""
+    try:
+        print(build())
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"native kernels not built: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
