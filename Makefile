@@ -24,6 +24,9 @@ PRODUCT_PACKAGES := services model_families kernel_cache_service weight_service 
 	compose-secrets kubectl
 
 install: $(STAMP)
+	@# warmserve's own C++ kernels (model_families/native.py): a no-op when built for this source;
+	@# where they cannot be built the runner serves with PyTorch's kernels.
+	@$(PY) -m model_families.native >/dev/null || echo "note: native kernels not built; PyTorch's are used"
 
 # Re-installs only when pyproject.toml changes (or the venv is new): a no-op otherwise.
 $(STAMP): pyproject.toml

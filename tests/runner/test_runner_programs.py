@@ -22,6 +22,7 @@ from runner_tiny import tiny_args, tiny_config
 
 from kernel_cache_service.client import KernelCacheClient
 from kernel_cache_service.fingerprint import UNKNOWN
+from model_families import native
 from model_families.llama import FAMILY as LLAMA
 from runner_service.kv_cache import KVCache
 from runner_service.model_runner import ModelRunner
@@ -386,10 +387,10 @@ def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
 @pytest.mark.parametrize("weights_dtype,dtype", [("int4", torch.bfloat16), ("int8", torch.bfloat16),
                                                  ("int4", torch.float32)])
 def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dtype, tmp_path):
-    """Quantized weights export and compile (bf16: PyTorch's weight-only kernels; float32: the
-    dequantize-then-matmul graph); the package holds no weights, yet what Inductor adds itself
-    (int4 kernel: the group size as an int64 constant) travels with it, so a kernel-cache HIT
-    loads and runs too."""
+    """Quantized weights export and compile (bf16: warmserve's int4 kernel, or PyTorch's
+    weight-only kernels; float32: the dequantize-then-matmul graph); the package holds no
+    weights, yet what Inductor adds itself (PyTorch's int4 kernel: the group size as an int64
+    constant) travels with it, so a kernel-cache HIT loads and runs too."""
     kc = tmp_path / "kc"
     runner = make_runner(dtype=dtype, weights_dtype=weights_dtype)
     assert runner.model.qkv_proj.format == weights_dtype
@@ -402,8 +403,11 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
         _assert_int4_rows_pick_the_kernel_at_run_time(runner, eager)
     package = max((p for p in kc.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     own = read_own_constants(package)
-    if (weights_dtype, dtype) == ("int4", torch.bfloat16):
+    if (weights_dtype, dtype) == ("int4", torch.bfloat16) and not native.int4_tiles_enabled():
+        # Inductor's lowering of PyTorch's int4 kernel adds the group size as a tensor constant
         assert own and all(t.dtype == torch.int64 and t.item() == 32 for t in own.values()), own
+    elif weights_dtype == "int4":  # warmserve::int4_mm_tiles takes it as an int argument
+        assert not own, own
     hit = make_runner(dtype=dtype, weights_dtype=weights_dtype)
     again = load(hit, kernel_cache=str(kc), work_dir=tmp_path / "work2")
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
@@ -412,20 +416,24 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
 
 
 def _assert_int4_rows_pick_the_kernel_at_run_time(compiled: ModelRunner, eager: ModelRunner) -> None:
-    """The compiled prefill calls ``warmserve::int4_linear`` for each int4 matrix, whose kernel
-    picks by the rows of the call (dense from ``INT4_DENSE_MIN_ROWS``) as eager steps do, and
-    gives the eager prefill's logits on both sides of the threshold; the compiled decode calls
-    the int4 kernel itself (no op)."""
+    """The compiled prefill calls ``warmserve::int4_tiles_linear`` (``warmserve::int4_linear`` for
+    PyTorch's layout) for each int4 matrix, whose kernel picks by the rows of the call (dense from
+    a threshold, here ``INT4_DENSE_MIN_ROWS`` for both, which these tiny batches reach) as eager
+    steps do, and gives the eager prefill's logits on both sides of the threshold; the compiled
+    decode calls the int4 kernel itself (no Python op)."""
     import model_families.custom_ops as ops
-    from model_families.quantized_weights import INT4_DENSE_MIN_ROWS, int4_matmul
+    from model_families import native
+    from model_families.quantized_weights import INT4_DENSE_MIN_ROWS, int4_matmul, int4_tiles_matmul
 
+    name, matmul = (("int4_tiles_matmul", int4_tiles_matmul) if native.int4_tiles_enabled()
+                    else ("int4_matmul", int4_matmul))
     rows: list[int] = []
 
     def counting(x, *args, **kw):
         rows.append(x.shape[0])
-        return int4_matmul(x, *args, **kw)
+        return matmul(x, *args, dense_from=INT4_DENSE_MIN_ROWS)
 
-    ops.int4_matmul = counting
+    setattr(ops, name, counting)
     try:
         for chunks in ([(7, 0, 7)], [(30, 0, 30), (30, 0, 30), (25, 0, 25), (12, 0, 12)]):
             batch = prefill_batch(chunks, compiled.args.vocab_size, compiled.block_size, seed=len(chunks))
@@ -440,7 +448,7 @@ def _assert_int4_rows_pick_the_kernel_at_run_time(compiled: ModelRunner, eager: 
             compiled.decode(*decode_inputs(compiled, 2, 2, 3, seed=5))
         assert rows == []
     finally:
-        ops.int4_matmul = int4_matmul
+        setattr(ops, name, matmul)
 
 
 def _entry_files(kc: Path, fingerprint: str) -> list[Path]:
