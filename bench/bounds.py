@@ -26,10 +26,12 @@ cache that would not in a real step; ``lm_head`` left out, a prefill runs it on 
 sequence) at each row count ``M`` (the step's tokens: the batch in a decode, every prompt token
 in a prefill): bf16 matrices through the serving path's :func:`model_families.linear.linear`
 (oneDNN), against the same matrices quantized (:func:`model_families.quantized_weights.quantized_weight`)
-run by the int4 weight-only kernel alone and by dequantize-then-matmul alone
-(:func:`model_families.quantized_weights.int4_matmul` with ``dense_from`` 1 or never), best of 3.
-Shows where int4 stops paying at larger ``M`` and where the serving path's
-``INT4_DENSE_MIN_ROWS`` switch from the kernel to the dense matmul belongs.
+run by PyTorch's int4 weight-only kernel alone and by dequantize-then-matmul alone
+(:func:`model_families.quantized_weights.int4_matmul` with ``dense_from`` 1 or never), and, where
+it builds, by warmserve's kernel alone and its dequantize-then-matmul alone
+(:func:`model_families.quantized_weights.int4_tiles_matmul`), best of 3. Shows where int4 stops
+paying at larger ``M`` and where the serving path's ``INT4_DENSE_MIN_ROWS`` /
+``INT4_TILES_DENSE_MIN_ROWS`` switch from the kernel to the dense matmul belongs.
 
 ``--peers FILE``: a ``bench/peers.py`` stdout (its JSON document) whose warmserve columns are
 reported as fractions of these bounds (1 stream against the bandwidth bound, 32 against the
@@ -51,9 +53,16 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from model_families import quant  # noqa: E402
+from model_families import native, quant  # noqa: E402
 from model_families.linear import float_linear, linear  # noqa: E402
-from model_families.quantized_weights import INT4_DENSE_MIN_ROWS, int4_matmul, quantized_weight  # noqa: E402
+from model_families.quantized_weights import (  # noqa: E402
+    INT4_DENSE_MIN_ROWS,
+    INT4_TILES_DENSE_MIN_ROWS,
+    Int4TileWeight,
+    Int4Weight,
+    int4_matmul,
+    int4_tiles_matmul,
+)
 from weight_service.gguf_reader import GGUFCheckpoint  # noqa: E402
 from weight_service.sources import bundled_smollm2_path  # noqa: E402
 
@@ -100,33 +109,48 @@ def model_weights() -> dict:
 
 def step_matmul_ms(model: dict, rows: list[int]) -> list[dict]:
     """Per row count ``M``: ms of one step's layer matrices in bf16 and as int4 (see the module
-    docstring), and their ratio."""
+    docstring), and their ratios."""
     g = torch.Generator().manual_seed(0)
+    tiles = native.int4_tiles_enabled()
     layers = []
     for _ in range(model["layers"]):
         mats = [torch.randn(n, k, generator=g) * 0.02 for n, k in model["layer_shapes"]]
-        layers.append([(m.to(torch.bfloat16), quantized_weight(quant.quantize_parts(m, "int4"), torch.bfloat16,
-                                                               torch.device("cpu")).matrix()) for m in mats])
+        parts = [quant.quantize_parts(m, "int4") for m in mats]
+        layers.append([(m.to(torch.bfloat16), Int4Weight.from_parts(p, torch.bfloat16).matrix(),
+                        Int4TileWeight.from_parts(p).matrix() if tiles else None) for m, p in zip(mats, parts, strict=True)])
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in model["layer_shapes"]}
 
         def step(xs: dict = xs) -> None:
             for layer in layers:
-                for w, _ in layer:
+                for w, _, _ in layer:
                     linear(xs[w.shape[1]], w)
 
         def step_int4(dense_from: int, xs: dict = xs) -> None:
             for layer in layers:
-                for w, q in layer:
+                for w, q, _ in layer:
                     int4_matmul(xs[w.shape[1]], q.packed, quant.INT4_GROUP, q.scales_and_zeros, dense_from)
+
+        def step_tiles(dense_from: int, xs: dict = xs) -> None:
+            for layer in layers:
+                for w, _, t in layer:
+                    int4_tiles_matmul(xs[w.shape[1]], t.tiles, quant.INT4_GROUP, t.scales_zeros, dense_from)
 
         bf16 = _best_s(step, 3) * 1e3
         int4, dense = _best_s(lambda: step_int4(2**62), 3) * 1e3, _best_s(lambda: step_int4(1), 3) * 1e3
-        out.append({"rows": m, "bf16_ms": round(bf16, 2), "int4_kernel_ms": round(int4, 2),
-                    "int4_dense_ms": round(dense, 2), "int4_kernel_over_bf16": round(int4 / bf16, 2),
-                    "int4_dense_over_kernel": round(dense / int4, 2),
-                    "served_by": "dense" if m >= INT4_DENSE_MIN_ROWS else "kernel"})
+        row = {"rows": m, "bf16_ms": round(bf16, 2), "int4_kernel_ms": round(int4, 2),
+               "int4_dense_ms": round(dense, 2), "int4_kernel_over_bf16": round(int4 / bf16, 2),
+               "int4_dense_over_kernel": round(dense / int4, 2)}
+        if tiles:
+            t_kernel, t_dense = _best_s(lambda: step_tiles(2**62), 3) * 1e3, _best_s(lambda: step_tiles(1), 3) * 1e3
+            row.update({"tiles_kernel_ms": round(t_kernel, 2), "tiles_dense_ms": round(t_dense, 2),
+                        "tiles_kernel_over_bf16": round(t_kernel / bf16, 2),
+                        "int4_kernel_over_tiles_kernel": round(int4 / t_kernel, 2),
+                        "served_by": "dense" if m >= INT4_TILES_DENSE_MIN_ROWS else "tiles kernel"})
+        else:
+            row["served_by"] = "dense" if m >= INT4_DENSE_MIN_ROWS else "kernel"
+        out.append(row)
     return out
 
 
@@ -202,12 +226,17 @@ def main() -> int:
     for wd, b in bound.items():
         print(f"| {wd} | {b['bytes_per_token'] / 2**20:.0f} | {b['batch1_tok_s']:.0f} | {b['batch32_tok_s']:.0f} |")
     if rows:
-        print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | int4 kernel (ms) | "
-              "int4 dequantize + dense (ms) | kernel / bf16 | dense / kernel | served by |\n"
-              "|---:|---:|---:|---:|---:|---:|---|")
+        tiles = "tiles_kernel_ms" in report["step_matmul_ms"][0]
+        extra = (" warmserve kernel (ms) | warmserve dequantize + dense (ms) | PyTorch kernel / warmserve kernel |"
+                 if tiles else "")
+        print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | PyTorch int4 kernel (ms) | "
+              f"int4 dequantize + dense (ms) | kernel / bf16 | dense / kernel |{extra} served by |\n"
+              f"|---:|---:|---:|---:|---:|---:|{'---:|' * 3 if tiles else ''}---|")
         for r in report["step_matmul_ms"]:
+            cells = (f" {r['tiles_kernel_ms']:.1f} | {r['tiles_dense_ms']:.1f} | {r['int4_kernel_over_tiles_kernel']:.2f} |"
+                     if tiles else "")
             print(f"| {r['rows']} | {r['bf16_ms']:.1f} | {r['int4_kernel_ms']:.1f} | {r['int4_dense_ms']:.1f} | "
-                  f"{r['int4_kernel_over_bf16']:.2f} | {r['int4_dense_over_kernel']:.2f} | {r['served_by']} |")
+                  f"{r['int4_kernel_over_bf16']:.2f} | {r['int4_dense_over_kernel']:.2f} |{cells} {r['served_by']} |")
     if peers is not None:
         print("\n| measured (bench/peers.py) | 1 stream tok/s | of bound | 32 streams tok/s | of bound |\n"
               "|---|---:|---:|---:|---:|")

@@ -38,7 +38,7 @@ from services.errors import InvalidArgument
 
 #: Rows from which :func:`int4_tiles_matmul` dequantizes the matrix and runs a dense matmul (the
 #: crossover of ``python bench/bounds.py --rows`` for ``warmserve::int4_mm_tiles``).
-INT4_TILES_DENSE_MIN_ROWS = 256
+INT4_TILES_DENSE_MIN_ROWS = 1024
 #: Rows from which :func:`int4_matmul` dequantizes the int4 matrix and runs a dense matmul (the
 #: crossover of ``python bench/bounds.py --rows``: the int4 kernel's time grows with ``M``,
 #: dequantize-then-matmul costs one pass over the matrix plus a dense matmul).
