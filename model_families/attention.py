@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_families import invariant
+from model_families import custom_ops as _custom_ops  # noqa: F401  (registers warmserve::decode_attention's shape)
+from model_families import invariant, native
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -28,13 +29,20 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     entries at the step's positions, which the caller writes after the step (the step thus only
     reads the pools). For prefill, row ``b``'s chunk is ``positions[b, 0]`` .. ``seq_lens[b] - 1``
     (a row's real tokens first, padding after them): the pools' keys before the chunk are visible,
-    then the chunk's own keys causally. Decode runs :func:`decode_attention`; prefill (``S > 1``)
+    then the chunk's own keys causally. Decode runs warmserve's C++ kernel
+    ``warmserve::decode_attention`` (``model_families/kernels/decode_attention.cpp``: the same
+    computation, reading only each row's visible keys) where
+    :func:`~model_families.native.decode_attention_enabled`, eager and traced alike, else
+    :func:`decode_attention`; prefill (``S > 1``)
     gathers the rows' blocks and runs masked SDPA. In a batch-invariant step
     both run :func:`model_families.invariant.paged_attention` instead.
     """
     if invariant.active_policy() is not None:
         return invariant.paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if q.shape[1] == 1:
+        if _native_decode(q):
+            return torch.ops.warmserve.decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens,
+                                                        k_new, v_new)
         return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if (k_new is None) != (v_new is None):
         raise ValueError("give the step's own K and V together (k_new and v_new), or neither")
@@ -56,6 +64,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask.unsqueeze(1), enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def _native_decode(q: torch.Tensor) -> bool:
+    """Whether this decode step runs ``warmserve::decode_attention`` (its limits: float32 or bf16,
+    a head dim that is a multiple of 16 up to 256, at most 16 query heads per KV head)."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
+            and native.decode_attention_enabled())
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

@@ -1,8 +1,9 @@
 """The ``warmserve`` custom-op library (``torch.library``): ``warmserve::linear`` (a float matmul
 on the oneDNN prepacked copy, :mod:`model_families.prepack`), ``warmserve::int4_linear``
 (PyTorch's int4 weight-only kernel, opaque to Inductor), ``warmserve::int4_tiles_linear`` (the
-same for warmserve's int4 kernel, ``warmserve::int4_mm_tiles``, whose C++ library
-:mod:`model_families.native` loads when this module is imported), ``warmserve::grouped_experts`` (the
+same for warmserve's int4 kernel, ``warmserve::int4_mm_tiles``; it and
+``warmserve::decode_attention`` are C++ ops whose libraries :mod:`model_families.native` loads when
+this module is imported), ``warmserve::grouped_experts`` (the
 routed experts of an MoE layer) and ``warmserve::index_topk`` (DeepSeek V4's indexer picks, each
 row cut to its own length), and :func:`tracing`, which picks the traced path. The KV
 write op is :mod:`model_families.kv_write`. Loading a compiled program that calls these ops
@@ -103,8 +104,12 @@ def _int4_tiles_fake(x: torch.Tensor, tiles: torch.Tensor, group_size: int,
 
 
 torch.library.register_fake("warmserve::int4_tiles_linear", _int4_tiles_fake, lib=_LIB)
-if native.load():  # the C++ op ``warmserve::int4_mm_tiles``: its shape rule for tracing
+if native.load():  # the C++ ops (model_families/kernels/): their shape rules for tracing
     torch.library.register_fake("warmserve::int4_mm_tiles", _int4_tiles_fake, lib=_LIB)
+
+    @torch.library.register_fake("warmserve::decode_attention", lib=_LIB)
+    def _decode_attention_fake(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new=None, v_new=None):
+        return torch.empty_like(q)
 
 
 _LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"

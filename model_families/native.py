@@ -1,6 +1,7 @@
 """warmserve's own C++ kernels (``model_families/kernels/*.cpp``), built once with the host's C++
-compiler against torch's headers and loaded as an op library: ``torch.ops.warmserve.int4_mm_tiles``
-(the int4 weight-only matmul of :mod:`model_families.quantized_weights`). ``docs/quantization.md``.
+compiler against torch's headers and loaded as op libraries: ``torch.ops.warmserve.int4_mm_tiles``
+(the int4 weight-only matmul of :mod:`model_families.quantized_weights`, ``docs/quantization.md``)
+and ``torch.ops.warmserve.decode_attention`` (:mod:`model_families.attention`).
 
 A build is keyed by its :func:`fingerprint` (the source, the compiler command, the compiler's path
 and mtime, torch's version) and published whole: compiled to a private temporary name, then one
@@ -8,7 +9,8 @@ and mtime, torch's version) and published whole: compiled to a private temporary
 once and never load a partial file. It lives in ``model_families/kernels/build/`` (what ``make
 install`` fills, and a container image ships) or, where the package is read-only, in
 ``~/.cache/warmserve/native/``. Where nothing can be built or loaded (no compiler, a CPU without
-AVX512-BF16) :func:`int4_tiles_enabled` is false and the runner uses PyTorch's own int4 kernel.
+AVX512-BF16, resp. AVX-512) :func:`int4_tiles_enabled` (:func:`decode_attention_enabled`) is false
+and the runner uses PyTorch's int4 kernel (the attention written in torch ops).
 
 Run ``python -m model_families.native`` to build (and print where), as ``make install`` does.
 """
@@ -33,8 +35,11 @@ _log = logging.getLogger(__name__)
 #: The kernel sources, next to this module.
 SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
 INT4_TILES_SOURCE = SOURCE_DIR / "int4_tiles.cpp"
-#: Set to ``0`` to leave the native kernels unused (the runner then runs PyTorch's int4 kernel);
-#: read when weights are loaded, so A/B runs and tests can switch per process.
+DECODE_ATTENTION_SOURCE = SOURCE_DIR / "decode_attention.cpp"
+SOURCES = (INT4_TILES_SOURCE, DECODE_ATTENTION_SOURCE)
+#: Set to ``0`` to leave the native kernels unused (the runner then runs PyTorch's int4 kernel and
+#: the attention written in torch ops); read when weights load and when a step is traced, so A/B
+#: runs and tests can switch per process. Part of the program key (it changes the traced code).
 DISABLE_ENV = "WARMSERVE_NATIVE_KERNELS"
 #: Seconds one build may take before it is given up (a first build takes about 10 s).
 BUILD_TIMEOUT_S = 300.0
@@ -117,7 +122,7 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in d.glob(f"{source.stem}-*.so"):  # builds of other sources or compilers
+        for old in d.glob(f"{source.stem}-*.so"):  # builds of older sources or other compilers
             if old != target:
                 old.unlink(missing_ok=True)
     return target
@@ -125,31 +130,44 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
 
 @functools.cache
 def load() -> bool:
-    """Build (if needed) and load the kernel library once per process: whether its ops are
-    registered. A failure is logged once as a warning and leaves PyTorch's kernels in use."""
+    """Build (if needed) and load the kernel libraries of :data:`SOURCES` once per process:
+    whether their ops are registered. A failure is logged once as a warning and leaves PyTorch's
+    kernels in use."""
     try:
-        torch.ops.load_library(str(build()))
+        for source in SOURCES:
+            torch.ops.load_library(str(build(source)))
     except Exception as e:  # noqa: BLE001 - any failure means: serve with PyTorch's kernels
-        _log.warning("warmserve's native int4 kernel is unavailable, using PyTorch's: %s", e)
+        _log.warning("warmserve's native kernels are unavailable, using PyTorch's: %s", e)
         return False
     return True
 
 
 @functools.cache
-def _supported() -> bool:
-    return load() and bool(torch.ops.warmserve.int4_tiles_supported())
+def _supported(op: str) -> bool:
+    return load() and bool(getattr(torch.ops.warmserve, op)())
+
+
+def _enabled(op: str) -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0" and _supported(op)
 
 
 def int4_tiles_enabled() -> bool:
-    """Whether int4 matrices for bf16 compute use ``warmserve::int4_mm_tiles``: the library loads,
-    this CPU has AVX512-BF16, and :data:`DISABLE_ENV` is not ``0``."""
-    return os.environ.get(DISABLE_ENV, "1") != "0" and _supported()
+    """Whether int4 matrices for bf16 compute use ``warmserve::int4_mm_tiles``: the libraries
+    load, this CPU has AVX512-BF16, and :data:`DISABLE_ENV` is not ``0``."""
+    return _enabled("int4_tiles_supported")
+
+
+def decode_attention_enabled() -> bool:
+    """Whether decode steps run ``warmserve::decode_attention``: the libraries load, this CPU has
+    AVX-512 (F, BW, VL, DQ), and :data:`DISABLE_ENV` is not ``0``."""
+    return _enabled("decode_attention_supported")
 
 
 def main() -> int:
     """``python -m model_families.native``: build the kernels and print where (exit 1 on failure)."""
     try:
-        print(build())
+        for source in SOURCES:
+            print(build(source))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         print(f"native kernels not built: {e}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from model_families import block_layout as _block_layout
-from model_families import custom_ops, invariant, kv_write, linear, prepack, quant, quantized_weights
+from model_families import custom_ops, invariant, kv_write, linear, native, prepack, quant, quantized_weights
 from model_families import family as _family
 from model_families.deepseek_v4 import attention as _attention
 from model_families.deepseek_v4 import cache_layout as _cache_layout
@@ -115,7 +115,7 @@ class DeepseekV4Family(ModelFamily):
 
     def program_sources(self) -> list[ModuleType]:
         return [_model, _weights, _cache_layout, _norm_rope, _hyper_connections, _attention, _moe, _config, _pack,
-                _checkpoint_names, _quantized, kv_write, linear, quantized_weights, prepack, custom_ops, quant,
+                _checkpoint_names, _quantized, kv_write, linear, quantized_weights, prepack, custom_ops, native, quant,
                 _block_layout, invariant, _family]
 
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -32,6 +33,20 @@ namespace {
 WS_TARGET inline __m512 bf16x16_to_f32(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// sx[m, g] = sum of row m's x over group g, in float32 (each thread sums the rows it needs).
+WS_TARGET void group_sums(const uint16_t* x, int64_t rows, int64_t K, int64_t G, float* sx) {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < K / G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < G; k += 32) {
+        const __mmask32 lanes = G - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (G - k)) - 1;
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + m * K + g * G + k), ones);
+      }
+      sx[m * (K / G) + g] = _mm512_reduce_add_ps(acc);
+    }
 }
 
 // MB rows of x times NT tiles starting at tile t0: the accumulators stay in registers.
@@ -120,18 +135,18 @@ at::Tensor int4_mm_tiles(const at::Tensor& x, const at::Tensor& codes, int64_t g
               "scales_zeros must be contiguous bf16 [N/16, K/group_size, 2, 16] = [", tiles, ", ", groups,
               ", 2, 16], got ", scales_zeros.sizes(), " ", scales_zeros.scalar_type());
   const at::Tensor xc = x.contiguous();
-  const at::Tensor sx = xc.view({M, groups, G}).sum(-1, false, at::kFloat);  // [M, K/G]
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
   const auto* wp = codes.const_data_ptr<uint8_t>();
   const auto* szp = reinterpret_cast<const uint16_t*>(scales_zeros.const_data_ptr());
-  const float* sxp = sx.const_data_ptr<float>();
   auto* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sx(static_cast<size_t>(std::min<int64_t>(M, kRowBlock) * groups));
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t rows = std::min<int64_t>(kRowBlock, M - m0);
-      kRanges[rows - 1](xp + m0 * K, K, sxp + m0 * groups, groups, wp, szp, K, G, yp + m0 * N, N, begin, end);
+      group_sums(xp + m0 * K, rows, K, G, sx.data());
+      kRanges[rows - 1](xp + m0 * K, K, sx.data(), groups, wp, szp, K, G, yp + m0 * N, N, begin, end);
     }
   });
   return y;

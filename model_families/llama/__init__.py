@@ -17,6 +17,7 @@ from model_families import (
     invariant,
     kv_write,
     linear,
+    native,
     norm_rope,
     prepack,
     quant,
@@ -77,7 +78,7 @@ class LlamaFamily(ModelFamily):
 
     def program_sources(self) -> list[ModuleType]:
         return [_model, _config, _pack, norm_rope, block_layout, attention, kv_write, linear, quantized_weights,
-                prepack, custom_ops, quant, invariant, _family]
+                prepack, custom_ops, native, quant, invariant, _family]
 
 
 FAMILY = LlamaFamily()

@@ -8,6 +8,7 @@ import os
 from types import ModuleType
 from typing import Any
 
+from model_families import native
 from runner_service.options import MAX_PROGRAM_BATCH
 from runner_service.programs.aoti import AOTI_INDUCTOR_CONFIGS
 from runner_service.programs.spec import PROGRAM_KINDS, ProgramSpec
@@ -21,9 +22,10 @@ PROGRAM_MODULES = ("spec", "key", "export_specs", "aoti", "inductor", "cache", "
 NOT_IN_KEY = ("build_child",)
 
 #: Name prefixes of the environment variables Inductor reads into its config (``TORCHINDUCTOR_MAX_AUTOTUNE``,
-#: ``AOT_INDUCTOR_ENABLE_LTO``, ...), and single names that reach code generation (``CXX``: the compiler).
+#: ``AOT_INDUCTOR_ENABLE_LTO``, ...), and single names that reach code generation (``CXX``: the compiler;
+#: ``WARMSERVE_NATIVE_KERNELS``: warmserve's own kernels or torch ops in the traced step).
 CODEGEN_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_INDUCTOR_", "AOT_INDUCTOR_", "AOTINDUCTOR_", "INDUCTOR_")
-CODEGEN_ENV_NAMES = ("CXX",)
+CODEGEN_ENV_NAMES = ("CXX", native.DISABLE_ENV)
 #: Those of them that name caches, logs, timeouts or worker pools only: the code is the same.
 NOT_CODEGEN_ENV = frozenset({
     "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT",
