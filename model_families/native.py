@@ -3,8 +3,8 @@ compiler against torch's headers and loaded as op libraries: ``torch.ops.warmser
 (the int4 weight-only matmul of :mod:`model_families.quantized_weights`, ``docs/quantization.md``)
 and ``torch.ops.warmserve.decode_attention`` (:mod:`model_families.attention`).
 
-A build is keyed by its :func:`fingerprint` (the source, the compiler command, the compiler's path
-and mtime, torch's version) and published whole: compiled to a private temporary name, then one
+A build is keyed by its :func:`fingerprint` (the source, the compile command, torch's version) and
+published whole: compiled to a private temporary name, then one
 ``os.replace`` under a lock file, so concurrent processes (test workers, a fleet's runners) build it
 once and never load a partial file. It lives in ``model_families/kernels/build/`` (what ``make
 install`` fills, and a container image ships) or, where the package is read-only, in
@@ -64,15 +64,12 @@ def compile_command(source: Path, output: Path) -> list[str]:
             "-o", str(output), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def fingerprint(source: Path) -> str | None:
-    """16 hex digits over the source bytes, :func:`compile_command` (output path aside), the
-    compiler's resolved path and mtime and torch's version; ``None`` when no compiler is found."""
-    cxx = shutil.which(_compiler())
-    if cxx is None:
-        return None
+def fingerprint(source: Path) -> str:
+    """16 hex digits over the source bytes, :func:`compile_command` (output path aside: the
+    compiler's name, the flags, torch's include paths and ABI) and torch's version. The compiler's
+    own binary is not in it: a launch that finds a build never looks for a compiler."""
     h = hashlib.sha256(source.read_bytes())
-    for part in (*compile_command(source, Path("out.so")), os.path.realpath(cxx),
-                 str(os.stat(cxx).st_mtime_ns), torch.__version__):
+    for part in (*compile_command(source, Path("out.so")), torch.__version__):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -95,13 +92,12 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
     """The built library of ``source`` (built now unless a build with its :func:`fingerprint` is
     there). Raises ``RuntimeError`` naming the reason when there is no compiler, no writable build
     directory, or the compile fails (with the compiler's last output lines)."""
-    fp = fingerprint(source)
-    if fp is None:
-        raise RuntimeError(f"no C++ compiler ({_compiler()}) on PATH")
-    name = f"{source.stem}-{fp}.so"
+    name = f"{source.stem}-{fingerprint(source)}.so"
     for d in build_dirs():
         if (d / name).is_file():
             return d / name
+    if shutil.which(_compiler()) is None:
+        raise RuntimeError(f"no C++ compiler ({_compiler()}) on PATH")
     d = next((d for d in build_dirs() if _writable(d)), None)
     if d is None:
         raise RuntimeError(f"no writable directory among {', '.join(map(str, build_dirs()))}")

@@ -75,7 +75,8 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     max model length, the batch the program takes, max blocks per sequence, dynamic dims, KV pools,
     the block-table layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per
     row; for verify the speculative method and ``K``, ``1 + K`` tokens per row), the family, its pack version and config, the dtype, the device type, the compile options
-    and :func:`codegen_environment`, the torch thread count among them (Inductor writes it into
+    and :func:`codegen_environment`, which of warmserve's C++ kernels load here, the torch thread
+    count among them (Inductor writes it into
     the code); ``UNKNOWN`` when any part is unknown. The runner's ``max_num_seqs`` is no part: an
     ``aoti`` program takes any batch up to :data:`~runner_service.options.MAX_PROGRAM_BATCH`, so
     ``make run``'s runners and ``warmserve up``'s share their programs; ``inductor`` keys the batch
@@ -113,8 +114,12 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
                       speculative={"method": spec.speculative, "num_speculative_tokens": spec.num_draft_tokens})
     # Inductor writes the thread count into CPU code (``num_threads(N)`` on its OpenMP loops when
     # it differs from the core count), so a program built under N threads is another program.
+    # warmserve's C++ ops (model_families.native) are traced in where they load on this host: a
+    # program that calls them must not be fetched where they do not (another CPU, no build).
     options = {"mode": mode, "device": spec.device.type, "threads": spec.threads,
-               "environment": codegen_environment()}
+               "environment": codegen_environment(),
+               "native_kernels": {"int4_tiles": native.int4_tiles_enabled(),
+                                  "decode_attention": native.decode_attention_enabled()}}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
     else:

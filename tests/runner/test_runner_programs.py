@@ -227,11 +227,12 @@ def test_every_module_of_the_programs_package_is_in_the_key():
 
 def test_environment_variables_inductor_reads_are_in_the_key(monkeypatch):
     runner = make_runner()
-    for name in [k for k in os.environ if k.startswith(CODEGEN_ENV_PREFIXES) or k == "CXX"]:
+    for name in [k for k in os.environ if k.startswith(CODEGEN_ENV_PREFIXES) or k in ("CXX", native.DISABLE_ENV)]:
         monkeypatch.delenv(name)
     base = program_key(runner.program_spec(), "aoti")
     for name, value in (("TORCHINDUCTOR_MAX_AUTOTUNE", "1"), ("TORCHINDUCTOR_CPP_WRAPPER", "1"),
-                        ("AOT_INDUCTOR_ENABLE_LTO", "1"), ("TORCHINDUCTOR_FREEZING", "1"), ("CXX", "clang++")):
+                        ("AOT_INDUCTOR_ENABLE_LTO", "1"), ("TORCHINDUCTOR_FREEZING", "1"), ("CXX", "clang++"),
+                        (native.DISABLE_ENV, "0")):
         monkeypatch.setenv(name, value)
         assert program_key(runner.program_spec(), "aoti") != base, name  # changes the code: another program
         monkeypatch.delenv(name)
@@ -241,6 +242,18 @@ def test_environment_variables_inductor_reads_are_in_the_key(monkeypatch):
     assert codegen_environment({"TORCHINDUCTOR_FREEZING": "1", "PATH": "/bin", "CXX": "g++",
                                          "TORCHINDUCTOR_CACHE_DIR": "/x"}) == {"CXX": "g++",
                                                                              "TORCHINDUCTOR_FREEZING": "1"}
+
+
+def test_whether_the_native_kernels_load_is_in_the_key(monkeypatch):
+    """A program that calls warmserve's C++ ops is another program than one that does not, even
+    where the environment says nothing (a host where they do not build or load)."""
+    runner = make_runner()
+    monkeypatch.delenv(native.DISABLE_ENV, raising=False)
+    keys = set()
+    for loads in ({"int4_tiles_supported", "decode_attention_supported"}, {"int4_tiles_supported"}, set()):
+        monkeypatch.setattr(native, "_supported", lambda op, loads=loads: op in loads)
+        keys.add(program_key(runner.program_spec(), "aoti"))
+    assert len(keys) == 3
 
 
 def test_a_failed_publish_is_a_warning_and_the_program_compiled_here_is_used(built, tmp_path):
