@@ -1,6 +1,7 @@
 """The oneDNN prepack registry: blocked copies of float weight matrices made once at load
 (:class:`PackedMatrices`), looked up by the plain matrix they stand for, and the oneDNN matmul
-that uses them (:func:`onednn_linear`). See ``docs/architecture.md`` §7.
+that uses them (:func:`onednn_linear`); and int8 copies of an output head, which that matmul
+uses for a few rows (``head`` of :class:`PackedMatrices`). See ``docs/architecture.md`` §7.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ _HAS_ONEDNN = torch.backends.mkldnn.is_available()
 #: oneDNN-blocked copies of float matrices (:class:`PackedMatrices`), by :func:`_matrix_key` of
 #: the plain matrix they stand for.
 _PACKED: dict[tuple, torch.Tensor] = {}
+#: int8 copies (``warmserve::int8_mm_tiles``'s ``(tiles, scales_zeros)``) of bf16 output heads, by
+#: :func:`_matrix_key` of the plain matrix (:class:`PackedMatrices` ``head``).
+_INT8_HEADS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+#: Below this many rows :func:`onednn_linear` runs a head's int8 copy: reading half the bytes wins
+#: while a step is bound by reading the matrix (a few decode rows); from it on oneDNN's bf16 matmul
+#: is faster (``python bench/bounds.py``).
+INT8_HEAD_MAX_ROWS = 8
 
 
 def _matrix_key(weight: torch.Tensor) -> tuple:
@@ -48,14 +56,26 @@ class PackedMatrices:
     program reaches the copies through ``torch.ops.warmserve.linear``
     (:mod:`model_families.custom_ops`), because AOTInductor binds constants by reference as plain
     strided tensors.
+
+    ``head``: a bf16 output head (``[V, H]``) that also gets an int8 copy (``pack_int8_tiles``:
+    one scale per 32, llama.cpp's Q8_0), which :func:`onednn_linear` uses below
+    :data:`INT8_HEAD_MAX_ROWS` rows; skipped where ``warmserve::int8_mm_tiles`` does not run.
     """
 
-    def __init__(self, matrices, batch_hint: int) -> None:
+    def __init__(self, matrices, batch_hint: int, head: torch.Tensor | None = None) -> None:
         self._keys: list[tuple] = []
         self._plain: list[torch.Tensor] = []  # keeps each key's address in use while registered
         self.nbytes = 0
         if not _HAS_ONEDNN:
             return
+        if head is not None and _int8_head_eligible(head) and _matrix_key(head) not in _INT8_HEADS:
+            from model_families.quantized_weights import pack_int8_tiles
+
+            key = _matrix_key(head)
+            _INT8_HEADS[key] = pack_int8_tiles(head)
+            self._head_key: tuple | None = key
+            self._plain.append(head)
+            self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key])
         for w in matrices:
             if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
                 continue
@@ -66,7 +86,7 @@ class PackedMatrices:
             self._keys.append(key)
             self._plain.append(w)
             self.nbytes += w.numel() * w.element_size()
-        self._finalizer = weakref.finalize(self, _unregister, list(self._keys))
+        self._finalizer = weakref.finalize(self, _unregister, list(self._keys), getattr(self, "_head_key", None))
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -79,12 +99,29 @@ class PackedMatrices:
         self._keys, self._plain = [], []
 
 
-def _unregister(keys: list[tuple]) -> None:
+def _unregister(keys: list[tuple], head_key: tuple | None = None) -> None:
     for key in keys:
         _PACKED.pop(key, None)
+    if head_key is not None:
+        _INT8_HEADS.pop(head_key, None)
+
+
+def _int8_head_eligible(w: torch.Tensor) -> bool:
+    """Whether ``w`` gets an int8 copy: a bf16 ``[N, K]`` CPU matrix with ``N % 16 == 0`` and ``K %
+    32 == 0``, on a host where ``warmserve::int8_mm_tiles`` runs (:mod:`model_families.native`)."""
+    from model_families import native
+
+    return (w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu" and w.shape[0] % 16 == 0
+            and w.shape[1] % 32 == 0 and native.int4_tiles_enabled())
 
 
 def onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2 [M, K] @ weight[N, K].T (+ bias)`` with oneDNN, on the prepacked copy when there is
-    one (:class:`PackedMatrices`)."""
-    return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(_matrix_key(weight), weight), bias, "none", [], "")
+    one (:class:`PackedMatrices`); below :data:`INT8_HEAD_MAX_ROWS` rows over a head with an int8
+    copy, ``warmserve::int8_mm_tiles`` on that copy."""
+    key = _matrix_key(weight)
+    if x2.shape[0] < INT8_HEAD_MAX_ROWS and key in _INT8_HEADS:
+        tiles, scales = _INT8_HEADS[key]
+        y = torch.ops.warmserve.int8_mm_tiles(x2, tiles, 32, scales)
+        return y if bias is None else y + bias
+    return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(key, weight), bias, "none", [], "")

@@ -165,6 +165,33 @@ def int4_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, group_size: int, sca
     return torch.ops.warmserve.int4_mm_tiles(x, tiles, group_size, scales_zeros)
 
 
+def pack_int8_tiles(w: torch.Tensor, group_size: int = quant.INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float matrix ``w`` ``[N, K]`` quantized to int8 with one scale per group of
+    ``group_size`` (llama.cpp's Q8_0: ``q = round(w / s)`` in -127..127, ``s`` the group's
+    ``max |w| / 127`` rounded up to a bf16 value, so ``q * s`` is what the kernel computes) in the
+    tile layout of ``warmserve::int8_mm_tiles`` (the kernel source's header states it):
+    ``(tiles uint8 [N/16, K/4, 64], scales_zeros bf16 [N/16, K/group_size, 2, 16])`` with zero
+    zeros. Byte ``2 l + b`` of chunk ``c`` of tile ``t`` holds ``q + 128`` of row ``16 t + l // 2``
+    at ``k = 4 c + 2 b + l % 2``. Raises ``ValueError`` unless ``N % 16 == 0`` and ``K %
+    group_size == 0`` with ``group_size % 8 == 0``."""
+    n, k = w.shape
+    if n % 16 or group_size % 8 or k % group_size:
+        raise ValueError(f"int8 tiles need N % 16 == 0 and K a multiple of a group size that is a "
+                         f"multiple of 8; got N={n}, K={k}, group size {group_size}")
+    groups = w.float().reshape(n, k // group_size, group_size)
+    scale = (groups.abs().amax(-1) / 127).bfloat16()
+    short = scale.float() * 127 < groups.abs().amax(-1)  # rounded down: step to the next bf16 up
+    scale = torch.where(short, (scale.view(torch.int16) + 1).view(torch.bfloat16), scale)
+    s = scale.float()
+    q = torch.where(s[..., None] > 0, torch.round(groups / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]),
+                    torch.zeros_like(groups)).clamp(-127, 127)
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)  # [t, i, c, b, e]
+    tiles = u.permute(0, 2, 1, 4, 3).reshape(n // 16, k // 4, 64).contiguous()  # [t, c, i, e, b]
+    per_tile = scale.reshape(n // 16, 16, k // group_size).transpose(1, 2)  # [t, g, 16]
+    sz = torch.stack((per_tile, torch.zeros_like(per_tile)), dim=2).contiguous()
+    return tiles, sz
+
+
 class Int4Tiles(NamedTuple):
     """One int4 matrix in the tile layout of ``warmserve::int4_mm_tiles``: ``tiles`` uint8
     ``[N/16, K/8, 64]``, ``scales_zeros`` bf16 ``[N/16, K/32, 2, 16]`` (:func:`pack_int4_tiles`)."""

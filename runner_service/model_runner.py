@@ -49,6 +49,7 @@ from model_families.family import FamilyConfig, FamilyWeights, ModelFamily, Veri
 from model_families.kv_write import write_kv_rows
 from model_families.linear import linear
 from model_families.prepack import PackedMatrices
+from model_families.quantized_weights import QuantizedWeight
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
@@ -137,7 +138,13 @@ class ModelRunner:
         self.dtype = weights.dtype
         self.model = self.family.build_model(args, weights, max_model_len, **drafts).eval()
         self.decode_module = self.family.decode_module(self.model).eval()
-        self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs)
+        # a quantized sidecar's head also gets an int8 copy for steps of a few rows (its source, a
+        # quantized checkpoint, holds it in int8 or less); not in batch-invariant mode, where a
+        # row's head must not depend on how many rows the step has
+        quantized = any(isinstance(m, QuantizedWeight) for m in self.model.modules())
+        head = getattr(self.model, "lm_head", None) if quantized and not config.batch_invariant else None
+        self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs,
+                                     head=head if prepack and isinstance(head, torch.Tensor) else None)
         self.buckets = batch_buckets(config.max_num_seqs)
         #: The batch-invariant row policy (:func:`model_families.invariant.probe_rows`), or ``None``.
         self.invariance = self._probe_invariance() if config.batch_invariant else None

@@ -167,3 +167,67 @@ def test_build_is_published_whole_under_its_fingerprint(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed to build probe.cpp"):
         native.build(src)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([built.name, "probe.lock"])
+
+
+def test_int8_tiles_follow_the_stated_layout_and_round_the_scale_up():
+    """Byte 2l + b of chunk c of tile t holds q + 128 of row 16t + l//2 at k = 4c + 2b + l%2; the
+    group's scale is the bf16 value at or above max|w| / 127, so |q| <= 127 and q * s is within
+    half a step of w."""
+    from model_families.quantized_weights import pack_int8_tiles
+
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(13))
+    w[5, :32] = 0  # an all-zero group: scale 0, codes 0
+    tiles, sz = pack_int8_tiles(w)
+    assert tiles.shape == (2, 16, 64) and sz.shape == (2, 2, 2, 16) and sz.dtype == torch.bfloat16
+    s = sz[:, :, 0, :].float().transpose(1, 2).reshape(32, 2)  # [N, groups]
+    assert torch.equal(sz[:, :, 1, :], torch.zeros_like(sz[:, :, 1, :]))
+    amax = w.reshape(32, 2, 32).abs().amax(-1)
+    assert bool((s * 127 >= amax).all()) and s[5, 0].item() == 0
+    q = torch.empty(32, 64)
+    for t in range(2):
+        for c in range(16):
+            for byte in range(64):
+                word, b = divmod(byte, 2)
+                q[16 * t + word // 2, 4 * c + 2 * b + word % 2] = tiles[t, c, byte].item() - 128
+    assert q.abs().max().item() <= 127
+    deq = q * s.repeat_interleave(32, 1)
+    assert bool(((deq - w).abs() <= s.repeat_interleave(32, 1) / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (160, 96), (48, 576)])
+def test_int8_kernel_is_the_dequantized_product_to_bf16_rounding(n, k):
+    from model_families.quantized_weights import pack_int8_tiles
+
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 0.1
+    tiles, sz = pack_int8_tiles(w)
+    s = sz[:, :, 0, :].double().transpose(1, 2).reshape(n, k // 32).repeat_interleave(32, 1)
+    q = torch.round(w.double() / s.clamp(min=1e-30)).clamp(-127, 127)
+    for m in (1, 2, 7, 8, 9, 17):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        ref = x.double() @ (q * s).T
+        got = torch.ops.warmserve.int8_mm_tiles(x, tiles, 32, sz)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        err = (got.double() - ref).abs()
+        assert bool((err <= ref.abs() * 2.0 ** -8 + 1e-5 * k * ref.abs().max().clamp(min=1)).all()), (m, err.max())
+
+
+def test_a_head_gets_an_int8_copy_used_below_the_row_threshold():
+    """PackedMatrices(head=w): onednn_linear runs the int8 copy below INT8_HEAD_MAX_ROWS rows and
+    oneDNN's bf16 matmul from there; close() drops the copy."""
+    from model_families import prepack
+
+    w = (torch.randn(64, 96, generator=torch.Generator().manual_seed(14)) * 0.1).bfloat16()
+    packed = prepack.PackedMatrices([], batch_hint=4, head=w)
+    few = torch.randn(prepack.INT8_HEAD_MAX_ROWS - 1, 96).bfloat16()
+    many = torch.randn(prepack.INT8_HEAD_MAX_ROWS, 96).bfloat16()
+    tiles, sz = prepack._INT8_HEADS[prepack._matrix_key(w)]
+    assert torch.equal(prepack.onednn_linear(few, w, None), torch.ops.warmserve.int8_mm_tiles(few, tiles, 32, sz))
+    dense = torch.ops.mkldnn._linear_pointwise(many, w, None, "none", [], "")
+    assert torch.equal(prepack.onednn_linear(many, w, None), dense)
+    torch.testing.assert_close(prepack.onednn_linear(few, w, None).float(), few.float() @ w.float().T,
+                               atol=2e-2, rtol=2e-2)
+    packed.close()
+    assert prepack._matrix_key(w) not in prepack._INT8_HEADS
+    assert torch.equal(prepack.onednn_linear(few, w, None),
+                       torch.ops.mkldnn._linear_pointwise(few, w, None, "none", [], ""))
