@@ -104,22 +104,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Tiles | Int
         return F.linear(x, dequantized(weight), bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if isinstance(weight, Int4Matrix):
-        if not tracing(x2):
-            int4_mm = int4_matmul
-        elif _OPAQUE_QUANTIZED.get():
-            int4_mm = torch.ops.warmserve.int4_linear
-        else:
-            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        y = int4_mm(x2, weight.packed, quant.INT4_GROUP, weight.scales_and_zeros)
-    elif isinstance(weight, Int4Tiles):
-        if not tracing(x2):
-            tiles_mm = int4_tiles_matmul
-        elif _OPAQUE_QUANTIZED.get():
-            tiles_mm = torch.ops.warmserve.int4_tiles_linear
-        else:
-            tiles_mm = torch.ops.warmserve.int4_mm_tiles
-        y = tiles_mm(x2, weight.tiles, quant.INT4_GROUP, weight.scales_zeros)
+    if isinstance(weight, Int4Matrix | Int4Tiles):
+        # (eager: picks kernel or dense by rows, traced opaque: the same as a custom op, traced: the kernel)
+        eager, opaque, kernel = (
+            (int4_matmul, torch.ops.warmserve.int4_linear, torch.ops.aten._weight_int4pack_mm_for_cpu)
+            if isinstance(weight, Int4Matrix) else
+            (int4_tiles_matmul, torch.ops.warmserve.int4_tiles_linear, torch.ops.warmserve.int4_mm_tiles))
+        int4_mm = eager if not tracing(x2) else opaque if _OPAQUE_QUANTIZED.get() else kernel
+        y = int4_mm(x2, weight[0], quant.INT4_GROUP, weight[1])  # (codes, scales and zeros) of either layout
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, weight.weight, weight.scales)
     y = y.reshape(*lead, y.shape[-1])
