@@ -107,23 +107,28 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_a
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
 
 
-def pack_int4_tiles(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def pack_int4_tiles(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int = quant.INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """The tile layout of ``warmserve::int4_mm_tiles`` (the kernel source's header states it) for
-    int4 ``codes`` uint8 ``[..., N, K]`` (values 0..15) with ``scales`` / ``zeros`` ``[..., N,
-    K/group_size]``: ``(tiles uint8 [..., N/16, K/8, 64], scales_zeros bf16 [..., N/16,
-    K/group_size, 2, 16])``. Byte ``2 l + b`` of chunk ``c`` of tile ``t`` holds the codes of row
-    ``16 t + l // 2`` at ``k = 8 c + 4 b + l % 2`` (low nibble) and ``k + 2`` (high nibble).
-    Raises ``ValueError`` unless ``N % 16 == 0`` and ``K % group_size == 0`` with
-    ``group_size % 8 == 0``."""
-    *lead, n, k = codes.shape
+    the stored int4 parts (:mod:`model_families.quant`: ``qweight`` uint8 ``[..., N, K/2]``, code
+    ``k`` in the low nibble of byte ``k // 2`` when ``k`` is even, else in its high nibble;
+    ``scales`` / ``zeros`` ``[..., N, K/group_size]``): ``(tiles uint8 [..., N/16, K/8, 64],
+    scales_zeros bf16 [..., N/16, K/group_size, 2, 16])``. Byte ``2 l + b`` of chunk ``c`` of tile
+    ``t`` holds the codes of row ``16 t + l // 2`` at ``k = 8 c + 4 b + l % 2`` (low nibble) and
+    ``k + 2`` (high nibble); it is built from the stored bytes ``4 c + 2 b`` and ``4 c + 2 b + 1``
+    without unpacking the codes. Raises ``ValueError`` unless ``N % 16 == 0`` and ``K %
+    group_size == 0`` with ``group_size % 8 == 0``."""
+    *lead, n, half_k = qweight.shape
+    k = 2 * half_k
     if n % 16 or group_size % 8 or k % group_size:
         raise ValueError(f"int4 tiles need N % 16 == 0 and K a multiple of a group size that is a "
                          f"multiple of 8; got N={n}, K={k}, group size {group_size}")
-    q = codes.reshape(*lead, n // 16, 16, k // 8, 2, 2, 2)  # [.., t, i, c, b, hb, e]: k = 8c + 4b + 2hb + e
-    q = q.movedim(-4, -5)  # [.., t, c, i, b, hb, e]
-    q = q.transpose(-1, -2).transpose(-2, -3)  # [.., t, c, i, e, b, hb]: byte 2(2i + e) + b
-    tiles = (q[..., 0] | (q[..., 1] << 4)).reshape(*lead, n // 16, k // 8, 64).contiguous()
+    pairs = qweight.reshape(*lead, n // 16, 16, k // 8, 2, 2)  # [.., t, i, c, b, p]: stored byte 4c + 2b + p
+    b0, b1 = pairs[..., 0], pairs[..., 1]
+    even = (b0 & 0x0F) | (b1 << 4)  # codes k = 8c + 4b and k + 2
+    odd = (b0 >> 4) | (b1 & 0xF0)  # codes k = 8c + 4b + 1 and k + 3
+    q = torch.stack((even, odd), dim=-1)  # [.., t, i, c, b, e]
+    tiles = q.movedim(-3, -4).transpose(-1, -2).reshape(*lead, n // 16, k // 8, 64).contiguous()  # [.., t, c, i, e, b]
 
     def per_tile(v: torch.Tensor) -> torch.Tensor:  # [.., N, G'] -> [.., N/16, G', 16]
         return v.reshape(*lead, n // 16, 16, k // group_size).transpose(-1, -2)
@@ -178,18 +183,26 @@ def pack_int8_tiles(w: torch.Tensor, group_size: int = quant.INT4_GROUP) -> tupl
     if n % 16 or group_size % 8 or k % group_size:
         raise ValueError(f"int8 tiles need N % 16 == 0 and K a multiple of a group size that is a "
                          f"multiple of 8; got N={n}, K={k}, group size {group_size}")
-    groups = w.float().reshape(n, k // group_size, group_size)
-    scale = (groups.abs().amax(-1) / 127).bfloat16()
-    short = scale.float() * 127 < groups.abs().amax(-1)  # rounded down: step to the next bf16 up
-    scale = torch.where(short, (scale.view(torch.int16) + 1).view(torch.bfloat16), scale)
-    s = scale.float()
-    q = torch.where(s[..., None] > 0, torch.round(groups / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]),
-                    torch.zeros_like(groups)).clamp(-127, 127)
-    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)  # [t, i, c, b, e]
-    tiles = u.permute(0, 2, 1, 4, 3).reshape(n // 16, k // 4, 64).contiguous()  # [t, c, i, e, b]
-    per_tile = scale.reshape(n // 16, 16, k // group_size).transpose(1, 2)  # [t, g, 16]
-    sz = torch.stack((per_tile, torch.zeros_like(per_tile)), dim=2).contiguous()
+    tiles = torch.empty((n // 16, k // 4, 64), dtype=torch.uint8)
+    sz = torch.zeros((n // 16, k // group_size, 2, 16), dtype=torch.bfloat16)
+    for r in range(0, n, _PACK_ROWS):  # a block of rows at a time: float32 temporaries stay small
+        rows = min(_PACK_ROWS, n - r)
+        groups = w[r:r + rows].float().reshape(rows, k // group_size, group_size)
+        amax = groups.abs().amax(-1)
+        scale = (amax / 127).bfloat16()
+        short = scale.float() * 127 < amax  # rounded down: step to the next bf16 up
+        scale = torch.where(short, (scale.view(torch.int16) + 1).view(torch.bfloat16), scale)
+        s = scale.float()
+        q = torch.where(s[..., None] > 0, torch.round(groups / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]),
+                        torch.zeros_like(groups)).clamp_(-127, 127)
+        u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(rows // 16, 16, k // 4, 2, 2)  # [t, i, c, b, e]
+        tiles[r // 16:(r + rows) // 16] = u.permute(0, 2, 1, 4, 3).reshape(rows // 16, k // 4, 64)  # [t, c, i, e, b]
+        sz[r // 16:(r + rows) // 16, :, 0] = scale.reshape(rows // 16, 16, k // group_size).transpose(1, 2)
     return tiles, sz
+
+
+#: Rows packed at a time by :func:`pack_int8_tiles` (a multiple of 16).
+_PACK_ROWS = 1024
 
 
 class Int4Tiles(NamedTuple):
@@ -322,7 +335,13 @@ class Int4TileWeight(QuantizedWeight):
         the shape does not tile: :func:`pack_int4_tiles`)."""
         if dtype != torch.bfloat16:
             raise ValueError(f"int4 tiles serve bf16 compute, not {dtype}")
-        return cls(*pack_int4_tiles(quant.unpack_nibbles(parts["qweight"]), parts["scales"], parts["zeros"]))
+        qweight, scales, zeros = parts["qweight"], parts["scales"], parts["zeros"]
+        lead, (n, half_k) = qweight.shape[:-2], qweight.shape[-2:]
+        flat = [(q, s, z) for q, s, z in zip(qweight.reshape(-1, n, half_k), scales.reshape(-1, n, scales.shape[-1]),
+                                              zeros.reshape(-1, n, zeros.shape[-1]), strict=True)]
+        packed = [pack_int4_tiles(q, s, z) for q, s, z in flat]  # a matrix at a time
+        tiles, sz = torch.stack([t for t, _ in packed]), torch.stack([z for _, z in packed])
+        return cls(tiles.reshape(*lead, *tiles.shape[1:]), sz.reshape(*lead, *sz.shape[1:]))
 
     def parts(self) -> dict[str, torch.Tensor]:
         """The stored parts back (:mod:`model_families.quant`'s names and layout; scales and
