@@ -40,7 +40,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if invariant.active_policy() is not None:
         return invariant.paged_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
     if q.shape[1] == 1:
-        if _native_decode(q):
+        if _native_decode(q, k_pool):
             return torch.ops.warmserve.decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens,
                                                         k_new, v_new)
         return decode_attention(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new, v_new)
@@ -66,11 +66,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def _native_decode(q: torch.Tensor) -> bool:
-    """Whether this decode step runs ``warmserve::decode_attention`` (its limits: float32 or bf16,
-    a head dim that is a multiple of 16 up to 256, at most 16 query heads per KV head)."""
-    return (q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
-            and native.decode_attention_enabled())
+def _native_decode(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether this decode step runs ``warmserve::decode_attention`` (its limits: float32 or bf16
+    pools of ``q``'s dtype, a head dim that is a multiple of 16 up to 256, at most 16 query heads
+    per KV head). Never while Dynamo traces (``--compile inductor``: the torch ops are what it
+    compiles; the kernels' build and load are not traceable)."""
+    if torch.compiler.is_dynamo_compiling():
+        return False
+    hd, nh, nkv = q.shape[-1], q.shape[2], k_pool.shape[2]
+    return (q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype == q.dtype and hd % 16 == 0 and hd <= 256
+            and nh % nkv == 0 and nh // nkv <= 16 and native.decode_attention_enabled())
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,

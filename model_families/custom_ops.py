@@ -109,7 +109,7 @@ if native.load():  # the C++ ops (model_families/kernels/): their shape rules fo
 
     @torch.library.register_fake("warmserve::decode_attention", lib=_LIB)
     def _decode_attention_fake(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new=None, v_new=None):
-        return torch.empty_like(q)
+        return q.new_empty(q.shape)  # contiguous, as the kernel's
 
 
 _LIB.define("grouped_experts(Tensor x, Tensor picks, Tensor weights, Tensor gate_up, Tensor down, float limit)"

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,10 @@ SOURCES = (INT4_TILES_SOURCE, DECODE_ATTENTION_SOURCE)
 #: the attention written in torch ops); read when weights load and when a step is traced, so A/B
 #: runs and tests can switch per process. Part of the program key (it changes the traced code).
 DISABLE_ENV = "WARMSERVE_NATIVE_KERNELS"
-#: Seconds one build may take before it is given up (a first build takes about 10 s).
+#: Seconds one build may take before it is given up (a first build takes about 10 s), and how long
+#: a process waits for another's build of the same source (longer: that build may just be ending).
 BUILD_TIMEOUT_S = 300.0
+LOCK_TIMEOUT_S = 2 * BUILD_TIMEOUT_S
 
 
 def _compiler() -> str:
@@ -74,6 +77,13 @@ def fingerprint(source: Path) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def source_digests() -> dict[str, str]:
+    """``{file name: sha256 of its bytes}`` of :data:`SOURCES` (part of a program's key: a program
+    calls the ops by name, and what an op computes is its source)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in SOURCES}
+
+
 def build_dirs() -> list[Path]:
     """Where a built library is looked for and put, in order: the package's ``kernels/build/``,
     then ``~/.cache/warmserve/native/`` (a read-only install)."""
@@ -81,11 +91,25 @@ def build_dirs() -> list[Path]:
 
 
 def _writable(d: Path) -> bool:
+    """Whether builds can be put in ``d`` (made if missing: readable by all in the package, where a
+    container's other user loads what its image built; private to this user elsewhere)."""
     try:
-        d.mkdir(mode=0o755, parents=True, exist_ok=True)
+        d.mkdir(mode=0o755 if d == SOURCE_DIR / "build" else 0o700, parents=True, exist_ok=True)
     except OSError:
         return False
-    return os.access(d, os.W_OK | os.X_OK)
+    return os.access(d, os.W_OK | os.X_OK) and _trusted(d)
+
+
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` (a build or its directory) may be loaded from: not a symbolic link, owned by
+    this user or root, writable by no one else. A library found elsewhere is not loaded (another
+    user could have put it there) and is built again where it can be trusted."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (not stat.S_ISLNK(st.st_mode) and st.st_uid in (0, os.geteuid())
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def build(source: Path = INT4_TILES_SOURCE) -> Path:
@@ -94,7 +118,7 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
     directory, or the compile fails (with the compiler's last output lines)."""
     name = f"{source.stem}-{fingerprint(source)}.so"
     for d in build_dirs():
-        if (d / name).is_file():
+        if (d / name).is_file() and _trusted(d) and _trusted(d / name):
             return d / name
     if shutil.which(_compiler()) is None:
         raise RuntimeError(f"no C++ compiler ({_compiler()}) on PATH")
@@ -102,8 +126,8 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
     if d is None:
         raise RuntimeError(f"no writable directory among {', '.join(map(str, build_dirs()))}")
     target = d / name
-    with FileLock(str(d / f"{source.stem}.lock"), timeout=BUILD_TIMEOUT_S):
-        if target.is_file():  # another process built it while this one waited
+    with FileLock(str(d / f"{source.stem}.lock"), timeout=LOCK_TIMEOUT_S):
+        if target.is_file() and _trusted(target):  # another process built it while this one waited
             return target
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{source.stem}-", suffix=".so")
         os.close(fd)
@@ -114,13 +138,12 @@ def build(source: Path = INT4_TILES_SOURCE) -> Path:
                 tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
                 raise RuntimeError(f"{_compiler()} failed to build {source.name} (exit {done.returncode}):\n{tail}")
             os.chmod(tmp, 0o755)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in d.glob(f"{source.stem}-*.so"):  # builds of older sources or other compilers
-            if old != target:
-                old.unlink(missing_ok=True)
     return target
 
 

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -49,7 +50,8 @@ WS_TARGET inline void store16(c10::BFloat16* p, __m512 v) {  // round to nearest
 // exp(x) for x <= 0 (a score minus the running maximum): 2^n * 2^f, f in [-0.5, 0.5], a degree-6
 // polynomial for 2^f (relative error below 2e-7); inputs below -87 give 0.
 WS_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
+  // max(-87, x) with x second: a NaN score stays NaN (vmaxps returns its second operand then)
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_set1_ps(-87.f), x), _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // ln 2 * frac
   __m512 p = _mm512_set1_ps(1.f / 720);
@@ -107,7 +109,8 @@ WS_TARGET void attend(const T* q, const T* k_pool, const T* v_pool, const int64_
   for (int j = 0; j < g; ++j) {
     float* s = scores + j * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    for (int64_t t = 0; t < n; ++t)
+      if (!(s[t] <= mx)) mx = s[t];  // a NaN becomes the maximum, so the row's output is NaN
     const __m512 mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     int64_t t = 0;
@@ -167,17 +170,31 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   if (k_new.has_value()) {
     kn = k_new->contiguous();
     vn = v_new->contiguous();
-    TORCH_CHECK(kn.numel() == B * nkv * hd && vn.numel() == B * nkv * hd && kn.scalar_type() == dt &&
-                    vn.scalar_type() == dt,
-                "k_new and v_new must be [B, 1, nkv, hd] in q's dtype");
+    const std::array<int64_t, 4> shape{B, 1, nkv, hd};
+    const at::IntArrayRef want(shape);
+    TORCH_CHECK(kn.sizes() == want && vn.sizes() == want && kn.scalar_type() == dt && vn.scalar_type() == dt,
+                "k_new and v_new must be [B, 1, nkv, hd] = ", want, " in q's dtype, got ", kn.sizes(), " and ",
+                vn.sizes());
   }
-  const at::Tensor qc = q.contiguous(), kc = k_pool.contiguous(), vc = v_pool.contiguous();
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
+  const at::Tensor qc = q.contiguous(), kc = k_pool, vc = v_pool;
   const at::Tensor tables = block_tables.contiguous(), pos = positions.contiguous(), lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(qc);
   const int64_t nb = tables.size(1), g = nh / nkv;
   const int64_t* tp = tables.const_data_ptr<int64_t>();
   const int64_t* pp = pos.const_data_ptr<int64_t>();
   const int64_t* lp = lens.const_data_ptr<int64_t>();
+  // keys visible to each row (t <= position, t < seq_len, t < the table's width), clamped before any
+  // arithmetic; every table entry those keys use must name a block of the pools
+  const int64_t num_blocks = k_pool.size(0), width = nb * bs;
+  std::vector<int64_t> visible(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = std::clamp<int64_t>(pp[b], -1, width), l = std::clamp<int64_t>(lp[b], 0, width);
+    visible[b] = std::min(p + 1, l);
+    for (int64_t j = 0; j * bs < visible[b]; ++j)
+      TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < num_blocks, "block_tables[", b, ", ", j, "] = ",
+                  tp[b * nb + j], " is not a block of the pools (", num_blocks, " blocks)");
+  }
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const auto* qp = reinterpret_cast<const scalar_t*>(qc.const_data_ptr());
@@ -190,7 +207,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
       std::vector<float> scores;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / nkv, kvh = item % nkv;
-        const int64_t n = std::min({pp[b] + 1, lp[b], nb * bs});
+        const int64_t n = visible[b];
         scores.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * g));
         attend<scalar_t>(qp + (b * nh + kvh * g) * hd, kp, vp, tp + b * nb, n, pp[b],
                          knp ? knp + b * nkv * hd : nullptr, vnp ? vnp + b * nkv * hd : nullptr, bs, nkv, kvh,

@@ -119,7 +119,8 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     options = {"mode": mode, "device": spec.device.type, "threads": spec.threads,
                "environment": codegen_environment(),
                "native_kernels": {"int4_tiles": native.int4_tiles_enabled(),
-                                  "decode_attention": native.decode_attention_enabled()}}
+                                  "decode_attention": native.decode_attention_enabled(),
+                                  "sources": native.source_digests()}}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS
     else:

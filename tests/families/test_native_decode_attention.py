@@ -18,7 +18,10 @@ pytestmark = pytest.mark.skipif(not native.decode_attention_enabled(),
                                 reason="this host cannot build or run the AVX-512 kernel")
 
 
-def _case(dtype, lens, nh=6, nkv=2, hd=32, bs=4, seed=0):
+def _case(dtype, lens, nh=6, nkv=2, hd=32, bs=4, seed=0, behind=0):
+    """Rows of ``lens`` keys over shuffled blocks; each row's query at position ``len - 1 - behind``
+    (``behind`` > 0: the step's own K/V stand in before the row's last key, and keys past the
+    position are hidden although within ``seq_lens``)."""
     g = torch.Generator().manual_seed(seed)
     B, blocks = len(lens), 64
     nb = max(-(-n // bs) for n in lens) + 1  # one spare block column: the padded width
@@ -26,7 +29,7 @@ def _case(dtype, lens, nh=6, nkv=2, hd=32, bs=4, seed=0):
     v_pool = torch.randn(blocks, bs, nkv, hd, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(blocks - 1, generator=g)[:nb] + 1 for _ in range(B)])
     seq_lens = torch.tensor(lens)
-    positions = (seq_lens - 1).clamp(min=0)[:, None]
+    positions = (seq_lens - 1 - behind).clamp(min=0)[:, None]
     q = torch.randn(B, 1, nh, hd, generator=g).to(dtype)
     k_new = torch.randn(B, 1, nkv, hd, generator=g).to(dtype)
     v_new = torch.randn(B, 1, nkv, hd, generator=g).to(dtype)
@@ -82,6 +85,42 @@ def test_head_dim_64_and_a_longer_row_than_the_padded_batch_mate():
     assert torch.equal(both[:1], alone)
     want = _definition(q, kp, vp, tables, pos, lens, kn, vn)
     assert (both.double() - want).abs().max().item() <= 2 ** -7 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_position_not_the_length_bounds_the_keys_and_places_the_own_kv(dtype):
+    """A query at position len - 3: keys past it are hidden although within seq_lens, and the
+    step's own K/V replace the pool's at that position, not at the row's last key."""
+    q, kp, vp, tables, pos, lens, kn, vn = _case(dtype, [3, 9, 20], behind=2, seed=4)
+    got = torch.ops.warmserve.decode_attention(q, kp, vp, tables, pos, lens, kn, vn)
+    want = _definition(q, kp, vp, tables, pos, lens, kn, vn)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert (got.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def test_an_out_of_range_block_is_refused_and_nan_stays_nan():
+    q, kp, vp, tables, pos, lens, kn, vn = _case(torch.float32, [5, 9], seed=5)
+    for bad in (-1, kp.shape[0], 1 << 40):
+        t = tables.clone()
+        t[1, 1] = bad  # a block the row's keys use
+        with pytest.raises(RuntimeError, match=r"block_tables\[1, 1\] = .* is not a block of the pools"):
+            torch.ops.warmserve.decode_attention(q, kp, vp, t, pos, lens, kn, vn)
+    t = tables.clone()
+    t[0, -1] = 1 << 40  # past the row's keys: never read
+    torch.ops.warmserve.decode_attention(q, kp, vp, t, pos, lens, kn, vn)
+    q2 = q.clone()
+    q2[1, 0, 0, 0] = float("nan")
+    got = torch.ops.warmserve.decode_attention(q2, kp, vp, tables, pos, lens, kn, vn)
+    ref = decode_attention(q2, kp, vp, tables, pos, lens, kn, vn)
+    assert torch.equal(got.isnan(), ref.isnan()) and bool(got[1, 0, 0].isnan().all())  # head 0 of row 1 only
+    assert not bool(got[1, 0, 1:].isnan().any()) and not bool(got[0].isnan().any())
+
+
+def test_shapes_past_the_kernels_limits_use_the_torch_ops():
+    """17 query heads per KV head is past the kernel's 16: paged_attention falls back (no error)."""
+    q, kp, vp, tables, pos, lens, kn, vn = _case(torch.float32, [6], nh=17, nkv=1, seed=6)
+    got = paged_attention(q, kp, vp, tables, pos, lens, kn, vn)
+    torch.testing.assert_close(got, decode_attention(q, kp, vp, tables, pos, lens, kn, vn))
 
 
 def test_a_row_without_visible_keys_is_zeros_and_bad_input_is_refused():

@@ -171,6 +171,8 @@ def test_converted_between_compute_dtypes_cpu_only():
     qw = quantized_weight(parts, torch.float32, torch.device("cpu"))
     assert type(qw) is Int4GroupWeight and qw.qweight is parts["qweight"]  # zero-copy
     assert qw.converted(torch.float32, torch.device("cpu")) is qw
+    bf16 = qw.converted(torch.bfloat16, torch.device("cpu"))  # warmserve's tiles where its kernel runs
+    assert type(bf16) is (Int4TileWeight if native.int4_tiles_enabled() else Int4Weight) and bf16.dtype == torch.bfloat16
     half = qw.converted(torch.float16, torch.device("cpu"))
     assert type(half) is Int4Weight and half.scales_and_zeros.dtype == torch.float16
     assert torch.equal(half.packed, Int4Weight.from_parts(parts, torch.float16).packed)
