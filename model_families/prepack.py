@@ -23,7 +23,7 @@ _PACKED: dict[tuple, torch.Tensor] = {}
 _INT8_HEADS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 #: Below this many rows :func:`onednn_linear` runs a head's int8 copy: reading half the bytes wins
 #: while a step is bound by reading the matrix (a few decode rows); from it on oneDNN's bf16 matmul
-#: is faster (``python bench/bounds.py``).
+#: is faster (SmolLM2's 49152 x 576 head, ``docs/benchmarks.md``).
 INT8_HEAD_MAX_ROWS = 8
 
 
@@ -107,12 +107,13 @@ def _unregister(keys: list[tuple], head_key: tuple | None = None) -> None:
 
 
 def _int8_head_eligible(w: torch.Tensor) -> bool:
-    """Whether ``w`` gets an int8 copy: a bf16 ``[N, K]`` CPU matrix with ``N % 16 == 0`` and ``K %
-    32 == 0``, on a host where ``warmserve::int8_mm_tiles`` runs (:mod:`model_families.native`)."""
-    from model_families import native
+    """Whether ``w`` gets an int8 copy: a bf16 ``[N, K]`` CPU matrix with ``N % 16 == 0`` and ``K`` a
+    multiple of the group (``quant.INT4_GROUP``, what ``pack_int8_tiles`` uses), on a host where
+    ``warmserve::int8_mm_tiles`` runs (:mod:`model_families.native`)."""
+    from model_families import native, quant
 
     return (w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu" and w.shape[0] % 16 == 0
-            and w.shape[1] % 32 == 0 and native.int4_tiles_enabled())
+            and w.shape[1] % quant.INT4_GROUP == 0 and native.int4_tiles_enabled())
 
 
 def onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -122,6 +123,6 @@ def onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     key = _matrix_key(weight)
     if x2.shape[0] < INT8_HEAD_MAX_ROWS and key in _INT8_HEADS:
         tiles, scales = _INT8_HEADS[key]
-        y = torch.ops.warmserve.int8_mm_tiles(x2, tiles, 32, scales)
+        y = torch.ops.warmserve.int8_mm_tiles(x2, tiles, x2.shape[1] // scales.shape[1], scales)  # the packed group
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(key, weight), bias, "none", [], "")
