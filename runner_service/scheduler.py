@@ -10,7 +10,9 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   (:meth:`BlockManager.allocate_cached_prefix`), so its chunk starts after the hit. Choice
   i > 0 of a request with several choices (``seq.prefill_after``) is passed over until choice
   0 has computed the prompt, so it then hits every full prompt block choice 0 computed; or
-- a **decode** batch: every running sequence, one token each, or with speculative decoding
+- a **decode** batch: every running sequence, one token each (after a prefill step, a decode
+  step comes first when a running sequence had no part in that prefill, so prefill and decode
+  steps alternate while a backlog of prompts is prefilled: :meth:`Scheduler.schedule`), or with speculative decoding
   its last token and its draft tokens (``seq.draft_token_ids``, proposed by the engine after
   the previous step; dropped for the step when their blocks do not fit). When a sequence needs a new block
   and none is free, a partly prefilled waiting sequence gives its blocks back, else the youngest
@@ -100,6 +102,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._last_prefill: set[int] = set()  # ids of the last step's sequences when it was a prefill
 
     @property
     def num_waiting(self) -> int:
@@ -173,9 +176,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's batch, or ``None`` when there is nothing to do."""
+        """The next step's batch, or ``None`` when there is nothing to do. Prefill first, except
+        that after a prefill step a decode step comes first when a running sequence took no
+        part in that prefill (it got no token from it): a backlog of prompts (chunked to
+        ``max_num_batched_tokens`` per step) then delays a running sequence's next token by at
+        most two prefill steps, not by the whole backlog, while the choices of one request and
+        prompts arriving together still prefill back to back."""
+        batch = self._schedule()
+        self._last_prefill = {id(s) for s in batch.seqs} if batch is not None and batch.is_prefill else set()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch | None:
         if not self.has_work():
             return None
+        if self._last_prefill and any(id(s) not in self._last_prefill for s in self.running):
+            batch = self._schedule_decode()
+            if batch:
+                return batch
         batch = self._schedule_prefill()
         if batch:
             return batch

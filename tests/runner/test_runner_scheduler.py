@@ -208,3 +208,26 @@ def test_finish_frees_waiting_and_running_sequences():
     sched.finish(b, FinishReason.CANCELLED)
     assert not sched.has_work() and bm.num_free_blocks == 15
     assert a.finish_reason is FinishReason.CANCELLED
+
+
+def test_a_prefill_backlog_alternates_with_decode_steps():
+    """Five 8-token prompts behind a budget of 8 tokens: once a running sequence had no part in
+    the last prefill step, a decode step of every running sequence comes next, so a running
+    sequence waits at most two prefill steps for its next token, not the whole backlog; with
+    nothing running, prefill steps follow each other."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
+    seqs = [Sequence(f"s{i}", list(range(10 * i, 10 * i + 8)), SamplingParams(max_tokens=20), 1024)
+            for i in range(5)]  # distinct prompts: no prefix-cache hits
+    for s in seqs:
+        sched.add(s)
+    kinds = []
+    for _ in range(9):
+        batch = _step(sched, [])
+        kinds.append(("P" if batch.is_prefill else "D") + "".join(s.request_id[1] for s in batch.seqs))
+    assert kinds == ["P0", "P1", "D01", "P2", "D012", "P3", "D0123", "P4", "D01234"]
+    assert [s.num_completion_tokens for s in seqs] == [5, 5, 4, 3, 2]
+    assert bm.num_used_blocks == sum(len(s.block_table) for s in seqs)
+    late = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    late.add(_seq("late", 20, 2))  # a 20-token prompt, nothing running: three prefill steps in a row
+    assert [_step(late, []).is_prefill for _ in range(3)] == [True, True, True]
