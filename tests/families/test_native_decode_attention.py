@@ -116,6 +116,22 @@ def test_an_out_of_range_block_is_refused_and_nan_stays_nan():
     assert not bool(got[1, 0, 1:].isnan().any()) and not bool(got[0].isnan().any())
 
 
+@pytest.mark.parametrize("nh,nkv,hd,bs", [(4, 2, 48, 16), (16, 1, 128, 8), (2, 2, 256, 16)])
+def test_bf16_head_dims_and_groups_on_both_paths(nh, nkv, hd, bs):
+    """bf16 pools: hd 48 takes the float32-FMA path, hd 128 and 256 the vdpbf16ps one (up to 16
+    query heads per KV head, 16 keys per horizontal sum across block edges of 8): both equal the
+    float64 definition to bf16's rounding, rows of 1 to 47 keys; a NaN query head stays NaN."""
+    q, kp, vp, tables, pos, lens, kn, vn = _case(torch.bfloat16, [1, 15, 16, 17, 31, 47], nh=nh, nkv=nkv, hd=hd,
+                                                  bs=bs, seed=hd)
+    got = torch.ops.warmserve.decode_attention(q, kp, vp, tables, pos, lens, kn, vn)
+    want = _definition(q, kp, vp, tables, pos, lens, kn, vn)
+    assert (got.double() - want).abs().max().item() <= 2 ** -7 * max(1.0, want.abs().max().item())
+    q2 = q.clone()
+    q2[2, 0, nh - 1, 3] = float("nan")
+    got = torch.ops.warmserve.decode_attention(q2, kp, vp, tables, pos, lens, kn, vn)
+    assert bool(got[2, 0, nh - 1].isnan().all()) and int(got.isnan().sum()) == hd
+
+
 def test_shapes_past_the_kernels_limits_use_the_torch_ops():
     """17 query heads per KV head is past the kernel's 16: paged_attention falls back (no error)."""
     q, kp, vp, tables, pos, lens, kn, vn = _case(torch.float32, [6], nh=17, nkv=1, seed=6)
