@@ -1,4 +1,5 @@
-"""``warmserve openai serve``: the OpenAI door (:func:`openai_service.app.create_app`) on uvicorn.
+"""``warmserve openai serve``: the OpenAI door (:func:`openai_service.app.create_app`) on uvicorn,
+with httptools' HTTP/1.1 parser (h11's, pure Python, costs more CPU per streamed event).
 
 :class:`OpenAIServer` serves either in the foreground (:meth:`~OpenAIServer.serve_forever`:
 uvicorn handles SIGINT/SIGTERM, finishing requests for up to 5 s) or in a background thread with
@@ -73,7 +74,7 @@ class OpenAIServer:
         self.config = config
         self.app = create_app(config)
         self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host=config.host, port=config.port, loop="asyncio", lifespan="on", log_config=None,
+            self.app, host=config.host, port=config.port, loop="asyncio", http="httptools", lifespan="on", log_config=None,
             log_level=log_level.lower(), access_log=log_level.upper() == "DEBUG",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **_tls_options(config)))
         self._thread: threading.Thread | None = None
