@@ -555,6 +555,8 @@ def _measured(stream, n: int, pids: dict[str, int]) -> dict:
     """:func:`_concurrent` with each process's CPU time per output token (ms) over the run."""
     before = {name: _cpu_s(pid) for name, pid in pids.items()}
     out = _concurrent(stream, n)
+    if not out["tokens"]:
+        raise RuntimeError(f"{n} streams returned no tokens (each stream's result: first/last arrival and count)")
     out["cpu_ms_per_token"] = {name: (_cpu_s(pid) - before[name]) * 1e3 / out["tokens"] for name, pid in pids.items()}
     return out
 
