@@ -13,8 +13,6 @@
 // s = q . k / sqrt(hd), softmax over the visible keys, out = sum_t p_t v_t). Unlike that reference
 // a row reads only its visible keys, not the batch's padded width. A row with no visible key gets
 // zeros. Work is split by (row, KV head): the query heads of a GQA group share each K/V load.
-// bf16 pools with hd % 32 == 0 on AVX512-BF16 CPUs take attend_bf16 (scores by vdpbf16ps, 16 keys
-// per horizontal sum); the rest attend (float32 FMAs). Both sum in float32, in different orders.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -143,137 +141,6 @@ WS_TARGET void attend(const T* q, const T* k_pool, const T* v_pool, const int64_
     for (int c = 0; c < chunks; ++c) store16(out + j * hd + c * 16, _mm512_mul_ps(o[j][c], _mm512_set1_ps(inv_sum[j])));
 }
 
-#define WS_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-// Sixteen vectors a[0..15] -> one vector r, r[i] = the sum of a[i]'s 16 lanes, in four folding
-// levels (each pairs two vectors: the halves of both gathered by two permutes, then added), about
-// three instructions per vector instead of a horizontal sum each.
-WS_TARGET_BF16 inline __m512 sum16(__m512* a) {
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-  const __m512i hi3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i hi4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  __m512 b[8], c[4], d[2];
-  // key i's 16 partial sums -> 8 (keys 2p, 2p+1 in b[p]: lanes 0-7 and 8-15)
-  for (int p = 0; p < 8; ++p)
-    b[p] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * p], lo1, a[2 * p + 1]),
-                         _mm512_permutex2var_ps(a[2 * p], hi1, a[2 * p + 1]));
-  // -> 4 per key (keys 4p..4p+3 in c[p], 4 lanes each)
-  for (int p = 0; p < 4; ++p)
-    c[p] = _mm512_add_ps(_mm512_permutex2var_ps(b[2 * p], lo2, b[2 * p + 1]),
-                         _mm512_permutex2var_ps(b[2 * p], hi2, b[2 * p + 1]));
-  // -> 2 per key (keys 8p..8p+7 in d[p], 2 lanes each)
-  for (int p = 0; p < 2; ++p)
-    d[p] = _mm512_add_ps(_mm512_permutex2var_ps(c[2 * p], lo3, c[2 * p + 1]),
-                         _mm512_permutex2var_ps(c[2 * p], hi3, c[2 * p + 1]));
-  // -> 1 per key, keys 0..15 in order
-  return _mm512_add_ps(_mm512_permutex2var_ps(d[0], lo4, d[1]), _mm512_permutex2var_ps(d[0], hi4, d[1]));
-}
-
-// attend() for bf16 pools on AVX512-BF16 with hd % 32 == 0: the scores of 16 keys at a time by
-// vdpbf16ps (exact bf16 products, float32 sums; scaled by 1 / sqrt(hd) after the sum) and sum16;
-// a V row widened to float32 as its even and odd elements (one shift, one mask), the output
-// interleaved back once at the end.
-WS_TARGET_BF16 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k_pool, const c10::BFloat16* v_pool,
-                                const int64_t* table, int64_t n, int64_t pos, const c10::BFloat16* k_new,
-                                const c10::BFloat16* v_new, int64_t bs, int64_t nkv, int64_t kvh, int g, int64_t hd,
-                                float* scores, c10::BFloat16* out) {
-  using T = c10::BFloat16;
-  const int pairs = static_cast<int>(hd / 32);  // 32 bf16 values per vector
-  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(hd)));
-  if (n <= 0) {
-    for (int j = 0; j < g; ++j)
-      for (int c = 0; c < 2 * pairs; ++c) store16(out + j * hd + c * 16, _mm512_setzero_ps());
-    return;
-  }
-  // dst[i] = the K or V row of key t0 + i, i < m (the step's own at t == pos)
-  auto rows = [&](const T* pool, const T* fresh, int64_t t0, int m, const T** dst) {
-    int64_t blk = t0 / bs, off = t0 % bs;
-    for (int i = 0; i < m; ++i) {
-      dst[i] = fresh != nullptr && t0 + i == pos ? fresh + kvh * hd : pool + ((table[blk] * bs + off) * nkv + kvh) * hd;
-      if (++off == bs) off = 0, ++blk;
-    }
-  };
-  __m512bh qv[kMaxGroup][kMaxChunks / 2];
-  for (int j = 0; j < g; ++j)
-    for (int c = 0; c < pairs; ++c) qv[j][c] = (__m512bh)_mm512_loadu_si512(q + j * hd + c * 32);
-  // scores[j * n + t] = q_j . k_t / sqrt(hd), 16 keys at a time
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
-    const T* kp[16];
-    rows(k_pool, k_new, t0, m, kp);
-    for (int j = 0; j < g; ++j) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) {
-        acc[i] = _mm512_setzero_ps();
-        if (i < m)
-          for (int c = 0; c < pairs; ++c)
-            acc[i] = _mm512_dpbf16_ps(acc[i], qv[j][c], (__m512bh)_mm512_loadu_si512(kp[i] + c * 32));
-      }
-      const __m512 s = _mm512_mul_ps(sum16(acc), scale);
-      _mm512_mask_storeu_ps(scores + j * n + t0, static_cast<__mmask16>((1u << m) - 1), s);
-    }
-  }
-  // softmax over t, per query head
-  float inv_sum[kMaxGroup];
-  for (int j = 0; j < g; ++j) {
-    float* s = scores + j * n;
-    __m512 mxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 nan = 0;
-    for (int64_t t = 0; t < n; t += 16) {
-      const __mmask16 lanes = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 v = _mm512_mask_loadu_ps(mxv, lanes, s + t);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      mxv = _mm512_max_ps(mxv, v);
-    }
-    // a NaN score makes the maximum NaN, so the row's output is NaN
-    const float mx = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mxv);
-    const __m512 mv = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-      const __mmask16 lanes = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + t), mv));
-      _mm512_mask_storeu_ps(s + t, lanes, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, e));
-    }
-    inv_sum[j] = 1.f / _mm512_reduce_add_ps(sum);
-  }
-  // out_j = sum_t p_jt v_t, even and odd elements of each 32-value vector apart
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 even[kMaxGroup][kMaxChunks / 2], odd[kMaxGroup][kMaxChunks / 2];
-  for (int j = 0; j < g; ++j)
-    for (int c = 0; c < pairs; ++c) even[j][c] = odd[j][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
-    const T* vp[16];
-    rows(v_pool, v_new, t0, m, vp);
-    for (int i = 0; i < m; ++i)
-      for (int c = 0; c < pairs; ++c) {
-        const __m512i raw = _mm512_loadu_si512(vp[i] + c * 32);
-        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-        for (int j = 0; j < g; ++j) {
-          const __m512 p = _mm512_set1_ps(scores[j * n + t0 + i]);
-          even[j][c] = _mm512_fmadd_ps(p, ve, even[j][c]);
-          odd[j][c] = _mm512_fmadd_ps(p, vo, odd[j][c]);
-        }
-      }
-  }
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int j = 0; j < g; ++j) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[j]);
-    for (int c = 0; c < pairs; ++c) {
-      store16(out + j * hd + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(even[j][c], lo, odd[j][c]), inv));
-      store16(out + j * hd + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even[j][c], hi, odd[j][c]), inv));
-    }
-  }
-}
-
 bool supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -328,8 +195,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
       TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < num_blocks, "block_tables[", b, ", ", j, "] = ",
                   tp[b * nb + j], " is not a block of the pools (", num_blocks, " blocks)");
   }
-  // bf16 with hd % 32 == 0 on AVX512-BF16: attend_bf16; otherwise attend (float32 FMAs)
-  const bool dot_bf16 = dt == at::kBFloat16 && hd % 32 == 0 && __builtin_cpu_supports("avx512bf16");
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const auto* qp = reinterpret_cast<const scalar_t*>(qc.const_data_ptr());
@@ -344,14 +209,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
         const int64_t b = item / nkv, kvh = item % nkv;
         const int64_t n = visible[b];
         scores.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * g));
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (dot_bf16) {
-            attend_bf16(qp + (b * nh + kvh * g) * hd, kp, vp, tp + b * nb, n, pp[b],
-                        knp ? knp + b * nkv * hd : nullptr, vnp ? vnp + b * nkv * hd : nullptr, bs, nkv, kvh,
-                        static_cast<int>(g), hd, scores.data(), op + (b * nh + kvh * g) * hd);
-            continue;
-          }
-        }
         attend<scalar_t>(qp + (b * nh + kvh * g) * hd, kp, vp, tp + b * nb, n, pp[b],
                          knp ? knp + b * nkv * hd : nullptr, vnp ? vnp + b * nkv * hd : nullptr, bs, nkv, kvh,
                          static_cast<int>(g), hd, scores.data(), op + (b * nh + kvh * g) * hd);

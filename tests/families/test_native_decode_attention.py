@@ -117,10 +117,10 @@ def test_an_out_of_range_block_is_refused_and_nan_stays_nan():
 
 
 @pytest.mark.parametrize("nh,nkv,hd,bs", [(4, 2, 48, 16), (16, 1, 128, 8), (2, 2, 256, 16)])
-def test_bf16_head_dims_and_groups_on_both_paths(nh, nkv, hd, bs):
-    """bf16 pools: hd 48 takes the float32-FMA path, hd 128 and 256 the vdpbf16ps one (up to 16
-    query heads per KV head, 16 keys per horizontal sum across block edges of 8): both equal the
-    float64 definition to bf16's rounding, rows of 1 to 47 keys; a NaN query head stays NaN."""
+def test_bf16_head_dims_and_groups(nh, nkv, hd, bs):
+    """bf16 pools with hd 48, 128 and 256, up to 16 query heads per KV head (the kernel's limits),
+    blocks of 8 and 16: equal to the float64 definition to bf16's rounding, rows of 1 to 47 keys;
+    a NaN in one query head makes that head's output NaN and nothing else."""
     q, kp, vp, tables, pos, lens, kn, vn = _case(torch.bfloat16, [1, 15, 16, 17, 31, 47], nh=nh, nkv=nkv, hd=hd,
                                                   bs=bs, seed=hd)
     got = torch.ops.warmserve.decode_attention(q, kp, vp, tables, pos, lens, kn, vn)
