@@ -25,7 +25,7 @@ class EngineConfig:
     - ``max_num_seqs``: sequences resident at once (decode batch size at most); with ``compile``
       on, at most :data:`~runner_service.options.MAX_PROGRAM_BATCH`.
     - ``max_num_batched_tokens``: tokens one scheduler step may compute (prefill chunk budget);
-      ``None`` = ``max_model_len`` (every prompt in one step).
+      ``None`` = ``max(2048, max_model_len)``.
     - ``max_model_len``: context length in tokens (prompt + generated); ``None`` = the model's
       ``max_position_embeddings`` capped at 2048.
     - ``block_size``: tokens per KV block.
@@ -143,5 +143,5 @@ class EngineConfig:
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """Per-step token budget (prefill chunk size limit)."""
         if self.max_num_batched_tokens is None:
-            return max_model_len
+            return max(2048, max_model_len)
         return self.max_num_batched_tokens

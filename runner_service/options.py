@@ -220,9 +220,11 @@ BUILD_LEASE_TTL = Option("--build-lease-ttl", "seconds a kernel-cache build leas
                          default=30.0, type=float, metavar="SECONDS", field="build_lease_s")
 MAX_NUM_SEQS = Option("--max-num-seqs", "sequences decoded together at most", default=32, type=_positive_int,
                       field="max_num_seqs", forwarded=True)
-MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "tokens per scheduler step at most: longer prompts and "
-                                "backlogs are prefilled in chunks, a decode step between chunks",
-                                default=512, type=_positive_int, field="max_num_batched_tokens")
+MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "tokens per scheduler step at most (default "
+                                "max(2048, max-model-len)): longer prompts and backlogs are prefilled in chunks, "
+                                "a decode step between chunks; smaller: a lower median TTFT under a burst, fewer "
+                                "tokens/s (docs/benchmarks.md)", type=_positive_int, field="max_num_batched_tokens",
+                                forwarded=True)
 MAX_MODEL_LEN = Option("--max-model-len", "context length in tokens (default: the model's, capped at 2048)",
                        type=_positive_int, field="max_model_len")
 BLOCK_SIZE = Option("--block-size", "tokens per KV block", default=16, type=_positive_int, field="block_size")

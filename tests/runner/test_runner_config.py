@@ -55,8 +55,8 @@ def test_context_length_defaults_and_limits():
     assert EngineConfig(max_model_len=8192).resolved_max_model_len(args) == 8192
     with pytest.raises(InvalidArgument, match="max_position_embeddings"):
         EngineConfig(max_model_len=8193).resolved_max_model_len(args)
-    assert EngineConfig(max_model_len=4096).resolved_max_num_batched_tokens(4096) == 512  # chunked by default
-    assert EngineConfig(max_num_batched_tokens=None).resolved_max_num_batched_tokens(4096) == 4096
+    assert EngineConfig(max_model_len=4096).resolved_max_num_batched_tokens(4096) == 4096
+    assert EngineConfig().resolved_max_num_batched_tokens(512) == 2048
     assert EngineConfig(max_num_batched_tokens=256).resolved_max_num_batched_tokens(4096) == 256
 
 

@@ -28,7 +28,7 @@ def _flag_of(word: str) -> str:
 @pytest.mark.parametrize("argv", [
     ["up"],
     ["up", "--compile", "inductor", "--dtype", "bf16", "--weights-dtype", "int4", "--max-num-seqs", "3",
-     "--no-prefix-caching"],
+     "--max-num-batched-tokens", "512", "--no-prefix-caching"],
     ["demo"],
     ["demo", "--compile", "off", "--max-num-seqs", "2"],
 ])
