@@ -5,7 +5,7 @@ Per round, for each budget (the order alternates between rounds): start the stac
 ``bench/peers.py`` door home (its sidecar and kernel cache; a budget not compiled yet compiles
 its prefill program once), then per concurrency one unrecorded warm-up run and one measured run
 of :func:`peers.serve_bench` (random 128-token prompts, 128 new tokens, ``ignore_eos``,
-``num_prompts`` = 2 x streams, all sent at once), then stop the stack. Prints one JSON document
+``num_prompts`` = max(4, 2 x streams), all sent at once), then stop the stack. Prints one JSON document
 (every run, and the medians per budget and concurrency), then a Markdown table: output tok/s,
 TTFT, TPOT and inter-token latency (ms, p50 / p99). Needs the vLLM venv of ``make bench-peers``.
 
@@ -68,6 +68,9 @@ def main() -> int:
                         result = peers.serve_bench(door, bench_args, vllm_python=client, tokenizer=checkpoint,
                                                    concurrency=conc, seed=seed,
                                                    out=out / f"{kind}-{budget}-c{conc}-r{r}.json")
+                    if result.get("failed") or any(result.get(k) is None for k in peers.DOOR_FIGURES):
+                        raise RuntimeError(f"budget {budget}, {conc} streams: {result.get('failed')} requests failed "
+                                           f"or figures missing; the client's log is beside {out}")
                     rec = {k: result.get(k) for k in peers.DOOR_FIGURES}
                     rec.update(budget=budget, concurrency=conc, round=r, failed=result.get("failed"))
                     runs.append(rec)

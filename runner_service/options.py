@@ -220,8 +220,8 @@ BUILD_LEASE_TTL = Option("--build-lease-ttl", "seconds a kernel-cache build leas
                          default=30.0, type=float, metavar="SECONDS", field="build_lease_s")
 MAX_NUM_SEQS = Option("--max-num-seqs", "sequences decoded together at most", default=32, type=_positive_int,
                       field="max_num_seqs", forwarded=True)
-MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "tokens per scheduler step at most (default "
-                                "max(2048, max-model-len)): longer prompts and backlogs are prefilled in chunks, "
+MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "tokens per scheduler step at most (unset: "
+                                "max(2048, max-model-len)); longer prompts and backlogs are prefilled in chunks, "
                                 "a decode step between chunks; smaller: a lower median TTFT under a burst, fewer "
                                 "tokens/s (docs/benchmarks.md)", type=_positive_int, field="max_num_batched_tokens",
                                 forwarded=True)

@@ -179,8 +179,8 @@ class Scheduler:
         """The next step's batch, or ``None`` when there is nothing to do. Prefill first, except
         that after a prefill step a decode step comes first when a running sequence took no
         part in that prefill (it got no token from it): a backlog of prompts (chunked to
-        ``max_num_batched_tokens`` per step) then delays a running sequence's next token by at
-        most two prefill steps, not by the whole backlog, while the choices of one request and
+        ``max_num_batched_tokens`` per step) then puts at most one prefill step between a
+        running sequence's tokens, not the whole backlog, while the choices of one request and
         prompts arriving together still prefill back to back."""
         batch = self._schedule()
         self._last_prefill = {id(s) for s in batch.seqs} if batch is not None and batch.is_prefill else set()

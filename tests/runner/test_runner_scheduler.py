@@ -213,7 +213,7 @@ def test_finish_frees_waiting_and_running_sequences():
 def test_a_prefill_backlog_alternates_with_decode_steps():
     """Five 8-token prompts behind a budget of 8 tokens: once a running sequence had no part in
     the last prefill step, a decode step of every running sequence comes next, so a running
-    sequence waits at most two prefill steps for its next token, not the whole backlog; with
+    sequence waits at most one prefill step for its next token, not the whole backlog; with
     nothing running, prefill steps follow each other."""
     bm = BlockManager(64, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
