@@ -74,8 +74,8 @@ class OpenAIServer:
         self.config = config
         self.app = create_app(config)
         self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host=config.host, port=config.port, loop="asyncio", http="httptools", lifespan="on", log_config=None,
-            log_level=log_level.lower(), access_log=log_level.upper() == "DEBUG",
+            self.app, host=config.host, port=config.port, loop="asyncio", http="httptools", lifespan="on",
+            log_config=None, log_level=log_level.lower(), access_log=log_level.upper() == "DEBUG",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **_tls_options(config)))
         self._thread: threading.Thread | None = None
         #: The bound port (valid once started; differs from ``config.port`` when that is 0).

@@ -12,8 +12,8 @@ Each :meth:`Scheduler.schedule` call returns one step's work, either
   0 has computed the prompt, so it then hits every full prompt block choice 0 computed; or
 - a **decode** batch: every running sequence, one token each (after a prefill step, a decode
   step comes first when a running sequence had no part in that prefill, so prefill and decode
-  steps alternate while a backlog of prompts is prefilled: :meth:`Scheduler.schedule`), or with speculative decoding
-  its last token and its draft tokens (``seq.draft_token_ids``, proposed by the engine after
+  steps alternate while a backlog of prompts is prefilled: :meth:`Scheduler.schedule`), or
+  with speculative decoding its last token and its draft tokens (``seq.draft_token_ids``, proposed by the engine after
   the previous step; dropped for the step when their blocks do not fit). When a sequence needs a new block
   and none is free, a partly prefilled waiting sequence gives its blocks back, else the youngest
   running sequence is *preempted*: its blocks are freed and it goes back to the front of the
