@@ -106,6 +106,7 @@ def _int4_tiles_fake(x: torch.Tensor, tiles: torch.Tensor, group_size: int,
 torch.library.register_fake("warmserve::int4_tiles_linear", _int4_tiles_fake, lib=_LIB)
 if native.load():  # the C++ ops (model_families/kernels/): their shape rules for tracing
     torch.library.register_fake("warmserve::int4_mm_tiles", _int4_tiles_fake, lib=_LIB)
+    torch.library.register_fake("warmserve::int4_mm_tiles_a8", _int4_tiles_fake, lib=_LIB)
 
     @torch.library.register_fake("warmserve::decode_attention", lib=_LIB)
     def _decode_attention_fake(q, k_pool, v_pool, block_tables, positions, seq_lens, k_new=None, v_new=None):

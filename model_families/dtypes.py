@@ -12,3 +12,7 @@ WEIGHTS_DTYPES = ("f32", "bf16", "int8", "int4")
 WEIGHTS_DTYPE_CHOICES = ("auto", *WEIGHTS_DTYPES)
 #: Compute and KV-cache dtypes.
 COMPUTE_DTYPES = ("f32", "bf16")
+#: What a bf16 runner multiplies its quantized matrices by (``--quantized-activations``): ``int8``,
+#: each row's activations quantized per group of 32 (llama.cpp's Q8 activations, AVX512-VNNI), or
+#: the ``bf16`` activations as they are.
+QUANTIZED_ACTIVATIONS = ("int8", "bf16")

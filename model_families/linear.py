@@ -80,7 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Tiles | Int4
     :class:`QuantizedWeight`. Output in ``x``'s dtype. Float matrices run :func:`float_linear`;
     bf16 activations over int4 tiles warmserve's kernel
     (:func:`~model_families.quantized_weights.int4_tiles_matmul`, dense from
-    :data:`~model_families.quantized_weights.INT4_TILES_DENSE_MIN_ROWS` rows); bf16/f16
+    :data:`~model_families.quantized_weights.INT4_TILES_DENSE_MIN_ROWS` rows; with int8
+    activations ``warmserve::int4_mm_tiles_a8`` at every row count); bf16/f16
     activations over other quantized matrices PyTorch's weight-only kernels (int4 from
     :data:`~model_families.quantized_weights.INT4_DENSE_MIN_ROWS` rows: dequantized, then a dense
     matmul, :func:`~model_families.quantized_weights.int4_matmul`); float32 ones a
@@ -104,7 +105,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor | Int4Matrix | Int4Tiles | Int
         return F.linear(x, dequantized(weight), bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if isinstance(weight, Int4Matrix | Int4Tiles):
+    if isinstance(weight, Int4Tiles) and weight.int8_activations:  # one kernel at every row count
+        y = torch.ops.warmserve.int4_mm_tiles_a8(x2, weight.tiles, quant.INT4_GROUP, weight.scales_zeros)
+    elif isinstance(weight, Int4Matrix | Int4Tiles):
         # (eager: picks kernel or dense by rows, traced opaque: the same as a custom op, traced: the kernel)
         eager, opaque, kernel = (
             (int4_matmul, torch.ops.warmserve.int4_linear, torch.ops.aten._weight_int4pack_mm_for_cpu)

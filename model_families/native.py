@@ -176,6 +176,13 @@ def int4_tiles_enabled() -> bool:
     return _enabled("int4_tiles_supported")
 
 
+def int8_activations_enabled() -> bool:
+    """Whether ``warmserve::int4_mm_tiles_a8`` / ``int8_mm_tiles_a8`` (int8 activations,
+    ``--quantized-activations int8``) run here: as :func:`int4_tiles_enabled`, and the CPU has
+    AVX512-VNNI."""
+    return _enabled("int8_activations_supported")
+
+
 def decode_attention_enabled() -> bool:
     """Whether decode steps run ``warmserve::decode_attention``: the libraries load, this CPU has
     AVX-512 (F, BW, VL, DQ), and :data:`DISABLE_ENV` is not ``0``."""

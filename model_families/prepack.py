@@ -19,8 +19,9 @@ _HAS_ONEDNN = torch.backends.mkldnn.is_available()
 #: the plain matrix they stand for.
 _PACKED: dict[tuple, torch.Tensor] = {}
 #: int8 copies (``warmserve::int8_mm_tiles``'s ``(tiles, scales_zeros)``) of bf16 output heads, by
-#: :func:`_matrix_key` of the plain matrix (:class:`PackedMatrices` ``head``).
-_INT8_HEADS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+#: :func:`_matrix_key` of the plain matrix (:class:`PackedMatrices` ``head``), with whether they
+#: are multiplied by int8 activations (``warmserve::int8_mm_tiles_a8``).
+_INT8_HEADS: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 #: Below this many rows :func:`onednn_linear` runs a head's int8 copy: reading half the bytes wins
 #: while a step is bound by reading the matrix (a few decode rows); from it on oneDNN's bf16 matmul
 #: is faster (SmolLM2's 49152 x 576 head, ``docs/benchmarks.md``).
@@ -60,9 +61,12 @@ class PackedMatrices:
     ``head``: a bf16 output head (``[V, H]``) that also gets an int8 copy (``pack_int8_tiles``:
     one scale per 32, llama.cpp's Q8_0), which :func:`onednn_linear` uses below
     :data:`INT8_HEAD_MAX_ROWS` rows; skipped where ``warmserve::int8_mm_tiles`` does not run.
+    With ``int8_activations`` (where ``warmserve::int8_mm_tiles_a8`` runs) the copy serves every
+    row count, multiplied by int8 activations (faster than oneDNN's bf16 matmul at any count).
     """
 
-    def __init__(self, matrices, batch_hint: int, head: torch.Tensor | None = None) -> None:
+    def __init__(self, matrices, batch_hint: int, head: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> None:
         self._keys: list[tuple] = []
         self._plain: list[torch.Tensor] = []  # keeps each key's address in use while registered
         self.nbytes = 0
@@ -72,10 +76,10 @@ class PackedMatrices:
             from model_families.quantized_weights import pack_int8_tiles
 
             key = _matrix_key(head)
-            _INT8_HEADS[key] = pack_int8_tiles(head)
+            _INT8_HEADS[key] = (*pack_int8_tiles(head), int8_activations)
             self._head_key: tuple | None = key
             self._plain.append(head)
-            self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key])
+            self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key][:2])
         for w in matrices:
             if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
                 continue
@@ -119,10 +123,13 @@ def _int8_head_eligible(w: torch.Tensor) -> bool:
 def onednn_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2 [M, K] @ weight[N, K].T (+ bias)`` with oneDNN, on the prepacked copy when there is
     one (:class:`PackedMatrices`); below :data:`INT8_HEAD_MAX_ROWS` rows over a head with an int8
-    copy, ``warmserve::int8_mm_tiles`` on that copy."""
+    copy, ``warmserve::int8_mm_tiles`` on that copy (``int8_mm_tiles_a8`` at any row count where
+    the copy is for int8 activations)."""
     key = _matrix_key(weight)
-    if x2.shape[0] < INT8_HEAD_MAX_ROWS and key in _INT8_HEADS:
-        tiles, scales = _INT8_HEADS[key]
-        y = torch.ops.warmserve.int8_mm_tiles(x2, tiles, x2.shape[1] // scales.shape[1], scales)  # the packed group
+    head = _INT8_HEADS.get(key)
+    if head is not None and (head[2] or x2.shape[0] < INT8_HEAD_MAX_ROWS):
+        tiles, scales, a8 = head
+        mm = torch.ops.warmserve.int8_mm_tiles_a8 if a8 else torch.ops.warmserve.int8_mm_tiles
+        y = mm(x2, tiles, x2.shape[1] // scales.shape[1], scales)  # the packed group
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x2, _PACKED.get(key, weight), bias, "none", [], "")

@@ -4,7 +4,10 @@ runs them (``docs/quantization.md``, ``docs/architecture.md`` §7):
 
 - bf16 compute on a CPU with AVX512-BF16: int4 as :class:`Int4TileWeight`, warmserve's own
   kernel ``warmserve::int4_mm_tiles`` (``model_families/kernels/int4_tiles.cpp``, built and loaded
-  by :mod:`model_families.native`) on its tile layout (:func:`pack_int4_tiles`).
+  by :mod:`model_families.native`) on its tile layout (:func:`pack_int4_tiles`); with
+  :attr:`Int4TileWeight.int8_activations` (``--quantized-activations int8``, AVX512-VNNI)
+  ``warmserve::int4_mm_tiles_a8`` on the same tiles, each row's activations quantized to int8
+  per group of 32, at every row count.
 - Otherwise bf16 (or f16) compute on the CPU: PyTorch's weight-only kernels. int4 (:class:`Int4Weight`):
   ``packed`` from ``_convert_weight_to_int4pack_for_cpu`` (an opaque, CPU-ISA-specific layout of
   the codes, ``uint8 [N, K/2]``) and ``scales_and_zeros`` ``[K/32, N, 2]``; int8
@@ -160,11 +163,15 @@ def dequantize_int4_tiles(tiles: torch.Tensor, scales_zeros: torch.Tensor, group
 
 
 def int4_tiles_matmul(x: torch.Tensor, tiles: torch.Tensor, group_size: int, scales_zeros: torch.Tensor,
-                      dense_from: int = INT4_TILES_DENSE_MIN_ROWS) -> torch.Tensor:
+                      dense_from: int = INT4_TILES_DENSE_MIN_ROWS, int8_activations: bool = False) -> torch.Tensor:
     """``x [M, K]`` (bf16) times one matrix in the tile layout -> ``[M, N]`` bf16: with ``M >=
     dense_from`` ``x @ dequantize_int4_tiles(...)`` (a transient ``[K, N]`` matrix and one dense
     matmul), else ``warmserve::int4_mm_tiles``. Both compute ``sum_k x[m, k] w[n, k]`` with ``w``
-    as in :func:`dequantize_int4_tiles`; they round differently."""
+    as in :func:`dequantize_int4_tiles`; they round differently. ``int8_activations``:
+    ``warmserve::int4_mm_tiles_a8`` at every ``M`` (``x`` quantized per row and group of
+    ``group_size``, a multiple of 16; the kernel source states the formula)."""
+    if int8_activations:
+        return torch.ops.warmserve.int4_mm_tiles_a8(x, tiles, group_size, scales_zeros)
     if x.shape[0] >= dense_from:
         return torch.mm(x, dequantize_int4_tiles(tiles, scales_zeros, group_size))
     return torch.ops.warmserve.int4_mm_tiles(x, tiles, group_size, scales_zeros)
@@ -207,10 +214,12 @@ _PACK_ROWS = 1024
 
 class Int4Tiles(NamedTuple):
     """One int4 matrix in the tile layout of ``warmserve::int4_mm_tiles``: ``tiles`` uint8
-    ``[N/16, K/8, 64]``, ``scales_zeros`` bf16 ``[N/16, K/32, 2, 16]`` (:func:`pack_int4_tiles`)."""
+    ``[N/16, K/8, 64]``, ``scales_zeros`` bf16 ``[N/16, K/32, 2, 16]`` (:func:`pack_int4_tiles`);
+    ``int8_activations``: multiplied by int8 activations (:func:`int4_tiles_matmul`)."""
 
     tiles: torch.Tensor
     scales_zeros: torch.Tensor
+    int8_activations: bool = False
 
 
 class Int4Matrix(NamedTuple):
@@ -315,12 +324,15 @@ class Int4Weight(QuantizedWeight):
 class Int4TileWeight(QuantizedWeight):
     """int4, group 32, for bf16 compute with warmserve's kernel (:func:`int4_tiles_enabled`):
     ``tiles`` uint8 ``[..., N/16, K/8, 64]`` and ``scales_zeros`` bf16 ``[..., N/16, K/32, 2, 16]``
-    (:func:`pack_int4_tiles`)."""
+    (:func:`pack_int4_tiles`). ``int8_activations`` (set by the runner that serves it, from
+    ``--quantized-activations``; a Python attribute, not a buffer): its matrices are multiplied
+    by int8 activations (:func:`int4_tiles_matmul`)."""
 
     format = "int4"
 
     def __init__(self, tiles: torch.Tensor, scales_zeros: torch.Tensor) -> None:
         super().__init__()
+        self.int8_activations = False
         self.register_buffer("tiles", tiles, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
 
@@ -360,11 +372,11 @@ class Int4TileWeight(QuantizedWeight):
         return Int4Weight.from_parts(self.parts(), dtype)
 
     def __getitem__(self, i) -> Int4Tiles:
-        return Int4Tiles(self.tiles[i], self.scales_zeros[i])
+        return Int4Tiles(self.tiles[i], self.scales_zeros[i], self.int8_activations)
 
     def matrix(self) -> Int4Tiles:
         """The matrix of an unstacked weight."""
-        return Int4Tiles(self.tiles, self.scales_zeros)
+        return Int4Tiles(self.tiles, self.scales_zeros, self.int8_activations)
 
 
 def int4_weight(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> Int4Weight | Int4TileWeight:

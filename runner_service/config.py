@@ -45,6 +45,10 @@ class EngineConfig:
     - ``enable_prefix_caching``: reuse full KV blocks across requests that share a token prefix
       (:mod:`runner_service.block_manager`); on by default, and effective only for a model family
       that declares :attr:`~model_families.family.ModelFamily.supports_prefix_caching`.
+    - ``quantized_activations``: :data:`~model_families.dtypes.QUANTIZED_ACTIVATIONS`: with bf16
+      compute, ``int8`` multiplies int4 matrices and a quantized sidecar's int8 head copy by each
+      row's activations quantized per group of 32 (``warmserve::int4_mm_tiles_a8``,
+      ``docs/quantization.md``) where the CPU has AVX512-VNNI; ``bf16`` by the activations as they are.
     - ``batch_invariant``: every request's tokens are bitwise the same whatever else is in its
       steps, however its prompt is chunked and whether its prefix comes from the prefix cache
       (:mod:`model_families.invariant`); greedy and seeded sampling alike. The steps run eager
@@ -74,6 +78,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = opt.KV_CACHE_BYTES.default
     kv_cache_memory_fraction: float = 0.25
     dtype: str = opt.DTYPE.default
+    quantized_activations: str = opt.ACTIVATIONS.default
     compile: str = opt.COMPILE.default
     device: str = opt.DEVICE.default
     default_max_tokens: int = 64
@@ -106,6 +111,9 @@ class EngineConfig:
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.dtype not in opt.DTYPES:
             raise InvalidArgument(f"dtype must be one of {opt.DTYPES}, got {self.dtype!r}")
+        if self.quantized_activations not in opt.ACTIVATIONS.choices:
+            raise InvalidArgument(f"quantized_activations must be one of {opt.ACTIVATIONS.choices}, "
+                                  f"got {self.quantized_activations!r}")
         if self.compile not in opt.COMPILE_MODES:
             raise InvalidArgument(f"compile must be one of {opt.COMPILE_MODES}, got {self.compile!r}")
         opt.check_program_batch(self.compile, self.max_num_seqs)

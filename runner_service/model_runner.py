@@ -44,12 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-from model_families import family_for_config, invariant
+from model_families import family_for_config, invariant, native
 from model_families.family import FamilyConfig, FamilyWeights, ModelFamily, VerifyStep
 from model_families.kv_write import write_kv_rows
 from model_families.linear import linear
 from model_families.prepack import PackedMatrices
-from model_families.quantized_weights import QuantizedWeight
+from model_families.quantized_weights import Int4TileWeight, QuantizedWeight
 from runner_service.config import EngineConfig
 from runner_service.decode_buffers import DecodeBuffers
 from runner_service.device import synchronize
@@ -143,8 +143,16 @@ class ModelRunner:
         # row's head must not depend on how many rows the step has
         quantized = any(isinstance(m, QuantizedWeight) for m in self.model.modules())
         head = getattr(self.model, "lm_head", None) if quantized and not config.batch_invariant else None
+        #: Whether the int4 tile matrices and the int8 head copy are multiplied by int8 activations
+        #: (``--quantized-activations int8`` where the CPU runs it; in the programs' key).
+        self.int8_activations = (quantized and config.quantized_activations == "int8"
+                                 and self.dtype == torch.bfloat16 and native.int8_activations_enabled())
+        for m in self.model.modules():
+            if isinstance(m, Int4TileWeight):
+                m.int8_activations = self.int8_activations
         self.packed = PackedMatrices(self.model.linear_matrices() if prepack else [], batch_hint=config.max_num_seqs,
-                                     head=head if prepack and isinstance(head, torch.Tensor) else None)
+                                     head=head if prepack and isinstance(head, torch.Tensor) else None,
+                                     int8_activations=self.int8_activations)
         self.buckets = batch_buckets(config.max_num_seqs)
         #: The batch-invariant row policy (:func:`model_families.invariant.probe_rows`), or ``None``.
         self.invariance = self._probe_invariance() if config.batch_invariant else None
@@ -191,7 +199,8 @@ class ModelRunner:
             model=self.model, pools=tuple(self.kv.tensors), forward_lock=self.forward_lock,
             decode_views=self.decode_views, buckets=tuple(self.buckets), runner_id=self.config.runner_id,
             build_lease_s=self.config.build_lease_s, layers=layers, speculative=self.config.speculative,
-            num_draft_tokens=self.config.num_draft_tokens, verify_module=self.verify_module)
+            num_draft_tokens=self.config.num_draft_tokens, verify_module=self.verify_module,
+            int8_activations=self.int8_activations)
 
     def install_program(self, kind: str, program: Program | None) -> None:
         """Run ``kind`` steps (:data:`~runner_service.programs.spec.PROGRAM_KINDS`) through

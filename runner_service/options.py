@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model_families.dtypes import COMPUTE_DTYPES, WEIGHTS_DTYPE_CHOICES
+from model_families.dtypes import COMPUTE_DTYPES, QUANTIZED_ACTIVATIONS, WEIGHTS_DTYPE_CHOICES
 from services.bootstrap import int_at_least
 from services.errors import InvalidArgument
 
@@ -211,6 +211,9 @@ DTYPE = Option("--dtype", "compute and KV-cache dtype (auto: bf16 where the CPU 
                default="f32", cli_default="auto", choices=DTYPES, field="dtype", forwarded=True)
 WEIGHTS_DTYPE = Option("--weights-dtype", "the sidecar's dtype; int4/int8 stay quantized (auto: the checkpoint's own)",
                        default="auto", choices=WEIGHTS_DTYPES, forwarded=True)
+ACTIVATIONS = Option("--quantized-activations", "bf16 compute over int4 weights and the int8 head: int8 quantizes "
+                     "each row's activations per 32 values (llama.cpp's Q8; AVX512-VNNI, else bf16), bf16 keeps them",
+                     default="int8", choices=QUANTIZED_ACTIVATIONS, field="quantized_activations", forwarded=True)
 COMPILE = Option("--compile", "compiled decode and prefill programs, through the kernel cache (off: eager)",
                  default="off", cli_default="aoti", choices=COMPILE_MODES, field="compile", forwarded=True)
 COMPILE_IN_BACKGROUND = Option("--compile-in-background", kind="switch", default=False, cli_default=True,
@@ -268,7 +271,7 @@ THREADS = Option("--threads", "CPU threads for torch ops (default: torch's choic
 
 #: Every ``runner serve`` flag but the server ones (:func:`services.bootstrap.add_server_args`).
 RUNNER_OPTIONS: tuple[Option, ...] = (
-    MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, COMPILE,
+    MODEL, WEIGHTS, KERNEL_CACHE, KERNEL_CACHE_DIR, DTYPE, WEIGHTS_DTYPE, ACTIVATIONS, COMPILE,
     COMPILE_IN_BACKGROUND, BUILD_LEASE_TTL, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE,
     KV_CACHE_BYTES, SIDECAR_DIR, RUNNER_ID, ROUTER, DEVICE, PREFIX_CACHING, BATCH_INVARIANT, SPECULATIVE,
     NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, THREADS, MAX_PROMPT_BYTES, SIGNING_KEY,

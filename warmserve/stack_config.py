@@ -56,7 +56,7 @@ def split_threads(runners: int) -> int:
 class StackConfig:
     """What to launch; validated at construction (``InvalidArgument``). Times in seconds.
 
-    ``compile``/``dtype``/``weights_dtype``/``max_num_seqs``/``max_num_batched_tokens``/``prefix_caching``/``batch_invariant``/``speculative``/
+    ``compile``/``dtype``/``weights_dtype``/``quantized_activations``/``max_num_seqs``/``max_num_batched_tokens``/``prefix_caching``/``batch_invariant``/``speculative``/
     ``num_speculative_tokens``/``prompt_lookup_max``/``prompt_lookup_min`` are the forwarded runner options (:data:`runner_service.options.FORWARDED_OPTIONS`, one field each);
     ``None`` leaves the runner's default, ``prefix_caching=False`` passes ``--no-prefix-caching``. ``home`` of
     ``None`` means ``$WARMSERVE_HOME``. ``runner_args`` are extra flags for every runner.
@@ -92,6 +92,7 @@ class StackConfig:
     compile: str | None = None
     dtype: str | None = None
     weights_dtype: str | None = None
+    quantized_activations: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     prefix_caching: bool = True

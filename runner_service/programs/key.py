@@ -75,7 +75,8 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
     max model length, the batch the program takes, max blocks per sequence, dynamic dims, KV pools,
     the block-table layout, the weights' buffer names and dtypes, the layers' form; for prefill the most tokens per
     row; for verify the speculative method and ``K``, ``1 + K`` tokens per row), the family, its pack version and config, the dtype, the device type, the compile options
-    and :func:`codegen_environment`, which of warmserve's C++ kernels load here, the torch thread
+    and :func:`codegen_environment`, which of warmserve's C++ kernels load here (and whether int8
+    activations are on), the torch thread
     count among them (Inductor writes it into
     the code); ``UNKNOWN`` when any part is unknown. The runner's ``max_num_seqs`` is no part: an
     ``aoti`` program takes any batch up to :data:`~runner_service.options.MAX_PROGRAM_BATCH`, so
@@ -120,6 +121,7 @@ def program_key(spec: ProgramSpec, mode: str, *, sources: list | None = None,
                "environment": codegen_environment(),
                "native_kernels": {"int4_tiles": native.int4_tiles_enabled(),
                                   "decode_attention": native.decode_attention_enabled(),
+                                  "int8_activations": spec.int8_activations,
                                   "sources": native.source_digests()}}
     if mode == "aoti":
         options["inductor_configs"] = AOTI_INDUCTOR_CONFIGS

@@ -49,7 +49,8 @@ class ProgramSpec:
     another, or for ``loop`` where the model cannot loop. Speculative decoding: ``speculative``
     (the ``--speculative`` method), ``num_draft_tokens`` (``K``: a verify step takes up to
     ``1 + K`` tokens a row; 0 when off) and ``verify_module``
-    (:class:`~model_families.family.VerifyStep`, ``None`` when off).
+    (:class:`~model_families.family.VerifyStep`, ``None`` when off). ``int8_activations``: the
+    quantized matrices are multiplied by int8 activations (``--quantized-activations``, in the key).
     """
 
     family: ModelFamily
@@ -77,6 +78,7 @@ class ProgramSpec:
     speculative: str = "off"
     num_draft_tokens: int = 0
     verify_module: nn.Module | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.layers not in PROGRAM_LAYERS:

@@ -229,7 +229,8 @@ def test_a_head_gets_an_int8_copy_used_below_the_row_threshold():
     packed = prepack.PackedMatrices([], batch_hint=4, head=w)
     few = torch.randn(prepack.INT8_HEAD_MAX_ROWS - 1, 96).bfloat16()
     many = torch.randn(prepack.INT8_HEAD_MAX_ROWS, 96).bfloat16()
-    tiles, sz = prepack._INT8_HEADS[prepack._matrix_key(w)]
+    tiles, sz, a8 = prepack._INT8_HEADS[prepack._matrix_key(w)]
+    assert a8 is False
     assert torch.equal(prepack.onednn_linear(few, w, None), torch.ops.warmserve.int8_mm_tiles(few, tiles, 32, sz))
     dense = torch.ops.mkldnn._linear_pointwise(many, w, None, "none", [], "")
     assert torch.equal(prepack.onednn_linear(many, w, None), dense)
