@@ -265,6 +265,11 @@ class QuantizedWeight(nn.Module, ABC):
     def dtype(self) -> torch.dtype:
         """The compute dtype this weight serves."""
 
+    def layer_matrix(self, *parts: torch.Tensor):
+        """The matrix ``w[i]`` is, built from layer ``i``'s slices of the stacked :meth:`tensors`
+        (in their order): what a loop body that is handed the stacked parts runs."""
+        return type(self[0])(*parts)
+
     def converted(self, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
         """This weight for compute dtype ``dtype`` (``self`` when it already is). The codes are
         CPU data: another device raises ``InvalidArgument``."""
@@ -373,6 +378,9 @@ class Int4TileWeight(QuantizedWeight):
 
     def __getitem__(self, i) -> Int4Tiles:
         return Int4Tiles(self.tiles[i], self.scales_zeros[i], self.int8_activations)
+
+    def layer_matrix(self, tiles: torch.Tensor, scales_zeros: torch.Tensor) -> Int4Tiles:
+        return Int4Tiles(tiles, scales_zeros, self.int8_activations)
 
     def matrix(self) -> Int4Tiles:
         """The matrix of an unstacked weight."""

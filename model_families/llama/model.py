@@ -334,7 +334,7 @@ class LlamaModel(FamilyModel):
         weights = [self.input_norm, self.qkv_proj, *bias, self.o_proj, self.post_attn_norm, self.gate_up_proj,
                    self.down_proj]
         parts = [list(w.tensors().values()) if isinstance(w, QuantizedWeight) else [w] for w in weights]
-        kinds = [type(w[0]) if isinstance(w, QuantizedWeight) else None for w in weights]
+        kinds = [w.layer_matrix if isinstance(w, QuantizedWeight) else None for w in weights]
 
         def group(h, *stacked_and_rest):
             stacked, (cos, sin, tables, pos, lens) = stacked_and_rest[:n_stacked], stacked_and_rest[n_stacked:][:5]

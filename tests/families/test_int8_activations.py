@@ -224,3 +224,25 @@ def test_the_option_is_checked():
 
     with pytest.raises(InvalidArgument, match="quantized_activations must be one of"):
         tiny_config(quantized_activations="int4")
+
+
+def test_a_loop_body_rebuilds_the_matrix_with_its_flag():
+    """A loop body (the layers as one scan) rebuilds each layer's matrix from the stacked parts'
+    slices: layer_matrix gives what w[i] gives, int8 activations included."""
+    from model_families.quantized_weights import QuantizedWeight, quantized_weight
+
+    w = torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(30))
+    for dtype in (torch.bfloat16, torch.float32):
+        for fmt in ("int4", "int8"):
+            qw = quantized_weight(quant.quantize_parts(w, fmt), dtype, torch.device("cpu"))
+            assert isinstance(qw, QuantizedWeight)
+            if isinstance(qw, Int4TileWeight):
+                qw.int8_activations = True
+            parts = list(qw.tensors().values())
+            for i in range(3):
+                rebuilt, direct = qw.layer_matrix(*[p[i] for p in parts]), qw[i]
+                assert type(rebuilt) is type(direct) and len(rebuilt) == len(direct)
+                for a, b in zip(rebuilt, direct, strict=True):
+                    assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                if isinstance(qw, Int4TileWeight):
+                    assert rebuilt.int8_activations is True
