@@ -132,10 +132,11 @@ def step_matmul_ms(model: dict, rows: list[int]) -> list[dict]:
                 for w, q, _ in layer:
                     int4_matmul(xs[w.shape[1]], q.packed, quant.INT4_GROUP, q.scales_and_zeros, dense_from)
 
-        def step_tiles(dense_from: int, xs: dict = xs) -> None:
+        def step_tiles(dense_from: int, xs: dict = xs, int8_activations: bool = False) -> None:
             for layer in layers:
                 for w, _, t in layer:
-                    int4_tiles_matmul(xs[w.shape[1]], t.tiles, quant.INT4_GROUP, t.scales_zeros, dense_from)
+                    int4_tiles_matmul(xs[w.shape[1]], t.tiles, quant.INT4_GROUP, t.scales_zeros, dense_from,
+                                      int8_activations=int8_activations)
 
         bf16 = _best_s(step, 3) * 1e3
         int4, dense = _best_s(lambda: step_int4(2**62), 3) * 1e3, _best_s(lambda: step_int4(1), 3) * 1e3
@@ -148,6 +149,10 @@ def step_matmul_ms(model: dict, rows: list[int]) -> list[dict]:
                         "tiles_kernel_over_bf16": round(t_kernel / bf16, 2),
                         "int4_kernel_over_tiles_kernel": round(int4 / t_kernel, 2),
                         "served_by": "dense" if m >= INT4_TILES_DENSE_MIN_ROWS else "tiles kernel"})
+            if native.int8_activations_enabled():  # --quantized-activations int8 (one kernel at every row count)
+                a8 = _best_s(lambda: step_tiles(2**62, int8_activations=True), 3) * 1e3
+                served = min(t_kernel, t_dense) if m >= INT4_TILES_DENSE_MIN_ROWS else t_kernel
+                row.update({"tiles_a8_ms": round(a8, 2), "bf16_activations_over_a8": round(served / a8, 2)})
         else:
             row["served_by"] = "dense" if m >= INT4_DENSE_MIN_ROWS else "kernel"
         out.append(row)
@@ -229,12 +234,16 @@ def main() -> int:
         tiles = "tiles_kernel_ms" in report["step_matmul_ms"][0]
         extra = (" warmserve kernel (ms) | warmserve dequantize + dense (ms) | PyTorch kernel / warmserve kernel |"
                  if tiles else "")
+        a8 = "tiles_a8_ms" in report["step_matmul_ms"][0]
+        extra += " warmserve kernel, int8 activations (ms) | bf16 activations (served) / int8 |" if a8 else ""
         print(f"\n| rows in the step | {model['layers']} layers' matrices, bf16 (ms) | PyTorch int4 kernel (ms) | "
-              f"int4 dequantize + dense (ms) | kernel / bf16 | dense / kernel |{extra} served by |\n"
-              f"|---:|---:|---:|---:|---:|---:|{'---:|' * 3 if tiles else ''}---|")
+              f"int4 dequantize + dense (ms) | kernel / bf16 | dense / kernel |{extra} served by (bf16 activations) |\n"
+              f"|---:|---:|---:|---:|---:|---:|{'---:|' * (3 * tiles + 2 * a8)}---|")
         for r in report["step_matmul_ms"]:
             cells = (f" {r['tiles_kernel_ms']:.1f} | {r['tiles_dense_ms']:.1f} | {r['int4_kernel_over_tiles_kernel']:.2f} |"
                      if tiles else "")
+            if "tiles_a8_ms" in r:
+                cells += f" {r['tiles_a8_ms']:.1f} | {r['bf16_activations_over_a8']:.2f} |"
             print(f"| {r['rows']} | {r['bf16_ms']:.1f} | {r['int4_kernel_ms']:.1f} | {r['int4_dense_ms']:.1f} | "
                   f"{r['int4_kernel_over_bf16']:.2f} | {r['int4_dense_over_kernel']:.2f} |{cells} {r['served_by']} |")
     if peers is not None:
