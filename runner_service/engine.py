@@ -204,8 +204,9 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
                                   self.model_family)
         packed = self.runner.packed
-        self._phase("prepack", t0, f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
-                                   f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
+        self._phase("prepack", t0, (f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
+                                    f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
+                    + ("; quantized matrices x int8 activations" if self.runner.int8_activations else ""))
 
         if config.speculative == "mtp":
             self.drafter = MtpDrafter(config.num_speculative_tokens, self.runner.model, self.draft_kv,
