@@ -73,8 +73,10 @@ class PackedMatrices:
         if not _HAS_ONEDNN:
             return
         if head is not None and _int8_head_eligible(head) and _matrix_key(head) not in _INT8_HEADS:
+            from model_families import native
             from model_families.quantized_weights import pack_int8_tiles
 
+            int8_activations = int8_activations and native.int8_activations_enabled()
             key = _matrix_key(head)
             _INT8_HEADS[key] = (*pack_int8_tiles(head), int8_activations)
             self._head_key: tuple | None = key

@@ -15,6 +15,9 @@
 // and vdpbf16ps multiplies pairs of bf16 exactly and accumulates them in fp32. A row's result
 // depends on that row alone (no split of K across threads, the same instruction order for any M).
 //
+// torch.ops.warmserve.int4_mm_tiles_a8 / int8_mm_tiles_a8 (same arguments, AVX512-VNNI): the same
+// products with x quantized to int8 per row and group (the "int8 activations" section below).
+//
 // torch.ops.warmserve.int8_mm_tiles(x, tiles, group_size, scales_zeros): the same for int8 codes q
 // (-127..127) with one scale per group and no zero, w = q * s (llama.cpp's Q8_0): tiles uint8
 // [N/16, K/4, 64], word l of chunk c holding u = q + 128 of row 16t + l/2 at k = 4c + l%2 in its
@@ -30,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -243,17 +247,20 @@ WS_TARGET_VNNI void quantize_rows(const uint16_t* x, int64_t rows, int64_t K, in
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
         vsum = _mm512_add_ps(vsum, v);
       }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const float amax = _mm512_reduce_max_ps(vmax), sum = _mm512_reduce_add_ps(vsum);  // sum: NaN / inf carried
+      float scale = amax > 0.f ? 127.f / amax : 0.f;
+      if (!std::isfinite(scale)) scale = 0.f;  // amax below ~3.7e-37: the group rounds to zero
+      const __m512 inv = _mm512_set1_ps(scale), lim = _mm512_set1_ps(127.f);
       __m512i qsum = _mm512_setzero_si512();
-      for (int64_t k = 0; k < G; k += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + k), inv));  // nearest, ties even
+      for (int64_t k = 0; k < G; k += 16) {  // nearest, ties even; clamped (a NaN or inf lands in range)
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(p + k), inv);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim));
         qsum = _mm512_add_epi32(qsum, q);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + g * G + k),
                          _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(q), perm));
       }
-      d[m * groups + g] = amax / 127.f;
-      if (Bits == 4) sx[m * groups + g] = _mm512_reduce_add_ps(vsum);
+      d[m * groups + g] = std::isfinite(sum) ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // NaN in, NaN out
+      if (Bits == 4) sx[m * groups + g] = sum;
       else cq[m * groups + g] = 128 * _mm512_reduce_add_epi32(qsum);
     }
   }
@@ -382,6 +389,7 @@ at::Tensor mm_tiles(const at::Tensor& x, const at::Tensor& codes, int64_t group_
   const int64_t align = a8 ? 16 : 8;
   TORCH_CHECK(G > 0 && G % align == 0 && K % G == 0, "group_size ", G, " must be a multiple of ", align,
               " dividing K = ", K);
+  TORCH_CHECK(!a8 || G <= 4096, "group_size ", G, " is above 4096, where a group's int32 sum could overflow");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(1) == K / kc && codes.size(2) == 64 &&
                   codes.is_contiguous(),
               "tiles must be contiguous uint8 [N/16, K/", kc, ", 64] with K = ", K, ", got ", codes.sizes());

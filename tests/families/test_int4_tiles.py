@@ -65,13 +65,13 @@ def test_tile_bytes_follow_the_stated_layout():
 @needs_kernels
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (160, 64), (576, 1536)])
 def test_kernel_is_the_dequantized_product_to_bf16_rounding(n, k):
-    """Every row count up to a block and past it (1..17, 40) and tile counts that leave tails of
-    the 8- and 2-tile blocks: within one bf16 rounding of the float64 product, plus the float32
-    accumulation's error."""
+    """Every row count up to a block and past it (1..17, 40), past a 64-row pass (65, 130) and tile
+    counts that leave tails of the 8- and 2-tile blocks: within one bf16 rounding of the float64
+    product, plus the float32 accumulation's error."""
     parts = _matrix(n, k, seed=n + k)
     w = Int4TileWeight.from_parts(parts).matrix()
     g = torch.Generator().manual_seed(3)
-    for m in (*range(1, 18), 40):
+    for m in (*range(1, 18), 40, 65, 130):
         x = torch.randn(m, k, generator=g).bfloat16()
         ref = _reference(x, parts)
         got = torch.ops.warmserve.int4_mm_tiles(x, w.tiles, quant.INT4_GROUP, w.scales_zeros)
@@ -88,10 +88,11 @@ def test_a_row_does_not_depend_on_its_batch():
     parts = _matrix(96, 128, seed=5)
     w = Int4TileWeight.from_parts(parts).matrix()
     x = torch.randn(INT4_TILES_DENSE_MIN_ROWS - 1, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
-    alone = torch.cat([torch.ops.warmserve.int4_mm_tiles(x[i:i + 1], w.tiles, 32, w.scales_zeros) for i in range(40)])
-    for m in (2, 7, 8, 9, 40, INT4_TILES_DENSE_MIN_ROWS - 1):
+    alone = torch.cat([torch.ops.warmserve.int4_mm_tiles(x[i:i + 1], w.tiles, 32, w.scales_zeros)
+                       for i in range(130)])
+    for m in (2, 7, 8, 9, 40, 64, 65, 130, INT4_TILES_DENSE_MIN_ROWS - 1):
         batch = int4_tiles_matmul(x[:m], w.tiles, 32, w.scales_zeros)
-        assert torch.equal(batch[:40], alone[:min(m, 40)]) if m >= 40 else torch.equal(batch, alone[:m])
+        assert torch.equal(batch[:130], alone[:min(m, 130)])
 
 
 @needs_kernels
@@ -210,7 +211,7 @@ def test_int8_kernel_is_the_dequantized_product_to_bf16_rounding(n, k):
     tiles, sz = pack_int8_tiles(w)
     s = sz[:, :, 0, :].double().transpose(1, 2).reshape(n, k // 32).repeat_interleave(32, 1)
     q = torch.round(w.double() / s.clamp(min=1e-30)).clamp(-127, 127)
-    for m in (1, 2, 7, 8, 9, 17):
+    for m in (1, 2, 7, 8, 9, 17, 66, 130):
         x = torch.randn(m, k, generator=g).bfloat16()
         ref = x.double() @ (q * s).T
         got = torch.ops.warmserve.int8_mm_tiles(x, tiles, 32, sz)

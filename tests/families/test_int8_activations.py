@@ -246,3 +246,57 @@ def test_a_loop_body_rebuilds_the_matrix_with_its_flag():
                     assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                 if isinstance(qw, Int4TileWeight):
                     assert rebuilt.int8_activations is True
+
+
+@needs_vnni
+def test_rows_sharing_massive_columns_do_not_depend_on_their_batch():
+    """Rows of one block that share outlier columns (the kernel extracts a column's weights once
+    per block and tile) give the bits they give alone; so does the int8 head path."""
+    parts = _int4(96, 256, seed=31)
+    w = Int4TileWeight.from_parts(parts).matrix()
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(70, 256, generator=g)
+    x[:, 17] = 200.0  # every row: the same massive channel
+    x[::2, 200] = -150.0  # every other row: a second one
+    x[5, 3:9] = 90.0  # one row with more than fit
+    x = x.bfloat16()
+    alone = torch.cat([torch.ops.warmserve.int4_mm_tiles_a8(x[i:i + 1], w.tiles, G, w.scales_zeros) for i in range(70)])
+    for m in (3, 4, 9, 64, 70):
+        assert torch.equal(torch.ops.warmserve.int4_mm_tiles_a8(x[:m], w.tiles, G, w.scales_zeros), alone[:m]), m
+    assert _within_bf16(alone, _int4_reference(x, parts), 256)
+    tiles, sz = pack_int8_tiles(torch.randn(48, 256, generator=g) * 0.1)
+    alone8 = torch.cat([torch.ops.warmserve.int8_mm_tiles_a8(x[i:i + 1], tiles, G, sz) for i in range(70)])
+    for m in (3, 5, 66, 70):
+        assert torch.equal(torch.ops.warmserve.int8_mm_tiles_a8(x[:m], tiles, G, sz), alone8[:m]), m
+
+
+@needs_vnni
+def test_a_nan_or_inf_activation_makes_its_row_nan_and_leaves_the_others():
+    """A NaN or an infinity in a row's group gives that row NaN products (as the bf16 path does),
+    int4 and int8 alike, and no other row changes."""
+    parts = _int4(32, 64, seed=33)
+    w = Int4TileWeight.from_parts(parts).matrix()
+    tiles, sz = pack_int8_tiles(torch.randn(32, 64, generator=torch.Generator().manual_seed(34)) * 0.1)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(35)).bfloat16()
+    clean4 = torch.ops.warmserve.int4_mm_tiles_a8(x, w.tiles, G, w.scales_zeros)
+    clean8 = torch.ops.warmserve.int8_mm_tiles_a8(x, tiles, G, sz)
+    for bad in (float("nan"), float("inf")):
+        for col in (3, 20, 40):  # the first or second half of a group
+            y = x.clone()
+            y[1, col] = bad
+            got4 = torch.ops.warmserve.int4_mm_tiles_a8(y, w.tiles, G, w.scales_zeros)
+            got8 = torch.ops.warmserve.int8_mm_tiles_a8(y, tiles, G, sz)
+            for got, clean in ((got4, clean4), (got8, clean8)):
+                assert bool(got[1].isnan().all()), (bad, col)
+                assert torch.equal(got[[0, 2, 3]], clean[[0, 2, 3]])
+
+
+@needs_vnni
+def test_tiny_activations_are_quantized_not_overflowed():
+    """A group whose largest |x| is tiny (127 / amax overflows float32) gives the products of its
+    values rounded to zero, never a wrong sign or NaN."""
+    tiles, sz = pack_int8_tiles(torch.randn(16, 32, generator=torch.Generator().manual_seed(36)) * 0.1)
+    x = torch.full((1, 32), 1e-38).bfloat16()
+    x[0, ::2] = -1e-38
+    got = torch.ops.warmserve.int8_mm_tiles_a8(x, tiles, G, sz)
+    assert bool(got.isfinite().all()) and got.abs().max().item() < 1e-30

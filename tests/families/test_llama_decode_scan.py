@@ -124,16 +124,23 @@ def test_the_compiled_loop_computes_what_the_eager_decode_does(exported, tmp_pat
 
 
 @pytest.mark.slow  # one AOTI compile of the loop (C++ compiler)
-def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does(tmp_path):
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does(int8_activations, tmp_path):
     """bf16 over int4 runs warmserve's int4 kernel (PyTorch's where it cannot be built); inside
     the loop body it is the custom op ``warmserve::int4_tiles_linear`` (``warmserve::int4_linear``
     for PyTorch's: Inductor's own lowering of that kernel makes C++ that does not compile there),
-    once a layer, and the compiled loop gives the eager step's logits."""
+    or with int8 activations the op ``warmserve::int4_mm_tiles_a8`` itself (the body rebuilds each
+    layer's matrix with its flag), once a layer, and the compiled loop gives the eager step's logits."""
     from model_families.quantized_weights import Int4TileWeight
     from runner_service.programs.aoti import AotiProgram, compile_aoti
 
     args = tiny_args(vocab=96, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=64)
+    if int8_activations and not native.int8_activations_enabled():
+        pytest.skip("this host cannot run the AVX512-VNNI kernels")
     model = LLAMA.build_model(args, LLAMA.random_weights(args, torch.bfloat16, seed=3, weights_dtype="int4"), 64)
+    for m in model.modules():
+        if isinstance(m, Int4TileWeight):
+            m.int8_activations = int8_activations
     model.scan_layers = 1
     g = torch.Generator().manual_seed(7)
     pools = tuple(torch.randn((2, BLOCKS, BLOCK_SIZE, 2, 16), generator=g).to(torch.bfloat16) for _ in range(2))
@@ -148,7 +155,8 @@ def test_the_compiled_loop_over_int4_in_bf16_computes_what_the_eager_decode_does
     body = [str(n.target) for n in ep.graph_module.scan_combine_graph_0.graph.nodes if n.op == "call_function"]
     tiles = isinstance(model.qkv_proj, Int4TileWeight)
     assert tiles == native.int4_tiles_enabled()
-    op = torch.ops.warmserve.int4_tiles_linear if tiles else torch.ops.warmserve.int4_linear
+    op = (torch.ops.warmserve.int4_mm_tiles_a8 if int8_activations else
+          torch.ops.warmserve.int4_tiles_linear if tiles else torch.ops.warmserve.int4_linear)
     assert body.count(str(op.default)) == 4  # qkv, o, gate_up, down
     assert str(torch.ops.aten._weight_int4pack_mm_for_cpu.default) not in body
     program = AotiProgram(compile_aoti(step, example, dynamic, tmp_path / "loop-int4.pt2"), step, torch.device("cpu"))

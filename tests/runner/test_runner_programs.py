@@ -48,7 +48,7 @@ NUM_BLOCKS = 48
 
 def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_num_seqs: int = 4,
                 max_model_len: int = 64, compile: str = "aoti", layers: int = 2, seed: int = 3,
-                weights_dtype: str = "f32") -> ModelRunner:
+                weights_dtype: str = "f32", activations: str = "int8") -> ModelRunner:
     """A runner over a tiny random model (``weights_dtype`` layout; its shapes fit int4) with a
     KV cache of ``NUM_BLOCKS`` random-filled blocks (deterministic in ``seed``), so attention
     reads real history from the pool."""
@@ -59,7 +59,8 @@ def make_runner(*, dtype: torch.dtype = torch.float32, block_size: int = 4, max_
     kv.pools["k"].copy_(torch.randn(kv.pools["k"].shape, generator=g).to(dtype))
     kv.pools["v"].copy_(torch.randn(kv.pools["v"].shape, generator=g).to(dtype))
     config = tiny_config(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
-                         dtype="bf16" if dtype == torch.bfloat16 else "f32", compile=compile, device="cpu")
+                         dtype="bf16" if dtype == torch.bfloat16 else "f32", compile=compile, device="cpu",
+                         quantized_activations=activations)
     return ModelRunner(args, weights, kv, config, max_model_len, torch.device("cpu"))
 
 
@@ -397,22 +398,30 @@ def test_changed_layout_and_dtype_miss_and_recompile_in_bf16(built, tmp_path):
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 4, 6)], atol=3e-2)
 
 
-@pytest.mark.parametrize("weights_dtype,dtype", [("int4", torch.bfloat16), ("int8", torch.bfloat16),
-                                                 ("int4", torch.float32)])
-def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dtype, tmp_path):
-    """Quantized weights export and compile (bf16: warmserve's int4 kernel, or PyTorch's
-    weight-only kernels; float32: the dequantize-then-matmul graph); the package holds no
-    weights, yet what Inductor adds itself (PyTorch's int4 kernel: the group size as an int64
-    constant) travels with it, so a kernel-cache HIT loads and runs too."""
+@pytest.mark.parametrize("weights_dtype,dtype,activations", [
+    ("int4", torch.bfloat16, "bf16"), ("int4", torch.bfloat16, "int8"), ("int8", torch.bfloat16, "bf16"),
+    ("int4", torch.float32, "bf16")])
+def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dtype, activations, tmp_path):
+    """Quantized weights export and compile (bf16: warmserve's int4 kernel, with bf16 or int8
+    activations, or PyTorch's weight-only kernels; float32: the dequantize-then-matmul graph); the
+    package holds no weights, yet what Inductor adds itself (PyTorch's int4 kernel: the group size
+    as an int64 constant) travels with it, so a kernel-cache HIT loads and runs too."""
+    if activations == "int8" and not native.int8_activations_enabled():
+        pytest.skip("this host cannot run the AVX512-VNNI kernels")
     kc = tmp_path / "kc"
-    runner = make_runner(dtype=dtype, weights_dtype=weights_dtype)
+
+    def runner_of(compile: str = "aoti") -> ModelRunner:
+        return make_runner(dtype=dtype, weights_dtype=weights_dtype, compile=compile, activations=activations)
+
+    runner = runner_of()
     assert runner.model.qkv_proj.format == weights_dtype
+    assert runner.int8_activations == (activations == "int8")
     report = load(runner, kernel_cache=str(kc), work_dir=tmp_path / "work")
     assert (report.source, report.published) == ("compiled", "PUBLISHED"), report
     atol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    eager = make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off")
+    eager = runner_of("off")
     assert_compiled_matches_eager(runner, eager, [(1, 1, 3), (4, 3, 6)], atol=atol)
-    if (weights_dtype, dtype) == ("int4", torch.bfloat16):
+    if (weights_dtype, dtype, activations) == ("int4", torch.bfloat16, "bf16"):
         _assert_int4_rows_pick_the_kernel_at_run_time(runner, eager)
     package = max((p for p in kc.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     own = read_own_constants(package)
@@ -421,11 +430,10 @@ def test_aoti_over_quantized_weights_matches_eager_and_reloads(weights_dtype, dt
         assert own and all(t.dtype == torch.int64 and t.item() == 32 for t in own.values()), own
     elif weights_dtype == "int4":  # warmserve::int4_mm_tiles takes it as an int argument
         assert not own, own
-    hit = make_runner(dtype=dtype, weights_dtype=weights_dtype)
+    hit = runner_of()
     again = load(hit, kernel_cache=str(kc), work_dir=tmp_path / "work2")
     assert (again.source, again.fingerprint) == ("hit", report.fingerprint), again
-    assert_compiled_matches_eager(hit, make_runner(dtype=dtype, weights_dtype=weights_dtype, compile="off"),
-                                  [(2, 2, 5)], atol=atol)
+    assert_compiled_matches_eager(hit, runner_of("off"), [(2, 2, 5)], atol=atol)
 
 
 def _assert_int4_rows_pick_the_kernel_at_run_time(compiled: ModelRunner, eager: ModelRunner) -> None:
