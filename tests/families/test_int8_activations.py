@@ -212,6 +212,9 @@ def test_the_runner_flags_its_int4_weights_and_the_key_tells_the_two_apart():
 
     on, off = _runner("int8"), _runner("bf16")
     assert on.int8_activations and not off.int8_activations
+    from model_families import prepack
+
+    assert prepack._INT8_HEADS[on.packed._head_key][2] is True
     for runner, want in ((on, True), (off, False)):
         tiles = [m for m in runner.model.modules() if isinstance(m, Int4TileWeight)]
         assert tiles and all(m.int8_activations is want for m in tiles)
@@ -300,3 +303,17 @@ def test_tiny_activations_are_quantized_not_overflowed():
     x[0, ::2] = -1e-38
     got = torch.ops.warmserve.int8_mm_tiles_a8(x, tiles, G, sz)
     assert bool(got.isfinite().all()) and got.abs().max().item() < 1e-30
+
+
+def test_without_vnni_the_option_falls_back_to_bf16_activations(monkeypatch):
+    """Where the int8-activation kernels do not run (no AVX512-VNNI, or no build), asking for them
+    leaves the weights, the head copy and the program key on bf16 activations."""
+    from model_families import prepack
+    from runner_service.programs.key import program_key
+
+    monkeypatch.setattr(native, "int8_activations_enabled", lambda: False)
+    runner = _runner("int8")
+    assert not runner.int8_activations
+    assert all(not m.int8_activations for m in runner.model.modules() if isinstance(m, Int4TileWeight))
+    assert prepack._INT8_HEADS[runner.packed._head_key][2] is False  # the head's int8 copy, bf16 activations
+    assert program_key(runner.program_spec(), "aoti") == program_key(_runner("bf16").program_spec(), "aoti")
