@@ -69,6 +69,9 @@ class PackedMatrices:
                  int8_activations: bool = False) -> None:
         self._keys: list[tuple] = []
         self._plain: list[torch.Tensor] = []  # keeps each key's address in use while registered
+        #: ``head`` when its int8 copy serves every row count (``int8_activations``), so no matmul
+        #: reads the plain head: a tied embedding only gathers rows of it. ``None`` otherwise.
+        self.head_unread: torch.Tensor | None = None
         self.nbytes = 0
         if not _HAS_ONEDNN:
             return
@@ -81,6 +84,8 @@ class PackedMatrices:
             _INT8_HEADS[key] = (*pack_int8_tiles(head), int8_activations)
             self._head_key: tuple | None = key
             self._plain.append(head)
+            if int8_activations:
+                self.head_unread = head
             self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key][:2])
         for w in matrices:
             if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
@@ -102,7 +107,7 @@ class PackedMatrices:
         matrices use the plain ones again."""
         if hasattr(self, "_finalizer"):
             self._finalizer()
-        self._keys, self._plain = [], []
+        self._keys, self._plain, self.head_unread = [], [], None
 
 
 def _unregister(keys: list[tuple], head_key: tuple | None = None) -> None:

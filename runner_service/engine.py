@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from runner_service.structured import GrammarCompiler, GrammarMasks, constrained
 from runner_service.tokenizer import Tokenizer
 from services.errors import FailedPrecondition, InvalidArgument
 from services.signing import TrustedKeys
+
+if TYPE_CHECKING:
+    from weight_service.loader import LoadedSidecar
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,9 @@ class LLMEngine:
             ``generation_config.json``, :mod:`runner_service.generation_config`; default none).
         sidecar_path: the sidecar directory ``weights`` were mapped from (a background build
             child maps it too; ``None``: weights from memory, see :class:`ProgramInstaller`).
+        mapping: the loaded sidecar ``weights`` view, whose pages under a head no matmul reads
+            (:attr:`PackedMatrices.head_unread <model_families.prepack.PackedMatrices.head_unread>`)
+            are released from the resident set after the prepack.
 
     ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
     device), ``dtype`` its torch dtype. ``eos_token_ids`` are the tokens that end a sequence
@@ -106,7 +113,8 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, *, model: str = "", sidecar_fingerprint: str = "",
                  family: ModelFamily | None = None, startup: Sequence[StartupPhase] = (),
                  kernel_cache: str | None = None, weights_dtype: str = "",
-                 generation_config: GenerationConfig | None = None, sidecar_path: str | Path | None = None) -> None:
+                 generation_config: GenerationConfig | None = None, sidecar_path: str | Path | None = None,
+                 mapping: LoadedSidecar | None = None) -> None:
         self._created = time.perf_counter()
         self.sampler = Sampler()
         self._lock = threading.Lock()
@@ -204,9 +212,14 @@ class LLMEngine:
         self.runner = ModelRunner(args, self.weights, self.kv, config, self.max_model_len, self.device,
                                   self.model_family)
         packed = self.runner.packed
+        # no matmul reads a head whose int8 copy serves every step: its mapped pages leave the RSS
+        # (the tied embedding faults back in only the rows it gathers)
+        unread = 0 if mapping is None or packed.head_unread is None else mapping.release([packed.head_unread])
         self._phase("prepack", t0, (f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
                                     f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
-                    + ("; quantized matrices x int8 activations" if self.runner.int8_activations else ""))
+                    + ("; quantized matrices x int8 activations" if self.runner.int8_activations else "")
+                    + (f"; the head's {unread / 2**20:.0f} MiB of mapped pages released (its int8 copy serves "
+                       "every step)" if unread >> 20 else ""))
 
         if config.speculative == "mtp":
             self.drafter = MtpDrafter(config.num_speculative_tokens, self.runner.model, self.draft_kv,
@@ -268,7 +281,7 @@ class LLMEngine:
             + f"; {sidecar.trust}")]
         return cls(args, weights, config, tokenizer, model=model or str(path), sidecar_fingerprint=fingerprint,
                    family=family, startup=phases, kernel_cache=kernel_cache, weights_dtype=sidecar.weights_dtype,
-                   generation_config=generation_config, sidecar_path=path)
+                   generation_config=generation_config, sidecar_path=path, mapping=sidecar)
 
     def _batch_invariant_config(self, config: EngineConfig, weights: FamilyWeights) -> EngineConfig:
         """The config batch-invariant mode runs: ``compile`` ``"off"`` (the mode's kernels run

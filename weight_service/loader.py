@@ -65,6 +65,26 @@ class LoadedSidecar:
             pos = max(pos, end)
         return released
 
+    def release(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Drop from this process's resident set every whole page of the mapping that lies inside
+        the storage of one of ``tensors`` (``madvise(MADV_DONTNEED)``): for a mapped tensor the
+        runner keeps but reads only a few rows of at a time (an embedding table whose head is
+        multiplied from another copy). The tensors stay valid: a page read again faults back in
+        from the page cache with the same bytes. Pages a tensor shares with its neighbours stay.
+        Returns the bytes released (0 when nothing is mapped, a tensor is not in the mapping, or
+        the platform has no ``madvise``)."""
+        if self._mapping is None or not hasattr(self._mapping, "madvise"):
+            return 0
+        size, page, released = len(self._mapping), mmap.PAGESIZE, 0
+        base = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1).data_ptr()
+        for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values():
+            begin, end = st.data_ptr() - base, st.data_ptr() - base + st.nbytes()
+            lo, hi = -(-max(begin, 0) // page) * page, min(end, size) // page * page
+            if begin >= 0 and end <= size and hi > lo:
+                self._mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                released += hi - lo
+        return released
+
     def close(self) -> None:
         """Drop the tensor views and unmap. If the caller still holds a view, the mapping stays
         alive until that view is garbage-collected (unmapping under it would crash)."""

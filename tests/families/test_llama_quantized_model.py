@@ -80,6 +80,10 @@ def runs(smollm2_sidecar, smollm2_int4_sidecar, smollm2_int8_sidecar):
         # where the CPU lacks AVX512-VNNI the option falls back to bf16 activations (then the
         # tolerances below hold a fortiori)
         assert engine.runner.int8_activations == native.int8_activations_enabled()
+        # the plain bf16 head (49152 x 576, tied to the embedding) is read by no matmul then: its
+        # mapped pages leave the resident set
+        prepack = next(p for p in engine.startup_report.phases if p.name == "prepack").detail
+        assert ("the head's 54 MiB of mapped pages released" in prepack) == native.int8_activations_enabled()
         out["int4", "bf16", "int8"] = _run(engine)
     return out
 

@@ -184,3 +184,42 @@ def test_an_int4_runner_drops_the_pages_it_read_once_to_convert(smollm2_int4_sid
         with safe_open(str(path), framework="pt") as ref:
             name = "layers.gate_up_proj.qweight"
             assert torch.equal(sc.tensors[name], ref.get_tensor(name))  # faults back the same bytes
+
+
+def test_a_head_multiplied_from_its_int8_copy_leaves_the_resident_set(smollm2_int4_sidecar):
+    """With int8 activations the head's int8 copy serves every row count, so no matmul reads the
+    plain bf16 head: :meth:`LoadedSidecar.release` drops its mapped pages (tied, it is the
+    embedding table: 49152 x 576 bf16), and a gather faults back the file's bytes. Without
+    int8 activations the plain head is still read (steps of 8 rows or more): nothing to drop."""
+    import mmap
+
+    from safetensors import safe_open
+
+    from model_families import native
+    from model_families.prepack import PackedMatrices
+
+    path = (smollm2_int4_sidecar / "model.safetensors").resolve()
+    with load_sidecar(smollm2_int4_sidecar) as sc:
+        head = sc.tensors["embed_tokens"]
+        assert head.dtype == torch.bfloat16 and tuple(head.shape) == (49152, 576)
+        head.sum()  # resident, as after the int8 copy is packed from it
+        before = _mapping_rss(path)
+        plain = PackedMatrices([], batch_hint=8, head=head, int8_activations=False)
+        assert plain.head_unread is None
+        plain.close()
+        packed = PackedMatrices([], batch_hint=8, head=head, int8_activations=True)
+        try:
+            if not native.int8_activations_enabled():  # no VNNI: bf16 activations, the head is read
+                assert packed.head_unread is None
+                return
+            assert packed.head_unread is head
+            released = sc.release([packed.head_unread])
+            assert head.nbytes - 2 * mmap.PAGESIZE <= released <= head.nbytes  # whole pages inside it
+            assert before - _mapping_rss(path) >= released - mmap.PAGESIZE
+            ids = torch.tensor([0, 17, 2047, 49151])
+            with safe_open(str(path), framework="pt") as ref:
+                assert torch.equal(torch.nn.functional.embedding(ids, head), ref.get_tensor("embed_tokens")[ids])
+            assert sc.release([torch.zeros(4)]) == 0  # not in the mapping
+        finally:
+            packed.close()
+        assert packed.head_unread is None
