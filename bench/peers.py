@@ -417,6 +417,43 @@ class WarmserveServer(StreamingServer):
         self.state = cache / f"warmserve-{slug}"
         self._channel = None
         self._stub = None
+        #: A runner zygote's socket the next launch goes through (``runner serve --zygote``), or
+        #: ``None``: a plain process start (:meth:`zygote_launch`).
+        self.zygote: Path | None = None
+
+    def zygote_launch(self, args) -> dict | None:
+        """Start a runner zygote (``warmserve runner zygote``, the pre-started process ``up``
+        forks its runners from; not timed), then one launch through it, timed like the others
+        from the launching process's start to the first token; both stopped after. ``None`` for
+        a checkout without the zygote."""
+        if not (self.checkout / "runner_service" / "zygote.py").is_file():
+            return None
+        cmd, extra_env, cwd = self.command()
+        sock = self.state / "zygote.sock"
+        sock.unlink(missing_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   **extra_env)
+        with open(self.log_path, "ab") as f:
+            zygote = subprocess.Popen([sys.executable, "-m", cli_module(self.checkout), "runner", "zygote",
+                                       "--socket", str(sock)], env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            deadline = time.perf_counter() + args.startup_timeout
+            while not sock.exists():
+                if zygote.poll() is not None or time.perf_counter() > deadline:
+                    raise RuntimeError(f"{self.label}: the runner zygote did not start; log {self.log_path}")
+                time.sleep(0.1)  # the socket is bound once its imports are done
+            self.zygote = sock
+            try:
+                ready_s = self.launch(args.startup_timeout)
+                s = self.run_workload(prompts(1), args.tokens)[0]
+            finally:
+                self.zygote = None
+                self.stop()
+            return {"start_to_ready_s": round(ready_s, 3),
+                    "start_to_first_token_s": round((s.first or s.end) - self.launched_at, 3)}
+        finally:
+            stop_process(zygote, grace_s=10)
 
     def command(self):
         """``python -m warmserve.cli runner serve --model smollm2-135m-instruct --compile aoti ...``
@@ -431,6 +468,8 @@ class WarmserveServer(StreamingServer):
                "--log-level", "WARNING"]
         if has_weights_dtype(self.checkout):
             cmd += ["--weights-dtype", self.weights_dtype]
+        if self.zygote is not None:
+            cmd += ["--zygote", str(self.zygote)]
         env = {"WARMSERVE_HOME": str(self.state / "home"), "TORCHINDUCTOR_CACHE_DIR": str(self.state / "inductor"),
                "PYTHONPATH": str(self.checkout)}
         return cmd, env, self.checkout
@@ -810,6 +849,10 @@ def start_server(server: Server, args, *, prime: bool = True) -> dict:
         info["prime_launch"] = {"start_to_ready_s": round(ready_s, 3),
                                 "start_to_first_token_s": round((s.first or s.end) - server.launched_at, 3)}
         server.stop()
+    if isinstance(server, WarmserveServer) and prime and not args.no_prime:
+        log(f"{server.label}: launch through a runner zygote")
+        if (zygote := server.zygote_launch(args)) is not None:
+            info["zygote_launch"] = zygote
     log(f"{server.label}: measured launch")
     ready_s = server.launch(args.startup_timeout)
     s = server.run_workload(prompts(1), args.tokens)[0]
@@ -970,6 +1013,8 @@ def markdown(report: dict) -> str:
     sysinfo = report["systems"]
     lines.append("| process start -> first token, warm (s) | " + " | ".join(
         _fmt(sysinfo[lb].get("warm_launch", {}).get("start_to_first_token_s"), ".2f") for lb in labels) + " |")
+    lines.append("| the same, forked from a runner zygote (s) | " + " | ".join(
+        _fmt(sysinfo[lb].get("zygote_launch", {}).get("start_to_first_token_s"), ".2f") for lb in labels) + " |")
     lines.append("| first launch -> first token (s) | " + " | ".join(
         _fmt(sysinfo[lb].get("prime_launch", {}).get("start_to_first_token_s"), ".2f") for lb in labels) + " |")
     lines.append("| peak RSS, process tree (MiB) | " + " | ".join(
