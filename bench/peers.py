@@ -429,7 +429,10 @@ class WarmserveServer(StreamingServer):
         if not (self.checkout / "runner_service" / "zygote.py").is_file():
             return None
         cmd, extra_env, cwd = self.command()
-        sock = self.state / "zygote.sock"
+        run = self.state / "run"  # the zygote's socket must be in a directory only its user can open
+        run.mkdir(mode=0o700, exist_ok=True)
+        run.chmod(0o700)
+        sock = run / "zygote.sock"
         sock.unlink(missing_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    **extra_env)
@@ -851,8 +854,12 @@ def start_server(server: Server, args, *, prime: bool = True) -> dict:
         server.stop()
     if isinstance(server, WarmserveServer) and prime and not args.no_prime:
         log(f"{server.label}: launch through a runner zygote")
-        if (zygote := server.zygote_launch(args)) is not None:
-            info["zygote_launch"] = zygote
+        try:
+            if (zygote := server.zygote_launch(args)) is not None:
+                info["zygote_launch"] = zygote
+        except (RuntimeError, TimeoutError) as e:  # reported; the plain launches are measured still
+            info["zygote_launch"] = {"error": str(e)[:2000]}
+            log(f"{server.label}: the launch through a runner zygote failed: {str(e)[:300]}")
     log(f"{server.label}: measured launch")
     ready_s = server.launch(args.startup_timeout)
     s = server.run_workload(prompts(1), args.tokens)[0]
