@@ -41,10 +41,19 @@ Method (one run, one machine):
    every process with py-spy during the first round; ``--tls`` runs the stack as ``up --tls``
    (mTLS on every hop, the door over HTTPS with the stack's client certificate).
 
+7. *Paced runner* (issue 25, :func:`bench_paced`): the serving path's own cost, free of a model's
+   timing noise. A stand-in runner process (``--paced-runner``: its engine thread hands every
+   open stream one token per ``--period-ms``, 6 ms as a batch-1 int4 step, through a queue to
+   the stream's servicer thread, as the engine does) behind real ``warmserve router serve`` and
+   ``warmserve openai serve`` processes; at 1 and 16 streams through the OpenAI door, each
+   process's CPU time and context switches (every thread's, ``/proc``) per output token.
+   ``--paced-only`` runs just this part.
+
 Prints a JSON object and a Markdown table; never asserts on timings.
 
     python bench/router.py [--tokens 32] [--rounds 12] [--home DIR] [--json out.json] [--tls-only]
     python bench/router.py --rates-only [--streams 1,16] [--ref DIR] [--profile DIR]
+    python bench/router.py --paced-only [--streams 1,16] [--period-ms 6] [--rate-tokens 1000] [--rate-rounds 3]
 """
 
 from __future__ import annotations
@@ -644,6 +653,146 @@ def bench_rates(home: Path, streams: list[int], tokens: int, rounds: int, compil
     return out
 
 
+class _Paced(generation_pb2_grpc.GenerationServicer):
+    """A Generation servicer whose engine thread hands every open stream one token per
+    ``period_s`` seconds through the stream's queue (the engine's hand-off to a servicer thread)."""
+
+    def __init__(self, period_s: float) -> None:
+        import queue
+
+        self._queue = queue.SimpleQueue
+        self._lock = threading.Lock()
+        self._streams: list = []
+        threading.Thread(target=self._engine, args=(period_s,), daemon=True).start()
+
+    def _engine(self, period_s: float) -> None:
+        while True:
+            t = time.perf_counter()
+            with self._lock:
+                streams = list(self._streams)
+            for q in streams:
+                q.put(None)
+            time.sleep(max(0.0, period_s - (time.perf_counter() - t)))
+
+    def Generate(self, request, context):  # noqa: N802 (the RPC's name)
+        q = self._queue()
+        with self._lock:
+            self._streams.append(q)
+        try:
+            for i in range(request.sampling.max_tokens):
+                q.get()
+                yield generation_pb2.GenerateResponse(token_ids=[i], text=" x", runner_id="paced")
+            yield generation_pb2.GenerateResponse(
+                finish_reason=generation_pb2.FINISH_REASON_LENGTH, runner_id="paced",
+                usage=generation_pb2.Usage(prompt_tokens=1, completion_tokens=request.sampling.max_tokens))
+        finally:
+            with self._lock:
+                self._streams.remove(q)
+
+    def ModelInfo(self, request, context):  # noqa: N802
+        return generation_pb2.ModelInfoResponse(runner_id="paced", model="paced", max_model_len=1 << 20,
+                                                vocab_size=1 << 16, max_num_seqs=256)
+
+
+def _paced_runner_main(port: int, period_ms: float) -> int:
+    """``--paced-runner PORT``: serve :class:`_Paced` on ``port`` until killed."""
+    from services.bootstrap import ServerConfig, ServiceServer
+
+    server = ServiceServer(ServerConfig(service="paced", port=port), [
+        (generation_pb2_grpc.add_GenerationServicer_to_server, _Paced(period_ms / 1e3), "warmserve.v1.Generation")])
+    server.start()
+    threading.Event().wait()
+    return 0
+
+
+def _switches(pid: int) -> int:
+    """Context switches (voluntary and not) of every thread of ``pid`` so far (``/proc``)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if "ctxt_switches:" in line:
+                    total += int(line.split()[1])
+    return total
+
+
+def bench_paced(streams: list[int], tokens: int, rounds: int, period_ms: float) -> dict:
+    """Item 7 of the module docstring: medians over ``rounds`` per concurrency."""
+    import socket
+    import subprocess
+
+    from services.ports import free_port
+
+    ports = {name: free_port("127.0.0.1") for name in ("runner", "router", "openai")}
+    cli = [sys.executable, "-m", "warmserve.cli"]
+    cmds = {"runner": [sys.executable, __file__, "--paced-runner", str(ports["runner"]), "--period-ms", str(period_ms)],
+            "router": [*cli, "router", "serve", "--port", str(ports["router"]), "--runner",
+                       f"127.0.0.1:{ports['runner']}", "--served-model-name", "paced", "--log-level", "WARNING"],
+            "openai": [*cli, "openai", "serve", "--port", str(ports["openai"]), "--router",
+                       f"127.0.0.1:{ports['router']}", "--served-model-name", "paced", "--log-level", "WARNING"]}
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, cmd in cmds.items():  # each waits for the one before it to listen
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", ports[name]), 0.5).close()
+                    break
+                except OSError:
+                    if procs[name].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the paced stack's {name} did not start: {' '.join(cmd)}") from None
+                    time.sleep(0.1)
+        url = f"http://127.0.0.1:{ports['openai']}/v1"
+        deadline = time.monotonic() + 30  # the router admits the runner on its first health check
+        while True:
+            try:
+                _door_stream(url, None, "paced", "x", 2, time.perf_counter())
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        procs_pids = {name: p.pid for name, p in procs.items()}  # the client's threads end with each round
+        pids = procs_pids | {"client": os.getpid()}
+        door = lambda i, t0: _door_stream(url, None, "paced", "x", tokens, t0)  # noqa: E731
+        out: dict = {"period_ms": period_ms, "tokens_per_stream": tokens, "rounds": rounds}
+        for n in streams:
+            _concurrent(door, n)  # warm
+            runs = []
+            for _ in range(rounds):
+                before = {name: _switches(pid) for name, pid in procs_pids.items()}
+                r = _measured(door, n, pids)
+                r["switches_per_token"] = {name: (_switches(pid) - before[name]) / r["tokens"]
+                                           for name, pid in procs_pids.items()}
+                runs.append(r)
+            out[f"streams_{n}"] = {
+                "tok_s": statistics.median(r["tok_s"] for r in runs),
+                "cpu_ms_per_token": {p: statistics.median(r["cpu_ms_per_token"][p] for r in runs) for p in pids},
+                "switches_per_token": {p: statistics.median(r["switches_per_token"][p] for r in runs)
+                                       for p in procs_pids}}
+        return out
+    finally:
+        for p in procs.values():
+            p.kill()
+        for p in procs.values():
+            p.wait(10)
+
+
+def print_paced_table(paced: dict, streams: list[int]) -> None:
+    """The Markdown rows of :func:`bench_paced`: per process, CPU ms and context switches per token."""
+    names = list(paced[f"streams_{streams[0]}"]["cpu_ms_per_token"])
+    print("\n| streams | door tok/s | " + " | ".join(f"{p}: CPU ms / switches per token" for p in names) + " |")
+    print("|---:|---:|" + "---:|" * len(names))
+    for n in streams:
+        cell = paced[f"streams_{n}"]
+        switches = cell["switches_per_token"]
+        print(f"| {n} | {cell['tok_s']:.1f} | " + " | ".join(
+            f"{cell['cpu_ms_per_token'][p]:.3f} / " + (f"{switches[p]:.1f}" if p in switches else "-")
+            for p in names) + " |")
+
+
 def bench_rates_ref(ref: Path, home: Path, argv: list[str]) -> dict:
     """:func:`bench_rates` with the code of the checkout ``ref`` (an older commit): this file is
     run from a temporary copy with ``ref`` first on the path, so every process of its stack runs
@@ -730,7 +879,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="rates part: the stack with mTLS on every hop and at the door (as up --tls)")
     parser.add_argument("--ref", default=None,
                         help="also measure the rates with this checkout's code (an older commit), same home")
+    parser.add_argument("--paced-only", action="store_true",
+                        help="only the paced stand-in runner behind a real router and door (item 7)")
+    parser.add_argument("--period-ms", type=float, default=6.0,
+                        help="paced part: milliseconds between the stand-in engine's tokens (default 6)")
+    parser.add_argument("--paced-runner", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.paced_runner is not None:
+        return _paced_runner_main(args.paced_runner, args.period_ms)
+    if args.paced_only:
+        streams = [int(n) for n in args.streams.split(",")]
+        paced = bench_paced(streams, args.rate_tokens, args.rate_rounds, args.period_ms)
+        print(json.dumps({"benchmark": "router", "paced": paced}, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"benchmark": "router", "paced": paced}, indent=2) + "\n")
+        print_paced_table(paced, streams)
+        return 0
     if args.rates_only:
         return _rates_main(args)
     tls = bench_tls(256, max(args.rounds, 20))
