@@ -860,7 +860,7 @@ def start_server(server: Server, args, *, prime: bool = True) -> dict:
         try:
             if (zygote := server.zygote_launch(args)) is not None:
                 info["zygote_launch"] = zygote
-        except (RuntimeError, TimeoutError) as e:  # reported; the plain launches are measured still
+        except (RuntimeError, OSError) as e:  # reported; the plain launches are measured still
             info["zygote_launch"] = {"error": str(e)[:2000]}
             log(f"{server.label}: the launch through a runner zygote failed: {str(e)[:300]}")
     log(f"{server.label}: measured launch")
@@ -1185,7 +1185,8 @@ def main(argv=None) -> int:
         if gi == 0 and has_weights_dtype(REPO):  # the GGUF's own Q4_1 groups, like llama.cpp (group 0)
             candidates.append(("warmserve int4", "warmserve", lambda lb: WarmserveServer(
                 lb, log_dir, args, checkout=REPO, dtype="bf16", weights_dtype="int4", cache=cache)))
-        if args.warmserve_ref and gi == 0 and args.warmserve_ref_weights == "int4":
+        if args.warmserve_ref and gi == 0 and args.warmserve_ref_weights == "int4" and has_weights_dtype(
+                args.warmserve_ref):
             candidates.append(("warmserve@old int4", "warmserve@old", lambda lb: WarmserveServer(
                 lb, log_dir, args, checkout=args.warmserve_ref, dtype="bf16", weights_dtype="int4", cache=cache)))
         elif args.warmserve_ref:

@@ -62,15 +62,18 @@ class PackedMatrices:
     one scale per 32, llama.cpp's Q8_0), which :func:`onednn_linear` uses below
     :data:`INT8_HEAD_MAX_ROWS` rows; skipped where ``warmserve::int8_mm_tiles`` does not run.
     With ``int8_activations`` (where ``warmserve::int8_mm_tiles_a8`` runs) the copy serves every
-    row count, multiplied by int8 activations (faster than oneDNN's bf16 matmul at any count).
+    row count, multiplied by int8 activations (faster than oneDNN's bf16 matmul at any count),
+    and the head gets no blocked copy (:attr:`head_unread`).
     """
 
     def __init__(self, matrices, batch_hint: int, head: torch.Tensor | None = None,
                  int8_activations: bool = False) -> None:
         self._keys: list[tuple] = []
         self._plain: list[torch.Tensor] = []  # keeps each key's address in use while registered
-        #: ``head`` when its int8 copy serves every row count (``int8_activations``), so no matmul
-        #: reads the plain head: a tied embedding only gathers rows of it. ``None`` otherwise.
+        #: ``head`` when its int8 copy serves every row count (``int8_activations``): it gets no
+        #: oneDNN-blocked copy, and :func:`onednn_linear` never reads the plain head (a tied
+        #: embedding only gathers rows of it; a ``torch.compile`` graph, which multiplies with
+        #: ``F.linear``, still reads it whole). ``None`` otherwise.
         self.head_unread: torch.Tensor | None = None
         self.nbytes = 0
         if not _HAS_ONEDNN:
@@ -88,8 +91,8 @@ class PackedMatrices:
                 self.head_unread = head
             self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key][:2])
         for w in matrices:
-            if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
-                continue
+            if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)) or w is self.head_unread:
+                continue  # (a head whose int8 copy serves every row count needs no blocked copy)
             key = _matrix_key(w)
             if key in _PACKED:
                 continue

@@ -1,23 +1,12 @@
-"""One client channel per runner address, shared by the relay and the health checker.
-
-The channels read a ``Generate`` stream on the relaying thread itself
-(``grpc.experimental.ChannelOptions.SingleThreadedUnaryStream``): each message is taken from the
-call's own completion queue by the thread that relays it, instead of being handed over by the
-channel's polling thread, a thread wake-up less per relayed token. Such a call's ``code()`` and
-``details()`` are read only once it has ended (the relay reads them from the error it raised).
-"""
+"""One client channel per runner address, shared by the relay and the health checker."""
 
 from __future__ import annotations
 
 import threading
 
 import grpc
-import grpc.experimental
 
 from services.channel import ClientSecurity, open_channel
-
-#: Channel arguments of the runner channels (see the module docstring).
-RELAY_CHANNEL_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 
 
 class ChannelPool:
@@ -38,8 +27,7 @@ class ChannelPool:
                 raise RuntimeError("channel pool is closed")
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = open_channel(address, security=self._security,
-                                                            options=RELAY_CHANNEL_OPTIONS)
+                ch = self._channels[address] = open_channel(address, security=self._security)
             return ch
 
     def close(self, address: str) -> None:

@@ -98,8 +98,8 @@ class LLMEngine:
         sidecar_path: the sidecar directory ``weights`` were mapped from (a background build
             child maps it too; ``None``: weights from memory, see :class:`ProgramInstaller`).
         mapping: the loaded sidecar ``weights`` view, whose pages under a head no matmul reads
-            (:attr:`PackedMatrices.head_unread <model_families.prepack.PackedMatrices.head_unread>`)
-            are released from the resident set after the prepack.
+            (:attr:`PackedMatrices.head_unread <model_families.prepack.PackedMatrices.head_unread>`;
+            not with ``compile`` ``"inductor"``) are released from the resident set after the prepack.
 
     ``dtype_name`` is the resolved compute dtype (``config.dtype`` ``auto`` resolved for the
     device), ``dtype`` its torch dtype. ``eos_token_ids`` are the tokens that end a sequence
@@ -213,8 +213,10 @@ class LLMEngine:
                                   self.model_family)
         packed = self.runner.packed
         # no matmul reads a head whose int8 copy serves every step: its mapped pages leave the RSS
-        # (the tied embedding faults back in only the rows it gathers)
-        unread = 0 if mapping is None or packed.head_unread is None else mapping.release([packed.head_unread])
+        # (the tied embedding faults back in only the rows it gathers); a torch.compile graph
+        # multiplies the plain head (F.linear), so not with --compile inductor
+        unread = (mapping.release([packed.head_unread]) if mapping is not None and packed.head_unread is not None
+                  and config.compile != "inductor" else 0)
         self._phase("prepack", t0, (f"{len(packed)} matrices, {packed.nbytes / 2**20:.0f} MiB in oneDNN's blocked "
                                     f"layout for batch {config.max_num_seqs}" if len(packed) else "none")
                     + ("; quantized matrices x int8 activations" if self.runner.int8_activations else "")

@@ -82,18 +82,18 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
 
 def open_channel(address: str, *, security: ClientSecurity | None = None, ready_timeout_s: float | None = None,
-                 fail_fast: bool = False, options: tuple[tuple[str, object], ...] = ()) -> grpc.Channel:
+                 fail_fast: bool = False) -> grpc.Channel:
     """A channel to ``host:port``: TLS when ``security.tls`` is set, the token on every call when
-    ``security.token`` is; ``options``: channel arguments beyond :data:`CHANNEL_OPTIONS`. With ``ready_timeout_s`` (seconds), wait until it connects or raise
+    ``security.token`` is. With ``ready_timeout_s`` (seconds), wait until it connects or raise
     :class:`services.errors.Unavailable`. With ``fail_fast`` the first failed connection attempt
     (refused, unreachable) raises at once instead of being retried until the timeout (for a
     person at a command line; servers starting up want the retries)."""
     security = security or PLAINTEXT
     if security.tls is not None:
         channel = grpc.secure_channel(address, security.tls.channel_credentials(),
-                                      options=(*CHANNEL_OPTIONS, *options, *security.tls.channel_options()))
+                                      options=(*CHANNEL_OPTIONS, *security.tls.channel_options()))
     else:
-        channel = grpc.insecure_channel(address, options=(*CHANNEL_OPTIONS, *options))
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     if security.token:
         channel = _SecuredChannel(channel, security.metadata())
     if ready_timeout_s is not None and fail_fast:

@@ -70,9 +70,9 @@ class LoadedSidecar:
         the storage of one of ``tensors`` (``madvise(MADV_DONTNEED)``): for a mapped tensor the
         runner keeps but reads only a few rows of at a time (an embedding table whose head is
         multiplied from another copy). The tensors stay valid: a page read again faults back in
-        from the page cache with the same bytes. Pages a tensor shares with its neighbours stay.
-        Returns the bytes released (0 when nothing is mapped, a tensor is not in the mapping, or
-        the platform has no ``madvise``)."""
+        from the page cache with the same bytes. Pages a storage shares with its neighbours stay;
+        a storage outside the mapping is skipped. Returns the bytes of the ranges advised,
+        resident or not (0 when nothing is mapped or the platform has no ``madvise``)."""
         if self._mapping is None or not hasattr(self._mapping, "madvise"):
             return 0
         size, page, released = len(self._mapping), mmap.PAGESIZE, 0

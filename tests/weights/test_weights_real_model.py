@@ -188,14 +188,15 @@ def test_an_int4_runner_drops_the_pages_it_read_once_to_convert(smollm2_int4_sid
 
 def test_a_head_multiplied_from_its_int8_copy_leaves_the_resident_set(smollm2_int4_sidecar):
     """With int8 activations the head's int8 copy serves every row count, so no matmul reads the
-    plain bf16 head: :meth:`LoadedSidecar.release` drops its mapped pages (tied, it is the
-    embedding table: 49152 x 576 bf16), and a gather faults back the file's bytes. Without
-    int8 activations the plain head is still read (steps of 8 rows or more): nothing to drop."""
+    plain bf16 head: it gets no oneDNN-blocked copy, :meth:`LoadedSidecar.release` drops its
+    mapped pages (tied, it is the embedding table: 49152 x 576 bf16), and a gather faults back
+    the file's bytes. Without int8 activations the plain head is still read (steps of 8 rows or
+    more, through its blocked copy): nothing to drop."""
     import mmap
 
     from safetensors import safe_open
 
-    from model_families import native
+    from model_families import native, prepack
     from model_families.prepack import PackedMatrices
 
     path = (smollm2_int4_sidecar / "model.safetensors").resolve()
@@ -204,15 +205,16 @@ def test_a_head_multiplied_from_its_int8_copy_leaves_the_resident_set(smollm2_in
         assert head.dtype == torch.bfloat16 and tuple(head.shape) == (49152, 576)
         head.sum()  # resident, as after the int8 copy is packed from it
         before = _mapping_rss(path)
-        plain = PackedMatrices([], batch_hint=8, head=head, int8_activations=False)
-        assert plain.head_unread is None
+        plain = PackedMatrices([head], batch_hint=8, head=head, int8_activations=False)
+        assert plain.head_unread is None and len(plain) == int(prepack._HAS_ONEDNN)  # its blocked copy
         plain.close()
-        packed = PackedMatrices([], batch_hint=8, head=head, int8_activations=True)
+        packed = PackedMatrices([head], batch_hint=8, head=head, int8_activations=True)
         try:
             if not native.int8_activations_enabled():  # no VNNI: bf16 activations, the head is read
-                assert packed.head_unread is None
+                assert packed.head_unread is None and len(packed) == int(prepack._HAS_ONEDNN)
                 return
-            assert packed.head_unread is head
+            assert packed.head_unread is head and len(packed) == 0  # no blocked copy either
+            assert packed.nbytes < head.nbytes  # the int8 copy and its scales only
             released = sc.release([packed.head_unread])
             assert head.nbytes - 2 * mmap.PAGESIZE <= released <= head.nbytes  # whole pages inside it
             assert before - _mapping_rss(path) >= released - mmap.PAGESIZE
