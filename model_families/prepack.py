@@ -90,11 +90,12 @@ class PackedMatrices:
             if int8_activations:
                 self.head_unread = head
             self.nbytes += sum(t.numel() * t.element_size() for t in _INT8_HEADS[key][:2])
+        unread_key = None if self.head_unread is None else self._head_key
         for w in matrices:
-            if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)) or w is self.head_unread:
-                continue  # (a head whose int8 copy serves every row count needs no blocked copy)
+            if not (isinstance(w, torch.Tensor) and onednn_linear_eligible(w, w)):
+                continue
             key = _matrix_key(w)
-            if key in _PACKED:
+            if key in _PACKED or key == unread_key:  # a head its int8 copy serves throughout needs none
                 continue
             _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_hint)
             self._keys.append(key)
