@@ -56,14 +56,21 @@ class LoadedSidecar:
         spans = sorted((max(st.data_ptr() - base, 0), min(st.data_ptr() - base + st.nbytes(), size))
                        for st in (t.untyped_storage() for t in keep)
                        if st.data_ptr() - base < size and st.data_ptr() - base + st.nbytes() > 0)
-        page, released, pos = mmap.PAGESIZE, 0, 0
+        released, pos = 0, 0
         for begin, end in [*spans, (size, size)]:
-            lo, hi = -(-pos // page) * page, begin // page * page  # whole pages strictly between kept spans
-            if hi > lo:
-                self._mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                released += hi - lo
+            released += self._drop_pages(pos, begin)  # whole pages strictly between kept spans
             pos = max(pos, end)
         return released
+
+    def _drop_pages(self, begin: int, end: int) -> int:
+        """``madvise(MADV_DONTNEED)`` the whole pages within mapping offsets ``[begin, end)``;
+        returns their bytes."""
+        page = mmap.PAGESIZE
+        lo, hi = -(-begin // page) * page, end // page * page
+        if hi <= lo:
+            return 0
+        self._mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return hi - lo
 
     def release(self, tensors: Iterable[torch.Tensor]) -> int:
         """Drop from this process's resident set every whole page of the mapping that lies inside
@@ -75,15 +82,11 @@ class LoadedSidecar:
         resident or not (0 when nothing is mapped or the platform has no ``madvise``)."""
         if self._mapping is None or not hasattr(self._mapping, "madvise"):
             return 0
-        size, page, released = len(self._mapping), mmap.PAGESIZE, 0
+        size = len(self._mapping)
         base = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1).data_ptr()
-        for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}.values():
-            begin, end = st.data_ptr() - base, st.data_ptr() - base + st.nbytes()
-            lo, hi = -(-max(begin, 0) // page) * page, min(end, size) // page * page
-            if begin >= 0 and end <= size and hi > lo:
-                self._mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                released += hi - lo
-        return released
+        spans = {(st.data_ptr() - base, st.data_ptr() - base + st.nbytes())
+                 for st in (t.untyped_storage() for t in tensors)}
+        return sum(self._drop_pages(begin, end) for begin, end in spans if 0 <= begin and end <= size)
 
     def close(self) -> None:
         """Drop the tensor views and unmap. If the caller still holds a view, the mapping stays
